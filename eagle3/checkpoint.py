@@ -1,0 +1,545 @@
+"""Sharded safetensors checkpoints: a lazy reader, a size-capped streaming writer, atomic output
+directories and a sha256 manifest.
+
+Why not ``safetensors.safe_open`` for reading: it maps whole files, and the touched pages of a
+multi-GB shard stay in the process's RSS. We parse the (tiny) JSON header ourselves, which also
+lets us name the file and the tensor when a header is corrupt or a shard is truncated, and read one
+tensor's bytes with a single ``readinto``. The byte layout is the safetensors format
+(8-byte little-endian header length, JSON header, raw little-endian data) and files written here
+are read back by ``safetensors`` itself in the tests.
+
+Memory: the reader holds one tensor at a time; the writer holds one tensor at a time too (tensor
+bytes go straight to a data file; the header is written when the shard closes), so peak memory is
+bounded by the largest tensor, whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.errors import CheckpointError, OutputExistsError, VerifyError
+from eagle3.formats.files import INDEX_FILE, MANIFEST_FILE, is_side_file
+
+# safetensors dtype tag <-> torch dtype. F8_E8M0 exists in newer safetensors/torch only.
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+_TAGS: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+def dtype_from_tag(tag: str) -> torch.dtype:
+    try:
+        return _DTYPES[tag]
+    except KeyError:
+        raise CheckpointError(f"unsupported safetensors dtype {tag!r}") from None
+
+
+def tag_from_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _TAGS[dtype]
+    except KeyError:
+        raise CheckpointError(f"cannot store torch dtype {dtype} in safetensors") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, known from the header alone."""
+
+    name: str
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset of the data in ``file``
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_tag(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors header; returns (tensors, ``__metadata__``)."""
+    file = Path(file)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+                raise CheckpointError(
+                    f"{file}: bad safetensors header (header length {hlen} but the file has {size} bytes)"
+                )
+            hdr_bytes = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(hdr_bytes.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: bad safetensors header (not valid JSON: {e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + hlen
+    out: dict[str, TensorInfo] = {}
+    for name, ent in header.items():
+        try:
+            tag = ent["dtype"]
+            shape = tuple(int(d) for d in ent["shape"])
+            begin, end = (int(x) for x in ent["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: bad safetensors header entry for tensor {name!r}") from None
+        dt = dtype_from_tag(tag)
+        numel = 1
+        for d in shape:
+            numel *= d
+        want = numel * dt.itemsize
+        if end - begin != want or begin < 0:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has {end - begin} bytes in the header but {tag}{list(shape)} needs {want}"
+            )
+        if base + end > size:
+            raise CheckpointError(
+                f"{file}: truncated shard: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
+            )
+        out[name] = TensorInfo(name, tag, shape, file, base + begin, want)
+    return out, meta
+
+
+class CheckpointReader:
+    """Lazy view of a checkpoint: one ``.safetensors`` file or a directory (sharded with an index,
+    or any set of ``*.safetensors`` files). Names, shapes and dtypes come from the headers only;
+    :meth:`get` reads exactly one tensor."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        if not p.exists():
+            raise CheckpointError(f"{p}: no such file or directory")
+        self.path = p if p.is_dir() else p.parent
+        self._infos: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, Any] = {}
+        if p.is_file():
+            files = [p]
+        elif (p / INDEX_FILE).is_file():
+            files = self._files_from_index(p)
+        else:
+            files = sorted(p.glob("*.safetensors"))
+        self.files: list[Path] = files
+        for f in files:
+            infos, _ = read_header(f)
+            for name, info in infos.items():
+                if name in self._infos:
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {self._infos[name].file.name}")
+                self._infos[name] = info
+        if p.is_dir() and (p / INDEX_FILE).is_file():
+            self._check_index(p)
+
+    def _files_from_index(self, d: Path) -> list[Path]:
+        idx_path = d / INDEX_FILE
+        try:
+            idx = json.loads(idx_path.read_text())
+            wm = idx["weight_map"]
+            if not isinstance(wm, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{idx_path}: not a valid index (needs a 'weight_map' object)") from None
+        self.metadata = idx.get("metadata") or {}
+        self._weight_map: dict[str, str] = wm
+        files = []
+        for fname in dict.fromkeys(wm.values()):
+            f = d / fname
+            if not f.is_file():
+                raise CheckpointError(f"{idx_path}: names shard {fname} which does not exist")
+            files.append(f)
+        return files
+
+    def _check_index(self, d: Path) -> None:
+        for name, fname in self._weight_map.items():
+            info = self._infos.get(name)
+            if info is None or info.file.name != fname:
+                raise CheckpointError(
+                    f"{d / INDEX_FILE}: names tensor {name!r} in {fname}, but {fname} does not contain it"
+                )
+
+    # -- queries -------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}") from None
+
+    def infos(self) -> list[TensorInfo]:
+        return list(self._infos.values())
+
+    def shards(self) -> dict[Path, list[str]]:
+        """Tensor names per file, in file order."""
+        out: dict[Path, list[str]] = {f: [] for f in self.files}
+        for info in self._infos.values():
+            out[info.file].append(info.name)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self._infos.values())
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (a fresh, writable CPU tensor)."""
+        info = self.info(name)
+        buf = bytearray(info.nbytes)
+        try:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                n = f.readinto(buf)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e.strerror or e})") from None
+        if n != info.nbytes:
+            raise CheckpointError(f"{info.file}: truncated shard while reading tensor {name!r}")
+        dt = info.torch_dtype
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dt)
+        return torch.frombuffer(buf, dtype=dt).reshape(info.shape)
+
+    def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for n in self.names() if names is None else names:
+            yield n, self.get(n)
+
+    # -- side files ----------------------------------------------------------------------------
+    def config(self) -> dict[str, Any] | None:
+        return read_json(self.path / "config.json") if (self.path / "config.json").is_file() else None
+
+    def side_files(self, trust_remote_code: bool = False) -> list[Path]:
+        return sorted(
+            f for f in self.path.iterdir() if f.is_file() and is_side_file(f.name, trust_remote_code)
+        )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def write_json(path: Path, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Writer
+# ----------------------------------------------------------------------------------------------
+
+
+class _ShardBuilder:
+    """One output shard: tensor bytes are appended to a data file as they arrive; the header
+    (which needs every name and offset) is written in :meth:`finish`."""
+
+    def __init__(self, data_path: Path) -> None:
+        self.data_path = data_path
+        self._f = open(data_path, "wb")
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        self.entries[name] = {
+            "dtype": tag_from_dtype(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [self.nbytes, self.nbytes + n],
+        }
+        if n:
+            # A uint8 view of the storage: no copy for contiguous tensors of any dtype.
+            self._f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        self.nbytes += n
+
+    def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
+        self._f.close()
+        header = {"__metadata__": metadata, **self.entries}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns data to 8 bytes with space padding
+        with open(out_path, "wb") as out, open(self.data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            _copy_file(data, out, self.nbytes)
+        self.data_path.unlink()
+
+
+def _copy_file(src: Any, dst: Any, n: int) -> None:
+    """Copy ``n`` bytes between open files, in the kernel where the platform allows it."""
+    dst.flush()  # copy_file_range works on the fd offsets: buffered bytes must be out first
+    try:
+        done = 0
+        while done < n:
+            k = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
+            if k == 0:
+                break
+            done += k
+        if done == n:
+            return
+        src.seek(done)
+    except (AttributeError, OSError):
+        src.seek(0)
+    dst.flush()
+    shutil.copyfileobj(src, dst, 16 * 1024 * 1024)
+
+
+class CheckpointWriter:
+    """Writes tensors into size-capped shards ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` (with ``metadata.total_size``). A checkpoint that fits in one
+    shard is written as ``model.safetensors`` with no index, as transformers does.
+
+    Tensors go to the current shard in call order; a tensor larger than the cap gets a shard of its
+    own. Use :meth:`start_shard` to force a shard boundary (e.g. to keep the source's layout)."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 metadata: dict[str, str] | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._done: list[tuple[Path, list[str], int]] = []  # temp path, names, bytes
+        self._cur: _ShardBuilder | None = None
+        self._names: set[str] = set()
+        self._closed = False
+
+    def _new_shard(self) -> _ShardBuilder:
+        i = len(self._done)
+        return _ShardBuilder(self.out_dir / f".shard-{i:05d}.data")
+
+    def start_shard(self) -> None:
+        """Close the current shard (if it holds anything); the next tensor starts a new one."""
+        if self._cur is not None and self._cur.entries:
+            self._finish_current()
+
+    def _finish_current(self) -> None:
+        assert self._cur is not None
+        tmp = self.out_dir / f".shard-{len(self._done):05d}.safetensors"
+        self._cur.finish(tmp, self.metadata)
+        self._done.append((tmp, list(self._cur.entries), self._cur.nbytes))
+        self._cur = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        if name in self._names:
+            raise CheckpointError(f"tensor {name!r} written twice")
+        self._names.add(name)
+        n = tensor.numel() * tensor.element_size()
+        if self._cur is not None and self._cur.entries and self._cur.nbytes + n > self.max_shard_bytes:
+            self._finish_current()
+        if self._cur is None:
+            self._cur = self._new_shard()
+        self._cur.add(name, tensor)
+
+    def close(self) -> list[Path]:
+        """Finish the last shard, give shards their final names, write the index."""
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        self._closed = True
+        if self._cur is not None and (self._cur.entries or not self._done):
+            self._finish_current()
+        total = len(self._done)
+        final: list[Path] = []
+        weight_map: dict[str, str] = {}
+        total_size = 0
+        for i, (tmp, names, nbytes) in enumerate(self._done):
+            fname = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            dst = self.out_dir / fname
+            tmp.rename(dst)
+            final.append(dst)
+            total_size += nbytes
+            for n in names:
+                weight_map[n] = fname
+        if total > 1:
+            write_json(self.out_dir / INDEX_FILE, {"metadata": {"total_size": total_size},
+                                                    "weight_map": dict(sorted(weight_map.items()))})
+        return final
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None and not self._closed:
+            self.close()
+
+
+def copy_side_files(src_dir: Path, dst_dir: Path, trust_remote_code: bool = False,
+                    skip: Iterable[str] = ("config.json",)) -> list[str]:
+    """Copy tokenizer, chat template and generation config (and ``*.py`` only with
+    ``trust_remote_code``) from a model directory. ``config.json`` is the caller's to write."""
+    copied = []
+    skip = set(skip)
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.is_file() and f.name not in skip and is_side_file(f.name, trust_remote_code):
+            shutil.copy2(f, Path(dst_dir) / f.name)
+            copied.append(f.name)
+    return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# Atomic output and manifest
+# ----------------------------------------------------------------------------------------------
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def check_output(out: str | os.PathLike[str], overwrite: bool) -> Path:
+    """Refuse an existing output unless ``overwrite`` (call before doing any work)."""
+    p = Path(out)
+    if p.exists() and not overwrite:
+        raise OutputExistsError(f"{p}: already exists (pass --overwrite to replace it)")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: bool = False,
+                  manifest: bool = True) -> Iterator[Path]:
+    """Yield ``<out>.partial``; on success write the manifest and rename it to ``<out>``.
+
+    On an error the partial directory is removed (nothing half-written is left behind), except
+    with ``resume=True``, where it is kept so that a rerun can skip finished work."""
+    dst = check_output(out, overwrite)
+    tmp = partial_path(dst)
+    if tmp.exists() and not resume:
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        yield tmp
+        if manifest:
+            write_manifest(tmp)
+    except BaseException:
+        if not resume:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(dst)
+
+
+def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _manifest_files(d: Path) -> list[Path]:
+    return sorted(
+        f for f in d.rglob("*")
+        if f.is_file() and f.name != MANIFEST_FILE and not any(p.startswith(".") for p in f.relative_to(d).parts)
+    )
+
+
+def write_manifest(d: Path, workers: int = 2) -> Path:
+    """``manifest.json``: sha256 and size of every file in ``d`` (hashing runs in threads:
+    hashlib releases the GIL)."""
+    d = Path(d)
+    files = _manifest_files(d)
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        digests = list(ex.map(sha256_file, files))
+    from eagle3 import __version__
+
+    data = {
+        "eagle3_version": __version__,
+        "files": {str(f.relative_to(d)): {"sha256": h, "size": f.stat().st_size} for f, h in zip(files, digests)},
+    }
+    write_json(d / MANIFEST_FILE, data)
+    return d / MANIFEST_FILE
+
+
+@dataclass
+class VerifyResult:
+    checked: int
+    problems: list[str]
+
+
+def verify_manifest(d: str | os.PathLike[str], workers: int = 2) -> VerifyResult:
+    """Check every file listed in ``manifest.json`` (and that no file is unlisted)."""
+    d = Path(d)
+    mpath = d / MANIFEST_FILE
+    if not mpath.is_file():
+        raise VerifyError(f"{d}: no {MANIFEST_FILE} (only directories written by eagle3 carry one)")
+    files = read_json(mpath).get("files")
+    if not isinstance(files, dict):
+        raise VerifyError(f"{mpath}: no 'files' object")
+    problems: list[str] = []
+    present = {str(f.relative_to(d)) for f in _manifest_files(d)}
+    todo = []
+    for rel, ent in files.items():
+        f = d / rel
+        if not f.is_file():
+            problems.append(f"{rel}: missing")
+        elif f.stat().st_size != ent.get("size"):
+            problems.append(f"{rel}: size {f.stat().st_size} != {ent.get('size')}")
+        else:
+            todo.append((rel, f, ent.get("sha256")))
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        digests = list(ex.map(lambda t: sha256_file(t[1]), todo))
+    for (rel, _, want), got in zip(todo, digests):
+        if got != want:
+            problems.append(f"{rel}: sha256 mismatch")
+    for rel in sorted(present - set(files)):
+        problems.append(f"{rel}: not in the manifest")
+    return VerifyResult(checked=len(files), problems=problems)
+

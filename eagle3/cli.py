@@ -1,0 +1,165 @@
+"""The ``eagle3`` command line (Typer).
+
+One small function per command: parse, call the library, print. No logic lives here. torch and
+the heavy libraries are imported inside the commands so that ``eagle3 --help`` is instant.
+Errors meant for users (:class:`eagle3.errors.Eagle3Error`) print as one line and exit 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from eagle3.errors import Eagle3Error
+
+app = typer.Typer(
+    name="eagle3",
+    help="EAGLE-3 speculative decoding for Kimi-K2.5: download, inspect, convert, quantize, serve.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+def _print_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# download
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def download(
+    repo: Annotated[str, typer.Argument(help="Hub repo id (owner/name) or a local directory.")],
+    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.")] = None,
+    local_dir: Annotated[Optional[Path], typer.Option(help="Download into this directory instead of the HF cache.")] = None,
+    include: Annotated[Optional[list[str]], typer.Option(help="Glob of files to fetch (repeatable); replaces the defaults.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(help="Glob of files to skip (repeatable).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Also fetch *.py remote-code files.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="List the files and total size; download nothing.")] = False,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Hugging Face cache directory.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN / stored login).")] = None,
+    max_workers: Annotated[int, typer.Option(help="Parallel file downloads.")] = 8,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Download a model (weights, index, configs, tokenizer, chat template), resumably.
+
+    Example: eagle3 download lightseekorg/kimi-k2.5-eagle3 --local-dir ./kimi-k2.5-eagle3
+
+    Works offline from the cache with HF_HUB_OFFLINE=1; a local path is returned as is.
+    """
+    from eagle3 import hub
+
+    result = hub.download(
+        repo, revision=revision, local_dir=local_dir, include=include, exclude=exclude,
+        trust_remote_code=trust_remote_code, dry_run=dry_run, cache_dir=cache_dir, token=token,
+        max_workers=max_workers,
+    )
+    if json_out:
+        _print_json(result.to_json())
+    else:
+        hub.print_result(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect / verify
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def inspect(
+    path: Annotated[str, typer.Argument(help="Checkpoint directory, .safetensors file or Hub repo id.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the stable JSON form (keys documented in the README).")] = False,
+) -> None:
+    """Identify a checkpoint: role, family, quantization, EAGLE flags, aux layers, tensors.
+
+    Example: eagle3 inspect ./kimi-k2.5-eagle3 --json
+    """
+    from eagle3 import hub
+    from eagle3.formats import detect
+
+    summary = detect.detect(hub.resolve(path))
+    if json_out:
+        _print_json(summary.to_json())
+    else:
+        detect.print_summary(summary)
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="A directory written by eagle3 (it carries manifest.json).")],
+) -> None:
+    """Check every file of an eagle3 output against its manifest (sha256 and size).
+
+    Example: eagle3 verify ./kimi-k2.5-w4a8
+    """
+    from eagle3.checkpoint import verify_manifest
+    from eagle3.errors import VerifyError
+
+    res = verify_manifest(path)
+    if res.problems:
+        raise VerifyError(f"{path}: {len(res.problems)} problem(s): " + "; ".join(res.problems[:5]))
+    typer.echo(f"OK: {res.checked} files match {path / 'manifest.json'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# make-tiny
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command("make-tiny")
+def make_tiny(
+    out: Annotated[Path, typer.Argument(help="Directory to create; one sub-directory per model.")],
+    seed: Annotated[int, typer.Option(help="Random seed (the output is a pure function of it).")] = 0,
+    only: Annotated[Optional[list[str]], typer.Option(help="Write only these models (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+) -> None:
+    """Write tiny synthetic checkpoints in the exact upstream on-disk formats.
+
+    Example: eagle3 make-tiny /tmp/tiny && eagle3 inspect /tmp/tiny/kimi-k2.5
+
+    Models: kimi-k2.5, kimi-k2-thinking, kimi-k2.5-eagle3, kimi-k2.5-eagle3-d2t,
+    kimi-k2.6-eagle3.1-mla, speculators-eagle3.
+    """
+    from eagle3.testing import tiny
+
+    paths = tiny.make_tiny(out, seed=seed, only=only, overwrite=overwrite)
+    for name, p in paths.items():
+        typer.echo(f"{name:28s} {p}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: one-line errors and exit code 2 for user errors.
+
+    Typer/click (standalone mode) already print usage errors such as unknown flags with exit 2."""
+    try:
+        app(args=argv)
+    except Eagle3Error as e:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
