@@ -302,7 +302,7 @@ class _ShardBuilder:
         }
         if n:
             # A uint8 view of the storage: no copy for contiguous tensors of any dtype.
-            self._f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self.nbytes += n
 
     def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
@@ -502,7 +502,7 @@ def write_manifest(d: Path, workers: int = 2) -> Path:
 
     data = {
         "eagle3_version": __version__,
-        "files": {str(f.relative_to(d)): {"sha256": h, "size": f.stat().st_size} for f, h in zip(files, digests)},
+        "files": {str(f.relative_to(d)): {"sha256": h, "size": f.stat().st_size} for f, h in zip(files, digests, strict=False)},
     }
     write_json(d / MANIFEST_FILE, data)
     return d / MANIFEST_FILE
@@ -536,7 +536,7 @@ def verify_manifest(d: str | os.PathLike[str], workers: int = 2) -> VerifyResult
             todo.append((rel, f, ent.get("sha256")))
     with ThreadPoolExecutor(max_workers=workers) as ex:
         digests = list(ex.map(lambda t: sha256_file(t[1]), todo))
-    for (rel, _, want), got in zip(todo, digests):
+    for (rel, _, want), got in zip(todo, digests, strict=False):
         if got != want:
             problems.append(f"{rel}: sha256 mismatch")
     for rel in sorted(present - set(files)):

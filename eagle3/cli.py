@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -48,14 +48,14 @@ def _print_json(obj: object) -> None:
 @app.command()
 def download(
     repo: Annotated[str, typer.Argument(help="Hub repo id (owner/name) or a local directory.")],
-    revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit.")] = None,
-    local_dir: Annotated[Optional[Path], typer.Option(help="Download into this directory instead of the HF cache.")] = None,
-    include: Annotated[Optional[list[str]], typer.Option(help="Glob of files to fetch (repeatable); replaces the defaults.")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option(help="Glob of files to skip (repeatable).")] = None,
+    revision: Annotated[str | None, typer.Option(help="Branch, tag or commit.")] = None,
+    local_dir: Annotated[Path | None, typer.Option(help="Download into this directory instead of the HF cache.")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="Glob of files to fetch (repeatable); replaces the defaults.")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="Glob of files to skip (repeatable).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Also fetch *.py remote-code files.")] = False,
     dry_run: Annotated[bool, typer.Option(help="List the files and total size; download nothing.")] = False,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Hugging Face cache directory.")] = None,
-    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN / stored login).")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face cache directory.")] = None,
+    token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN / stored login).")] = None,
     max_workers: Annotated[int, typer.Option(help="Parallel file downloads.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
@@ -128,7 +128,7 @@ def verify(
 def make_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to create; one sub-directory per model.")],
     seed: Annotated[int, typer.Option(help="Random seed (the output is a pure function of it).")] = 0,
-    only: Annotated[Optional[list[str]], typer.Option(help="Write only these models (repeatable).")] = None,
+    only: Annotated[list[str] | None, typer.Option(help="Write only these models (repeatable).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
 ) -> None:
     """Write tiny synthetic checkpoints in the exact upstream on-disk formats.

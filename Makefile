@@ -1,0 +1,31 @@
+# eagle3 developer entry points. `make demo` and `make test` are the two set-up commands.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.eagle3-installed
+# 2 workers: the CI machine has 2 cores.
+PYTEST_ARGS ?= -n 2
+
+.PHONY: venv test demo lint clean
+
+venv: $(STAMP)
+
+# CPU torch 2.13.0 is installed only when the venv has no torch at all: an unpinned torch requirement
+# would otherwise pull several GB of CUDA wheels. A venv with a ROCm/CUDA torch already in it is kept.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[all]"
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check eagle3 tests benchmarks
+
+demo: venv
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
+
+clean:
+	rm -rf demo-out .pytest_cache

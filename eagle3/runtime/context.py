@@ -1,0 +1,32 @@
+"""Per-forward attention metadata, shared by every model and attention kernel.
+
+One layout serves prefill (chunks included), decode and multi-token speculative verification: a
+forward is a ragged batch of query tokens, grouped per sequence, each at a known absolute
+position. Query token at position ``p`` attends to the cached keys at positions ``0..p`` of its own
+sequence, so "causal" needs no separate prefill/decode modes. New keys/values are written into the
+paged cache at ``slot_mapping`` *before* attention reads the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMetadata:
+    positions: torch.Tensor  # int64 [T]: absolute position of each query token
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]: query tokens of sequence b are [cu[b], cu[b+1])
+    context_lens: torch.Tensor  # int32 [B]: KV length of each sequence once these tokens are written
+    slot_mapping: torch.Tensor  # int64 [T]: flat cache slot (block * block_size + offset) per token
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: physical block ids, -1 padded
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
