@@ -1,0 +1,23 @@
+"""Shared pytest fixtures.
+
+``tiny_dir``: the tiny synthetic checkpoints of :mod:`eagle3.testing.tiny`, written once per test
+session (about a second) into a temporary directory. Layout: ``tiny_dir / <name>`` for every name in
+``eagle3.testing.tiny.MODEL_NAMES`` (kimi-k2.5, kimi-k2-thinking, kimi-k2.5-eagle3,
+kimi-k2.5-eagle3-d2t, kimi-k2.6-eagle3.1-mla, speculators-eagle3). Treat it as read-only: it is
+shared by every test of the session; copy a sub-directory first if a test must change it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from eagle3.testing.tiny import make_tiny
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny"
+    make_tiny(out, seed=0)
+    return out
