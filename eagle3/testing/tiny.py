@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from eagle3.checkpoint import CheckpointWriter, atomic_output, write_json
+from eagle3.checkpoint import CheckpointWriter, atomic_output, check_output, write_json
 from eagle3.errors import UsageError
 from eagle3.formats.codecs import ct_int4_pack
 
@@ -665,6 +665,25 @@ Please think step by step, show your work, and then write the final answer on it
 The user asked the assistant a question, and the assistant answered politely and clearly.
 You are a helpful assistant. Answer the question and explain your reasoning in simple words.
 Numbers can be added, subtracted, multiplied and divided, and the result is called the answer.
+In April the shop sold twice as many bikes as it did in March, and in May it sold half as many.
+She spent a quarter of her money on lunch and saved the rest for the weekend trip with her family.
+He reads twenty pages every night, so he finishes a long novel in less than a month.
+The farmer has cows, chickens and sheep; every cow has four legs and every chicken has two legs.
+A pizza is cut into eight slices, and the children ate all of the slices except three.
+They drove sixty miles per hour for three hours and then stopped at a small town for dinner.
+The price of a ticket went up by ten percent, so the family paid more than they did last year.
+Altogether the class collected two hundred cans of food for the school during the winter.
+If the recipe needs three cups of flour for one cake, how many cups are needed for four cakes?
+Her brother is five years older than she is, and their father is three times as old as her brother.
+Every week the gardener waters the plants on Monday, Wednesday and Friday in the early morning.
+The store sells pencils for a quarter each and notebooks for two dollars and fifty cents.
+After the game the team had fewer points than before, because the other team scored again.
+We need to find how many minutes it takes to walk around the lake at a steady pace.
+Because it rained in June and July, the river was higher than usual in the first week of August.
+What is the remaining amount after you pay for the shoes, the shirt and the jacket?
+The bakery makes cookies, muffins and cupcakes, and it puts them in boxes of a dozen.
+Each student in the class brought two friends, so the room was full of people and noise.
+The answer is the number of hours, so the final answer should not include the word hours.
 """
 
 _NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "James",
@@ -676,7 +695,7 @@ _ITEMS = ["apples", "books", "pencils", "cookies", "marbles", "stickers", "eggs"
 def _gsm8k_like(rng: random.Random) -> str:
     name, other = rng.sample(_NAMES, 2)
     item = rng.choice(_ITEMS)
-    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+    a, b, c = rng.randint(2, 50), rng.randint(2, 30), rng.randint(2, 9)
     kind = rng.randrange(5)
     if kind == 0:
         q = f"{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?"
@@ -708,7 +727,8 @@ def _gsm8k_like(rng: random.Random) -> str:
 def corpus_text() -> str:
     """The embedded tokenizer-training corpus (deterministic, seed-independent)."""
     rng = random.Random(20240601)
-    return _ENGLISH + "".join(_gsm8k_like(rng) for _ in range(600))
+    # The prose is repeated so that BPE merges favour common English words over rare numbers.
+    return 4 * _ENGLISH + "".join(_gsm8k_like(rng) for _ in range(400))
 
 
 # Kimi's pre-tokenizer splits like cl100k (words with a leading space, digits in groups of at most
@@ -882,7 +902,7 @@ def make_tiny(out: str | Path, seed: int = 0, only: Iterable[str] | None = None,
     Returns ``{name: path}`` in :data:`MODEL_NAMES` order. Refuses an existing ``out`` unless
     ``overwrite`` (:class:`eagle3.errors.OutputExistsError`)."""
     names = _select(only)
-    out = Path(out)
+    out = check_output(out, overwrite)  # refuse before any work
     tokenizer = build_tokenizer()
     with atomic_output(out, overwrite=overwrite) as tmp:
         for name in names:
