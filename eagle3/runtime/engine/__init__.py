@@ -1,0 +1,1 @@
+"""Engine: sequences, paged KV bookkeeping, scheduling, model execution and the LLM API."""

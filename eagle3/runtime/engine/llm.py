@@ -1,0 +1,350 @@
+"""The Python API of the runtime: ``LLM(target, draft).generate(prompts, params)``, plus the
+incremental ``add_request`` / ``step`` / ``abort`` API that the HTTP server drives.
+
+One engine step (``step()``):
+
+1. the scheduler picks the sequences and their tokens (prefill chunks, decode, last token + k
+   drafts) within the token budget, allocating KV blocks (preempting when they run out);
+2. the target runs once over all of them (``ModelRunner.run_target``), returning the aux states;
+3. verification (greedy or rejection sampling) gives each sampling sequence its accepted drafts
+   plus one recovered / bonus token;
+4. the scheduler commits them with stop checks; the committed length excludes rejected drafts
+   (their KV slots are simply overwritten later);
+5. the proposer runs the draft over the committed positions and proposes the next k tokens;
+6. finished sequences free their blocks, the others release the blocks past their committed length.
+
+Threading: ``add_request`` and ``abort`` only push onto a queue that ``step()`` drains, so a
+server may call them from any thread while one background thread loops on ``step()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.errors import UsageError
+from eagle3.runtime.engine.block_manager import BlockManager
+from eagle3.runtime.engine.config import EngineConfig
+from eagle3.runtime.engine.model_runner import ModelRunner, kv_bytes_per_block
+from eagle3.runtime.engine.scheduler import Scheduler
+from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.interfaces import DraftModel, TargetModel
+from eagle3.runtime.sampling import SamplingParams, make_generator
+from eagle3.runtime.spec.proposer import EagleProposer, ProposeItem
+from eagle3.runtime.spec.stats import SpecStats
+
+logger = logging.getLogger("eagle3.runtime")
+
+PromptType = str | Seq[int]
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+           "float": torch.float32}
+_CPU_KV_BYTES = 256 << 20  # default KV budget on CPU: plenty for the tiny and small models
+_GPU_KV_FRACTION = 0.8  # of the memory left free after loading
+_DEFAULT_MAX_MODEL_LEN = 4096  # when the target does not say
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (deltas) or at the end (``generate``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far (a stop token included)
+    text: str  # decoded output, special tokens skipped ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous step() output
+    new_text: str = ""
+    spec_stats: SpecStats | None = None  # this request's acceptance counters (None without draft)
+    num_preemptions: int = 0
+    arrival_time: float = 0.0  # time.monotonic() clock
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise UsageError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """Target (+ optional EAGLE-3 draft) with a paged KV cache and continuous batching.
+
+    ``target`` / ``draft`` are checkpoint directories (any format the loader reads) or already
+    loaded models (:class:`~eagle3.runtime.interfaces.TargetModel` /
+    :class:`~eagle3.runtime.interfaces.DraftModel`). ``draft=None`` runs plain decoding.
+    ``tokenizer`` is ``"auto"`` (AutoTokenizer from the target directory when it has one), a path,
+    a tokenizer object, or None (token-id prompts only).
+    """
+
+    def __init__(self, target: str | os.PathLike[str] | TargetModel,
+                 draft: str | os.PathLike[str] | DraftModel | None = None, *,
+                 num_speculative_tokens: int = 3, dtype: str | torch.dtype = "bfloat16",
+                 device: str | torch.device = "cpu", backend: str = "torch", tokenizer: Any = "auto",
+                 trust_remote_code: bool = False, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False) -> None:
+        self.config = EngineConfig(
+            num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            draft_sampling=draft_sampling, seed=seed, log_stats=log_stats)
+        self.device = torch.device(device)
+        self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
+        self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
+        self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
+        self.k = self.config.num_speculative_tokens if self.draft is not None else 0
+        self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
+        self.eos_ids = self._eos_ids()
+        self.max_model_len = self.config.max_model_len or int(
+            getattr(getattr(self.target, "spec", None), "max_position_embeddings", 0) or _DEFAULT_MAX_MODEL_LEN)
+
+        num_blocks = self._num_blocks()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(self.config.seed)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids)
+        self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
+                                  self.device, self.generator)
+        self.proposer = None
+        if self.draft is not None:
+            self.proposer = EagleProposer(self.draft, self.runner.draft_kv, self.k, self.runner.meta,
+                                          self.config.draft_sampling, self.generator)
+        self.stats = SpecStats(max(self.k, 1))
+        self.num_steps = 0
+        self._ids = itertools.count()
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._step_lock = threading.Lock()
+        self._seqs: dict[str, Sequence] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+    def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:
+        if _is_model(target):
+            return target
+        from eagle3.runtime.loader import load_target
+
+        return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
+
+    def _load_draft(self, draft: Any) -> DraftModel:
+        if _is_model(draft):
+            return draft
+        from eagle3.runtime.loader import load_draft
+
+        return load_draft(Path(draft), self.target)
+
+    def _load_tokenizer(self, tokenizer: Any, trust_remote_code: bool) -> Any:
+        if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+            return tokenizer
+        if tokenizer == "auto":
+            if self.target_path is None:
+                return None
+            tokenizer = self.target_path
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            if Path(tokenizer) == self.target_path:  # "auto": a target without a tokenizer is fine
+                logger.warning("no tokenizer loaded from %s (%s); token-id prompts only", tokenizer, err)
+                return None
+            raise UsageError(f"cannot load a tokenizer from {tokenizer}: {err}") from err
+
+    def _eos_ids(self) -> frozenset[int]:
+        """EOS ids: generation_config.json (HF's own reader), the target spec, the tokenizer."""
+        ids: set[int] = set()
+
+        def add(v: Any) -> None:
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+
+        if self.target_path is not None:
+            from transformers import GenerationConfig
+
+            try:
+                add(GenerationConfig.from_pretrained(str(self.target_path)).eos_token_id)
+            except OSError:
+                pass
+        add(getattr(getattr(self.target, "spec", None), "eos_token_id", None))
+        if self.tokenizer is not None:
+            add(getattr(self.tokenizer, "eos_token_id", None))
+        return frozenset(ids)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = kv_bytes_per_block(self.target, cfg.block_size)
+        if self.draft is not None:
+            per_block += kv_bytes_per_block(self.draft, cfg.block_size)
+        budget = cfg.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _GPU_KV_FRACTION)
+            else:
+                budget = _CPU_KV_BYTES
+        # Never more than every running sequence at full length needs.
+        most = -(-cfg.max_num_seqs * (self.max_model_len + 2 * self.k) // cfg.block_size)
+        n = min(budget // per_block, most)
+        if n < 1:
+            raise UsageError(f"kv_cache_memory={budget} bytes holds no KV block of {per_block} bytes")
+        return int(n)
+
+    # -- requests --------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UsageError("text prompts need a tokenizer; pass token ids or LLM(tokenizer=...)")
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = [int(t) for t in prompt]
+        return None, ids
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (thread-safe); returns its id. It joins at the next ``step()``."""
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        vocab = self.target.vocab_size
+        if not ids:
+            raise UsageError("prompt is empty: need at least one token")
+        if any(not 0 <= t < vocab for t in ids):
+            raise UsageError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise UsageError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        total = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len)
+        need = min(total, self.max_model_len) + self.k  # + the k - 1 draft-step slots, rounded up
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if need > capacity:
+            raise UsageError(f"a request of up to {need} tokens does not fit the KV cache "
+                             f"({capacity} slots); raise num_blocks / kv_cache_memory or lower max_tokens")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params, make_generator(params.seed, self.device), max(self.k, 1), prompt=text)
+        self._inbox.append(("add", seq))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); its blocks are freed at the next ``step()``, which
+        reports it once with ``finish_reason == "abort"``."""
+        self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def _drain_inbox(self) -> list[Sequence]:
+        aborted = []
+        while self._inbox:
+            op, arg = self._inbox.popleft()
+            if op == "add":
+                if arg.request_id in self._seqs:
+                    raise UsageError(f"request id {arg.request_id!r} is already running")
+                self._seqs[arg.request_id] = arg
+                self.scheduler.add(arg)
+            else:
+                seq = self.scheduler.abort(arg)
+                if seq is not None:
+                    aborted.append(seq)
+        return aborted
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that produced tokens or finished."""
+        with self._step_lock:
+            done = self._drain_inbox()
+            out = self.scheduler.schedule()
+            if not out:
+                if self.scheduler.running or self.scheduler.waiting:
+                    raise RuntimeError("scheduler made no progress with unfinished requests")
+                return [self._output(s) for s in done]
+            self.num_steps += 1
+            res = self.runner.run_target(out.scheduled)
+            items: list[ProposeItem] = []
+            for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
+                committed = self.scheduler.commit(item, emitted)
+                if item.samples:
+                    self.stats.observe(len(item.draft_ids), len(emitted) - 1)
+                seq = item.seq
+                if self.proposer is not None and not seq.is_finished:
+                    num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
+                    items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
+                                             max(num_drafts, 0)))
+            if self.proposer is not None:
+                self.proposer.propose(items, self.target.vocab_size)
+            done += self.scheduler.finish_step(out)
+            progressed = [it.seq for it in out.scheduled if it.seq.num_returned_tokens < it.seq.num_output_tokens
+                          or it.seq.is_finished]
+            outputs = [self._output(s) for s in dict.fromkeys(progressed + done)]
+            for s in done:
+                self._seqs.pop(s.request_id, None)
+            return outputs
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.num_returned_tokens:]
+        text = self._decode(out_ids)
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        stable = text if seq.is_finished else text.rstrip("\ufffd")
+        new_text = stable[len(seq.returned_text):] if stable.startswith(seq.returned_text) else ""
+        seq.num_returned_tokens = len(out_ids)
+        seq.returned_text = seq.returned_text + new_text
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(out_ids), text=text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            new_token_ids=new_ids, new_text=new_text,
+            spec_stats=seq.stats if self.draft is not None else None, num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            finished_time=seq.finished_time)
+
+    # -- batch API ---------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text or token ids); outputs in prompt order."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        plist: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise UsageError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
+        rids = [self.add_request(p, sp) for p, sp in zip(plist, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(rids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        if self.config.log_stats and self.draft is not None:
+            print(self.stats.line(), file=sys.stderr)
+        return [final[r] for r in rids]
+
+    def stats_line(self) -> str:
+        return self.stats.line()
+
+
+def _is_model(obj: Any) -> bool:
+    return not isinstance(obj, (str, os.PathLike))
+

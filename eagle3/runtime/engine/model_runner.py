@@ -1,0 +1,133 @@
+"""Runs the models for one scheduled step: owns the KV cache tensors, builds the per-forward
+``AttnMetadata``, runs the target once over the ragged batch, and verifies/samples its output.
+
+The whole step is one target forward: prefill chunks, plain decode rows and speculative verify
+rows (last token + drafts) of different sequences share it. Logits are computed only for the
+rows that are sampled (a prefill chunk's rows never need the vocabulary projection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.engine.sequence import ScheduledSeq
+from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
+from eagle3.runtime.sampling import SamplingBatch
+from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
+
+
+def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int], block_size: int,
+                        device: torch.device | str = "cpu") -> AttnMetadata:
+    """Metadata for ``counts[b]`` query tokens of sequence ``b`` at positions
+    ``starts[b] .. starts[b] + counts[b] - 1``; keys are positions ``0 ..`` that end."""
+    b = len(starts)
+    width = max((len(t) for t in block_tables), default=0) or 1
+    tables = torch.full((b, width), -1, dtype=torch.int32)
+    for i, t in enumerate(block_tables):
+        if t:
+            tables[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+    counts_t = torch.as_tensor(list(counts), dtype=torch.int64)
+    starts_t = torch.as_tensor(list(starts), dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(b), counts_t)
+    cu = torch.zeros(b + 1, dtype=torch.int64)
+    torch.cumsum(counts_t, 0, out=cu[1:])
+    positions = starts_t[seq_of_token] + (torch.arange(int(cu[-1])) - cu[:-1][seq_of_token])
+    block_ids = tables[seq_of_token, positions // block_size].to(torch.int64)
+    assert bool((block_ids >= 0).all()), "a query position has no KV block allocated"
+    slots = block_ids * block_size + positions % block_size
+    return AttnMetadata(
+        positions=positions.to(device),
+        cu_seqlens_q=cu.to(torch.int32).to(device),
+        context_lens=(starts_t + counts_t).to(torch.int32).to(device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device),
+        block_size=block_size,
+    )
+
+
+def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
+    spec = model.kv_cache_spec()
+    per_token = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
+    return per_token * block_size * model.num_layers
+
+
+@dataclass
+class TargetStepOutput:
+    """What the engine needs from one target forward."""
+
+    emitted: list[list[int]]  # per scheduled sequence: tokens to append ([] for a non-final chunk)
+    aux: torch.Tensor | None  # [T, n*H] aux states of every query row (None without a draft)
+    row_starts: list[int]  # first query row of each scheduled sequence
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
+                 num_speculative_tokens: int, device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.block_size = block_size
+        self.k = num_speculative_tokens if draft is not None else 0
+        self.device = torch.device(device)
+        self.generator = generator
+        self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, num_blocks,
+                                           block_size, self.device)
+        self.draft_kv: list[torch.Tensor] = []
+        if draft is not None:
+            self.draft_kv = allocate_kv_cache(draft.kv_cache_spec(), draft.num_layers, num_blocks,
+                                              block_size, self.device)
+        self.aux_layer_ids = tuple(draft.aux_layer_ids) if draft is not None else None
+
+    def meta(self, block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int]) -> AttnMetadata:
+        return build_attn_metadata(block_tables, starts, counts, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def run_target(self, scheduled: list[ScheduledSeq]) -> TargetStepOutput:
+        ids: list[int] = []
+        row_starts: list[int] = []
+        for item in scheduled:
+            row_starts.append(len(ids))
+            ids += item.input_ids()
+        meta = self.meta([s.seq.block_table for s in scheduled], [s.start for s in scheduled],
+                         [s.num_query_tokens for s in scheduled])
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        hidden, aux = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
+
+        emitted: list[list[int]] = [[] for _ in scheduled]
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        if sampling:
+            rows = self._verify([scheduled[i] for i in sampling], [row_starts[i] for i in sampling], hidden)
+            for i, toks in zip(sampling, rows, strict=True):
+                emitted[i] = toks
+        return TargetStepOutput(emitted, aux, row_starts)
+
+    def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
+        """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for
+        plain decode and the last prefill chunk: then this is ordinary sampling)."""
+        k = self.k
+        # Row of the last real token, then one row per draft; padded to k + 1 by repeating.
+        first = [r + it.num_tokens - 1 for r, it in zip(row_starts, items, strict=True)]
+        num_drafts = [len(it.draft_ids) for it in items]
+        unique = torch.tensor([f + j for f, nd in zip(first, num_drafts, strict=True) for j in range(nd + 1)],
+                              dtype=torch.int64, device=hidden.device)
+        logits = self.target.compute_logits(hidden[unique])  # float32 [R, V]
+        offsets = torch.tensor([0] + num_drafts[:-1], dtype=torch.int64).add(1).cumsum(0) - 1
+        col = torch.arange(k + 1)
+        pad_idx = offsets[:, None] + torch.minimum(col[None, :], torch.tensor(num_drafts)[:, None])
+        target_logits = logits[pad_idx.to(logits.device)]  # [B, k+1, V]
+
+        draft_ids, n_drafts = pad_drafts([it.draft_ids for it in items], k, logits.device)
+        draft_probs = None
+        if any(it.seq.draft_probs is not None and it.draft_ids for it in items):
+            draft_probs = torch.zeros(len(items), k, logits.shape[-1], dtype=torch.float32, device=logits.device)
+            for b, it in enumerate(items):
+                if it.seq.draft_probs is not None and it.draft_ids:
+                    draft_probs[b, : len(it.draft_ids)] = it.seq.draft_probs[: len(it.draft_ids)]
+        batch = SamplingBatch.build([it.seq.params for it in items], [it.seq.generator for it in items],
+                                    device=logits.device)
+        out = rejection_sample(target_logits, draft_ids, n_drafts, batch, draft_probs, self.generator)
+        return out.rows()

@@ -1,0 +1,160 @@
+"""Continuous batching: which sequences run in the next forward, with how many tokens.
+
+One rule serves prefill, chunked prefill, decode and speculative verification (vLLM v1 style): a
+sequence schedules its uncomputed tokens (``token_ids[num_computed_tokens:]``, capped by the
+token budget, i.e. a prefill chunk) and, when that reaches its end, its pending draft tokens.
+Running sequences go first, in arrival order; waiting ones are admitted while blocks, budget and
+``max_num_seqs`` allow. When the running sequences need more KV blocks than are free, the most
+recently arrived running sequence is preempted by recomputation (its blocks are freed and it
+goes back to the front of the queue to be prefilled again, prompt and output together).
+
+Slot reservation per step: the target writes positions ``start .. start + n + d - 1`` (``n`` real
+tokens, ``d`` drafts); after verification the proposer writes draft KV for the committed
+positions and then ``k - 1`` more, so a sequence that samples needs ``start + n + d + k - 1``
+slots. Blocks past the committed length are released at the end of the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from eagle3.runtime.engine.block_manager import BlockManager
+from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int]) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.k = num_speculative_tokens  # 0 without a draft
+        self.eos_ids = eos_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                if seq in self.running:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)
+                self.block_manager.free(seq)
+                seq.finish(FinishReason.ABORT)
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def slots_needed(self, seq: Sequence, num_tokens: int, num_drafts: int) -> int:
+        end = seq.num_computed_tokens + num_tokens + num_drafts
+        if self.k and end - num_drafts == seq.num_tokens:
+            end += self.k - 1  # draft steps 1..k-1 after verification
+        return end
+
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+        """(real tokens, drafts) for ``seq`` within ``budget`` query tokens."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining > budget:
+            return budget, []  # a prefill chunk; drafts only ride along with the last chunk
+        return remaining, seq.draft_token_ids[: budget - remaining]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        queue = list(self.running)
+        self.running = []
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n, drafts = self._plan(seq, budget)
+            need = self.slots_needed(seq, n, len(drafts))
+            while not bm.can_allocate(seq, need):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, need)
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, drafts))
+                self.running.append(seq)
+                budget -= n + len(drafts)
+        self.running.extend(queue)  # out of budget this step; still running
+
+        # Admit waiting sequences only when nothing was preempted: admitting work while evicting
+        # other work would thrash.
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            n, drafts = self._plan(seq, budget)
+            need = self.slots_needed(seq, n, len(drafts))
+            if not bm.can_allocate(seq, need):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bm.allocate(seq, need)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, drafts))
+            self.running.append(seq)
+            budget -= n + len(drafts)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    # -- after the forward -----------------------------------------------------------------
+    def commit(self, item: ScheduledSeq, emitted: list[int]) -> int:
+        """Apply one sequence's result: the chunk's KV is committed; when it sampled,
+        ``emitted`` (accepted drafts + the recovered / bonus token) is appended with stop checks.
+        Returns the number of committed positions this step (rows the proposer runs over)."""
+        seq = item.seq
+        if not item.samples:
+            seq.num_computed_tokens += item.num_tokens
+            return item.num_tokens
+        num_drafts = len(item.draft_ids)
+        num_accepted = len(emitted) - 1
+        seq.stats.observe(num_drafts, num_accepted)
+        seq.clear_drafts()
+        # KV is valid for the last real token and the accepted drafts; the final emitted token
+        # (recovered or bonus) is the input of the next forward. Rejected slots are dropped here.
+        seq.num_computed_tokens = item.start + item.num_tokens + num_accepted
+        seq.append_checked(emitted, self.eos_ids, self.max_model_len)
+        return item.num_tokens + num_accepted
+
+    def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
+        """Free finished sequences' blocks and release tail blocks past the committed length."""
+        finished = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                self.block_manager.free(seq)
+                if seq in self.running:
+                    self.running.remove(seq)
+                finished.append(seq)
+            elif seq.status == SequenceStatus.RUNNING:
+                self.block_manager.trim(seq, seq.num_computed_tokens)
+        return finished

@@ -1,0 +1,182 @@
+"""Sampling parameters and the sampler shared by the target (bonus / recovered tokens) and the
+draft (proposals).
+
+Randomness comes from one ``torch.Generator`` per request when the request has a ``seed`` (so
+its output does not depend on what else is in the batch) and from the engine's generator
+otherwise. Sampling uses the exponential trick, ``argmax(probs / E)`` with ``E ~ Exp(1)``
+(nano-vllm, vLLM): one draw per vocabulary entry and no normalisation, so it works on the
+unnormalised residual ``max(p - q, 0)`` as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3.errors import UsageError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM names and meanings).
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``stop_token_ids`` end the request like EOS does (the stop token is kept in ``token_ids``).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UsageError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 and self.top_k != -1:
+            raise UsageError(f"SamplingParams.top_k must be >= 0 (or -1 for all), got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UsageError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        # Tiny temperatures are treated as greedy: dividing logits by 1e-6 overflows to inf/nan.
+        return self.temperature < 1e-5
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's own generator, or None to use the engine's shared one."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (``-inf``) the logits outside each row's top-k and top-p nucleus.
+
+    ``logits`` [N, V] float32, ``top_k`` int64 [N] (<= 0: off), ``top_p`` float32 [N] (1: off).
+    top-k first, then top-p over the renormalised survivors, as vLLM and SGLang do. The most
+    likely token always survives, so every row keeps at least one token.
+    """
+    n, v = logits.shape
+    k_on = (top_k > 0) & (top_k < v)
+    p_on = top_p < 1.0
+    if not bool(k_on.any()) and not bool(p_on.any()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(v, device=logits.device).expand(n, v)
+    drop = k_on[:, None] & (rank >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if bool(p_on.any()):
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_p = p_on[:, None] & (mass_before >= top_p[:, None])
+        drop_p[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for ``N`` rows of logits (several rows may share one request)."""
+
+    temperature: torch.Tensor  # float32 [N]; 1.0 on greedy rows (their probs are unused)
+    top_k: torch.Tensor  # int64 [N]
+    top_p: torch.Tensor  # float32 [N]
+    greedy: torch.Tensor  # bool [N]
+    generators: list[torch.Generator | None]  # [N]
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+              repeats: Sequence[int] | None = None, device: torch.device | str = "cpu") -> SamplingBatch:
+        """Rows for each request, request ``i`` repeated ``repeats[i]`` times (default once)."""
+        reps = list(repeats) if repeats is not None else [1] * len(params)
+        temps, ks, ps, greedy, gens = [], [], [], [], []
+        for sp, g, r in zip(params, generators, reps, strict=True):
+            temps += [1.0 if sp.greedy else float(sp.temperature)] * r
+            ks += [max(int(sp.top_k), 0)] * r
+            ps += [float(sp.top_p)] * r
+            greedy += [sp.greedy] * r
+            gens += [g] * r
+        return cls(torch.tensor(temps, dtype=torch.float32, device=device),
+                   torch.tensor(ks, dtype=torch.int64, device=device),
+                   torch.tensor(ps, dtype=torch.float32, device=device),
+                   torch.tensor(greedy, dtype=torch.bool, device=device), gens)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+
+def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k / top-p, then softmax: the distribution a row samples from.
+
+    The same function is applied to the target's logits (p) and the draft's (q), which is what
+    keeps stochastic verification exact for the distribution the user asked for."""
+    logits = logits.float() / batch.temperature[:, None]
+    return apply_top_k_top_p(logits, batch.top_k, batch.top_p).softmax(dim=-1)
+
+
+def _draw(shape_per_row: tuple[int, ...], generators: Sequence[torch.Generator | None],
+          default: torch.Generator | None, device: torch.device, kind: str) -> torch.Tensor:
+    """Random numbers, one block of ``shape_per_row`` per row, each from the row's generator.
+
+    Rows without their own generator share one batched draw from ``default``: cheap, and their
+    results were never meant to be reproducible per request."""
+    n = len(generators)
+    out = torch.empty((n, *shape_per_row), dtype=torch.float32, device=device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        block = torch.empty((len(shared), *shape_per_row), dtype=torch.float32, device=device)
+        _fill(block, default, kind)
+        out[torch.tensor(shared, device=device)] = block
+    for i, g in enumerate(generators):
+        if g is not None:
+            _fill(out[i], g, kind)
+    return out
+
+
+def _fill(t: torch.Tensor, gen: torch.Generator | None, kind: str) -> None:
+    if kind == "uniform":
+        t.uniform_(generator=gen)
+    else:
+        t.exponential_(generator=gen)
+
+
+def draw_uniform(n_per_row: int, generators: Sequence[torch.Generator | None],
+                 default: torch.Generator | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform [0, 1) floats ``[N, n_per_row]``."""
+    return _draw((n_per_row,), generators, default, torch.device(device), "uniform")
+
+
+def sample_from_weights(weights: torch.Tensor, generators: Sequence[torch.Generator | None],
+                        default: torch.Generator | None) -> torch.Tensor:
+    """One token per row from the (possibly unnormalised) non-negative ``weights`` [N, V]."""
+    e = _draw((weights.shape[-1],), generators, default, weights.device, "exponential")
+    # E can be exactly 0 with vanishing probability; clamp so a zero weight never wins by 0/0.
+    return (weights / e.clamp_min(1e-20)).argmax(dim=-1)
+
+
+class Sampler:
+    """Samples one token per row: argmax on greedy rows, the filtered distribution otherwise."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """``logits`` float32 [N, V] -> int64 [N]."""
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_ids
+        probs = logits_to_probs(logits, batch)
+        sampled = sample_from_weights(probs, batch.generators, self.generator)
+        return torch.where(batch.greedy, greedy_ids, sampled)

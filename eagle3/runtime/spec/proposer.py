@@ -1,0 +1,118 @@
+"""EAGLE-3 / 3.1 chain proposer: k draft steps per target step (top-1 chain).
+
+Step 0 runs the draft over every position the target step committed, pairing the target's aux
+state at position ``p`` (through ``fc``, :meth:`DraftModel.combine_aux`) with token ``p + 1`` (the
+inputs shifted left by one, the newly sampled token last), at draft position ``p``. That writes the
+draft's KV for the whole committed context, so the draft cache always holds "true" entries for
+positions ``0 .. num_computed_tokens - 1``, like the target's. The last row's logits give the
+first draft token. Steps ``1 .. k-1`` each feed one token: the previous draft token (a target id)
+with the previous step's ``next_hidden`` (pre-norm for EAGLE-3, post-norm for EAGLE-3.1
+``norm_output``; the model decides), one position further. Their KV is speculative and is
+overwritten by the next step 0 before anything reads it.
+
+Drafts are sampled from the draft distribution ``q`` (temperature / top-k / top-p applied as for
+the target, ``sampling.logits_to_probs``) and ``q`` is kept for exact rejection sampling; greedy
+requests use argmax. With ``draft_sampling="greedy"`` every request drafts by argmax and the
+verifier treats the draft as a point mass (vLLM v1 EAGLE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.interfaces import DraftModel
+from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
+
+
+@dataclass
+class ProposeItem:
+    """One sequence's input to the proposer for this step."""
+
+    seq: Sequence
+    start: int  # first committed position of this step (draft step 0 runs over start .. start+count-1)
+    count: int  # committed positions this step
+    aux: torch.Tensor  # [count, n*H] target aux states of those positions
+    num_drafts: int  # tokens to propose after step 0 (0: only fill the draft KV)
+
+
+class EagleProposer:
+    def __init__(self, draft: DraftModel, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
+                 meta_fn, draft_sampling: str = "sample", generator: torch.Generator | None = None) -> None:
+        self.draft = draft
+        self.kv = kv_caches[0] if len(kv_caches) == 1 else kv_caches
+        self.k = num_speculative_tokens
+        self.meta_fn = meta_fn  # (block_tables, starts, counts) -> AttnMetadata (ModelRunner.meta)
+        self.draft_sampling = draft_sampling
+        self.generator = generator
+        ids = torch.arange(draft.vocab_size, dtype=torch.int64)
+        self.draft_to_target = draft.to_target_ids(ids).to(torch.int64).cpu()
+        self._identity_vocab = bool(torch.equal(self.draft_to_target, ids))
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem], target_vocab_size: int) -> None:
+        """Run the draft and store each sequence's proposals in ``seq.draft_token_ids`` (and
+        ``seq.draft_probs`` when they were sampled)."""
+        if not items:
+            return
+        ids: list[int] = []
+        for it in items:
+            ids += it.seq.token_ids[it.start + 1: it.start + it.count + 1]
+        device = items[0].aux.device
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        hidden = self.draft.combine_aux(torch.cat([it.aux for it in items]))
+        meta = self.meta_fn([it.seq.block_table for it in items], [it.start for it in items],
+                            [it.count for it in items])
+        post, nxt = self.draft.forward(input_ids, hidden, meta, self.kv)
+
+        drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
+        if not drafting:
+            return
+        seqs = [items[i].seq for i in drafting]
+        last = torch.tensor([sum(it.count for it in items[: i + 1]) - 1 for i in drafting], device=device)
+        post, nxt = post[last], nxt[last]
+        pos = [items[i].start + items[i].count - 1 for i in drafting]  # draft position of `post`
+        steps = max(items[i].num_drafts for i in drafting)
+        batch = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], device=device)
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
+        wanted = [items[i].num_drafts for i in drafting]
+        for step in range(steps):
+            # A seeded request draws from its own generator only for tokens it keeps, so its
+            # random stream does not depend on what else is in the batch.
+            gens = [g if step < n else None for g, n in zip(batch.generators, wanted, strict=True)]
+            step_batch = SamplingBatch(batch.temperature, batch.top_k, batch.top_p, batch.greedy, gens)
+            tok, q = self._sample(self.draft.compute_logits(post), step_batch, target_vocab_size)
+            tokens.append(tok)
+            probs.append(q)
+            if step + 1 == steps:
+                break
+            pos = [p + 1 for p in pos]
+            meta = self.meta_fn([s.block_table for s in seqs], pos, [1] * len(seqs))
+            post, nxt = self.draft.forward(tok, nxt, meta, self.kv)
+
+        toks = torch.stack(tokens, dim=1).tolist()  # [B, steps]
+        for b, i in enumerate(drafting):
+            n = items[i].num_drafts
+            seq = items[i].seq
+            seq.draft_token_ids = toks[b][:n]
+            seq.draft_probs = None
+            if probs[0] is not None and not seq.params.greedy:
+                seq.draft_probs = torch.stack([q[b] for q in probs[:n]])
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, target_vocab_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft-vocab logits [B, V_d] -> (target-id tokens [B], q over the target vocab [B, V] or None)."""
+        d = logits.argmax(dim=-1)
+        q_full = None
+        if self.draft_sampling == "sample" and not batch.all_greedy:
+            q = logits_to_probs(logits, batch)
+            d = torch.where(batch.greedy, d, sample_from_weights(q, batch.generators, self.generator))
+            if self._identity_vocab and q.shape[-1] == target_vocab_size:
+                q_full = q
+            else:
+                q_full = q.new_zeros(q.shape[0], target_vocab_size)
+                q_full[:, self.draft_to_target.to(q.device)] = q
+        return self.draft_to_target.to(d.device)[d], q_full
