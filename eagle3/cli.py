@@ -52,7 +52,7 @@ def download(
     local_dir: Annotated[Path | None, typer.Option(help="Download into this directory instead of the HF cache.")] = None,
     include: Annotated[list[str] | None, typer.Option(help="Glob of files to fetch (repeatable); replaces the defaults.")] = None,
     exclude: Annotated[list[str] | None, typer.Option(help="Glob of files to skip (repeatable).")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Also fetch *.py remote-code files.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Also fetch *.py remote-code files (never fetched otherwise, even with --include).")] = False,
     dry_run: Annotated[bool, typer.Option(help="List the files and total size; download nothing.")] = False,
     cache_dir: Annotated[Path | None, typer.Option(help="Hugging Face cache directory.")] = None,
     token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN / stored login).")] = None,
