@@ -1,18 +1,30 @@
 """Bit-exact, vectorised codecs for the quantized weight formats eagle3 reads and writes.
 
+Storage formats (pack / unpack / dequantize):
+
 * compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi): code ``q + 8`` as an unsigned nibble,
   8 per int32 along the input dim in natural order, one scale per group.
 * AMD Quark INT4: two's-complement nibbles, 8 per int32, ``reorder`` ([0,2,4,6,1,3,5,7]) or
-  natural ``order`` nibble placement.
+  natural ``order`` nibble placement; per-group weights are transposed before packing.
 * OCP E2M1 FP4 (Quark MXFP4): two codes per uint8, the even element in the low nibble; E8M0 scales
   stored as ``exponent + 127``.
 * FP8 E4M3: DeepSeek/Kimi-K2 128x128 block ``weight_scale_inv`` and per-tensor / per-channel scales.
 
+Quantizers that reproduce AMD Quark 0.13 bit-for-bit, one weight tensor at a time (what a streaming
+file-to-file quantizer needs): INT4 per-channel and per-group, W4A8 (FP8 per-tensor then INT4
+per-channel), MXFP4, FP8 per-tensor and per-channel. Each one repeats Quark's observer arithmetic
+*in the same dtypes* (a bf16 weight gets a bf16-rounded INT4 scale, a bf16 ``w / s`` before the FP8
+cast, ...), because that is where a "mathematically equal" rewrite stops being bit-equal.
+
 Specification: shared/docs/research/kimi_quant_formats.md sections 2 and 3, quark_handson.md
-section 4. The tests check these bit-for-bit against the ``compressed-tensors`` library and AMD
-Quark's own pack methods. We keep our own implementation (rather than calling those libraries at
-run time) because both are heavy optional installs (Quark's import takes 20-40 s and needs g++),
-and the runtime must decode on any device without them.
+sections 4 and 5. tests/formats/test_codecs.py checks all of this against the ``compressed-tensors``
+library and Quark's own primitives. We keep our own implementation (rather than calling those
+libraries at run time) because both are heavy optional installs (Quark's import takes 20-40 s and
+needs g++; its INT4 packer is a Python loop over columns), and the runtime must decode on any device
+without them.
+
+Conventions: a Linear weight is ``[N, K]`` = ``[out_features, in_features]``; INT4 codes are int8 in
+[-8, 7]; every function is vectorised (no Python loop over rows, groups or blocks).
 """
 
 from __future__ import annotations
@@ -21,112 +33,368 @@ import torch
 
 from eagle3.errors import ShapeError
 
+INT4_MIN, INT4_MAX = -8, 7
+# Quark's symmetric INT4 divides amax by (qmax - qmin) / 2 = 7.5, not by 7: the code -8 is usable.
+_INT4_HALF_RANGE = 7.5
+# Quark's observers replace a zero scale by float32 eps (2**-23, exact in bf16 and fp16 too).
+_F32_EPS = torch.finfo(torch.float32).eps
+FP8_E4M3_MAX = 448.0
+
 # ---------------------------------------------------------------------------------------------
 # INT4 nibble packing
 # ---------------------------------------------------------------------------------------------
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble slot j -> bits 4j..4j+3
-# Quark "reorder": nibble slot j of word c holds element 8c + REORDER[j].
+# Quark "reorder": nibble slot j of word c holds element 8c + QUARK_REORDER[j].
 QUARK_REORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Inverse permutation: element e of a group of 8 sits in slot _QUARK_SLOT_OF[e].
+_QUARK_SLOT_OF = (0, 4, 1, 5, 2, 6, 3, 7)
+# Bit offset of element e (0..7) of a group of 8 inside its int32 word. Packing with permuted shifts
+# does the reorder for free (no gather over the tensor).
+_SHIFTS_NATURAL = tuple(4 * j for j in range(8))
+_SHIFTS_REORDER = tuple(4 * j for j in _QUARK_SLOT_OF)
 
 
-def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """u: integer tensor [..., 8*W] with values 0..15 -> int32 [..., W] (slot j = element 8w+j)."""
-    if u.shape[-1] % 8:
-        raise ShapeError(f"INT4 packing needs a last dim divisible by 8, got {list(u.shape)}")
-    u = u.to(torch.int64).reshape(*u.shape[:-1], -1, 8)
-    words = (u << _SHIFTS.to(torch.int64)).sum(-1)
-    # Map 0..2^32-1 onto the int32 bit pattern.
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> uint8-valued int16 [..., 8*W] with the nibble of slot j at 8w+j."""
-    w = words.to(torch.int32).unsqueeze(-1)
-    u = (w >> _SHIFTS.to(w.device)) & 0xF
-    return u.reshape(*words.shape[:-1], -1).to(torch.int16)
-
-
-def _pad8(x: torch.Tensor) -> torch.Tensor:
-    k = x.shape[-1]
-    if k % 8 == 0:
+def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dim up to a multiple (both libraries pack a ragged tail as zero nibbles)."""
+    pad = (-x.shape[-1]) % multiple
+    if pad == 0:
         return x
-    pad = torch.zeros(*x.shape[:-1], 8 - k % 8, dtype=x.dtype, device=x.device)
-    return torch.cat([x, pad], -1)
+    return torch.nn.functional.pad(x, (0, pad))
+
+
+def _pack_nibbles(u: torch.Tensor, shifts: tuple[int, ...] = _SHIFTS_NATURAL) -> torch.Tensor:
+    """u: integers 0..15, shape [..., K] -> int32 [..., ceil(K/8)]; element e of each group of 8 goes
+    to bits shifts[e]..shifts[e]+3."""
+    u = _pad_last(u.to(torch.int32), 8)
+    u = u.reshape(*u.shape[:-1], -1, 8)
+    # The fields do not overlap, so their int32 sum is their bitwise OR; the nibble shifted to bits
+    # 28..31 wraps to the negative int32 with the right bit pattern (torch shifts as unsigned).
+    sh = torch.tensor(shifts, dtype=torch.int32, device=u.device)
+    return (u << sh).sum(-1, dtype=torch.int32)
+
+
+def _unpack_nibbles(words: torch.Tensor, shifts: tuple[int, ...] = _SHIFTS_NATURAL) -> torch.Tensor:
+    """int32 [..., W] -> int32 values 0..15 [..., 8W] (inverse of :func:`_pack_nibbles`)."""
+    if words.dtype != torch.int32:
+        raise ShapeError(f"packed INT4 tensor must be int32, got {words.dtype}")
+    sh = torch.tensor(shifts, dtype=torch.int32, device=words.device)
+    u = (words.unsqueeze(-1) >> sh) & 0xF  # arithmetic shift; the mask drops the sign copies
+    return u.reshape(*words.shape[:-1], -1)
+
+
+def _check_codes(q: torch.Tensor, what: str) -> None:
+    if q.is_floating_point() or q.is_complex():
+        raise ShapeError(f"{what}: INT4 codes must be an integer tensor, got {q.dtype}")
 
 
 def ct_int4_pack(q: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors: signed codes q in [-8, 7], shape [N, K] -> int32 [N, ceil(K/8)]."""
-    return _pack_nibbles(_pad8(q.to(torch.int16) + 8))
+    """compressed-tensors ``pack_to_int32``: signed codes in [-8, 7], [..., K] -> int32 [..., ceil(K/8)].
+
+    Stored nibble = q + 8, natural order; a ragged tail is padded with the nibble 0 (not 8), like
+    the library (it offsets first, then pads)."""
+    _check_codes(q, "ct_int4_pack")
+    return _pack_nibbles(q.to(torch.int32) + 8)
 
 
 def ct_int4_unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """compressed-tensors: int32 [N, ceil(K/8)] -> int8 codes [N, K]."""
+    """compressed-tensors ``unpack_from_int32``: int32 [..., ceil(K/8)] -> int8 codes [..., K]."""
+    if packed.shape[-1] * 8 < k:
+        raise ShapeError(f"weight_packed has {packed.shape[-1]} words per row, too few for {k} columns")
     return (_unpack_nibbles(packed)[..., :k] - 8).to(torch.int8)
 
 
 def ct_int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int] | torch.Tensor,
                        dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``W[n,k] = q[n,k] * scale[n, k // g]``.
+    """``W[n,k] = q[n,k] * scale[n, k // g]`` for a compressed-tensors group-quantized weight.
 
-    ``dtype=None`` rounds like compressed-tensors does (product in the scale's dtype, bf16 for
-    Kimi); ``dtype=torch.float32`` gives the exact fp32 product that Quark's file-to-file path
-    quantizes from (kimi_quant_formats.md 3.3)."""
+    The product is computed in the wider of ``scale.dtype`` and ``dtype`` and then cast to
+    ``dtype`` (default ``scale.dtype``). So ``dtype=None`` with Kimi's bf16 scales rounds once to
+    bf16 exactly like ``compressed_tensors`` ``dequantize``; ``dtype=torch.float32`` gives the exact
+    fp32 product that Quark's file-to-file path quantizes from (it upcasts the scale first,
+    kimi_quant_formats.md 3.3/3.4)."""
     n, k = (int(x) for x in (shape.tolist() if isinstance(shape, torch.Tensor) else shape))
-    if packed.shape[0] != n or packed.shape[-1] != (k + 7) // 8:
+    if packed.dim() != 2 or packed.shape[0] != n or packed.shape[-1] != (k + 7) // 8:
         raise ShapeError(f"weight_packed has shape {list(packed.shape)} but weight_shape ({n}, {k}) needs "
                          f"[{n}, {(k + 7) // 8}]")
-    if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
-        raise ShapeError(f"weight_scale has shape {list(scale.shape)}, not [{n}, {k}/group]")
+    if scale.dim() != 2 or scale.shape[0] != n or scale.shape[1] == 0 or k % scale.shape[1]:
+        raise ShapeError(f"weight_scale has shape {list(scale.shape)}, not [{n}, {k}/group_size]")
     g = k // scale.shape[1]
-    q = ct_int4_unpack(packed, k)
     out_dtype = scale.dtype if dtype is None else dtype
-    s = scale.to(out_dtype).repeat_interleave(g, dim=1)
-    return q.to(out_dtype) * s
+    compute = torch.promote_types(scale.dtype, out_dtype)
+    q = ct_int4_unpack(packed, k).to(compute).reshape(n, -1, g)
+    return (q * scale.to(compute).unsqueeze(-1)).reshape(n, k).to(out_dtype)
 
 
 def ct_int4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors symmetric group quantization: ``scale = amax / 7.5`` (in w's dtype),
-    ``q = round_half_even(clamp(w / scale, -8, 7))``. Returns (int32 packed, scale)."""
+    """compressed-tensors symmetric group quantization (``calculate_qparams`` + ``quantize``):
+    ``scale = amax / 7.5`` in w's dtype (0 -> that dtype's eps), ``q = round_half_even(clamp(w /
+    scale, -8, 7))`` with the division in w's dtype. Returns (int32 packed [N, K/8], scale [N, K/g])."""
+    if w.dim() != 2:
+        raise ShapeError(f"ct_int4_quantize expects a 2-D weight, got shape {list(w.shape)}")
     n, k = w.shape
     if k % group_size:
         raise ShapeError(f"input dim {k} is not divisible by the group size {group_size}")
     wg = w.reshape(n, k // group_size, group_size)
-    amax = wg.abs().amax(-1, keepdim=True)
-    scale = (amax / 7.5).to(w.dtype)
+    scale = wg.abs().amax(-1, keepdim=True) / _INT4_HALF_RANGE
     scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
-    q = torch.round(torch.clamp(wg / scale, -8, 7)).to(torch.int8).reshape(n, k)
+    q = torch.round(torch.clamp(wg / scale, INT4_MIN, INT4_MAX)).to(torch.int8).reshape(n, k)
     return ct_int4_pack(q), scale.reshape(n, -1)
 
 
 def quark_int4_pack(q: torch.Tensor, reorder: bool = True) -> torch.Tensor:
-    """Quark ``Pack_4_bits``: signed codes [..., K] (K % 8 == 0) -> int32 [..., K/8] of
-    two's-complement nibbles; ``reorder`` puts element 8c+REORDER[j] in nibble slot j."""
-    u = q.to(torch.int16) & 0xF
-    if reorder:
-        if u.shape[-1] % 8:
-            raise ShapeError(f"INT4 packing needs a last dim divisible by 8, got {list(u.shape)}")
-        idx = torch.tensor(QUARK_REORDER, device=u.device)
-        u = u.reshape(*u.shape[:-1], -1, 8)[..., idx].reshape(u.shape)
-    return _pack_nibbles(u)
+    """Quark ``Pack_4_bits`` along the last dim: signed codes [..., K] -> int32 [..., ceil(K/8)] of
+    two's-complement nibbles; ``reorder`` puts element 8c+QUARK_REORDER[j] in nibble slot j (the
+    export default, ``pack_method: "reorder"``); ``reorder=False`` is natural order (``"order"``).
+    No transpose here: per-group callers pack ``q.T`` (see :func:`quark_int4_per_group_quantize`)."""
+    _check_codes(q, "quark_int4_pack")
+    return _pack_nibbles(q.to(torch.int32) & 0xF, _SHIFTS_REORDER if reorder else _SHIFTS_NATURAL)
 
 
-def quark_int4_unpack(packed: torch.Tensor, reorder: bool = True) -> torch.Tensor:
-    """Inverse of :func:`quark_int4_pack`: int32 [..., W] -> int8 codes [..., 8W]."""
-    u = _unpack_nibbles(packed)
-    if reorder:
-        inv = torch.argsort(torch.tensor(QUARK_REORDER, device=u.device))
-        u = u.reshape(*u.shape[:-1], -1, 8)[..., inv].reshape(u.shape)
-    return torch.where(u >= 8, u - 16, u).to(torch.int8)
+def quark_int4_unpack(packed: torch.Tensor, reorder: bool = True, k: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`quark_int4_pack`: int32 [..., W] -> int8 codes [..., k] (default 8W)."""
+    u = _unpack_nibbles(packed, _SHIFTS_REORDER if reorder else _SHIFTS_NATURAL)
+    if k is not None:
+        if k > u.shape[-1]:
+            raise ShapeError(f"packed INT4 tensor has {packed.shape[-1]} words per row, too few for {k} values")
+        u = u[..., :k]
+    return ((u ^ 8) - 8).to(torch.int8)  # sign-extend the 4-bit two's complement
+
+
+def quark_int4_zero_point_like(scale: torch.Tensor) -> torch.Tensor:
+    """The ``weight_zero_point`` tensor Quark's export writes next to a symmetric INT4 scale: zeros,
+    packed 8 per int32 along the scale's last dim ([N] -> [N/8], [K/g, N] -> [K/g, N/8]). The
+    Quark importer and transformers refuse a Quark INT4 checkpoint without it (quark_handson.md 5)."""
+    shape = list(scale.shape) or [1]
+    shape[-1] = (shape[-1] + 7) // 8
+    return torch.zeros(shape, dtype=torch.int32, device=scale.device)
 
 
 # ---------------------------------------------------------------------------------------------
-# FP4 E2M1 and E8M0
+# Quark INT4 quantization (symmetric, per-channel / per-group), Quark 0.13 numerics
+# ---------------------------------------------------------------------------------------------
+
+
+def _quark_int4_scale(amax: torch.Tensor) -> torch.Tensor:
+    # PerChannel/PerGroupMinMaxObserver keep min/max in the *input* dtype, so for a bf16 weight the
+    # scale is bf16(amax / 7.5) even when scale_type="float32" asks for fp32 storage.
+    return torch.clamp(amax / _INT4_HALF_RANGE, min=_F32_EPS)
+
+
+def _quark_int4_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # scaled_real_quantize multiplies by the fp32 reciprocal (to mimic aten's fake_quantize), it does
+    # not divide; torch.round is round-half-to-even.
+    inv = 1.0 / scale.float()
+    return torch.round(x.float() * inv).clamp_(INT4_MIN, INT4_MAX).to(torch.int8)
+
+
+def quark_int4_quantize(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quark ``Int4PerChannelSpec(ch_axis=0)`` / ``Int4PerGroupSpec(ch_axis=-1)`` symmetric
+    quantization of a weight [N, K], unpacked: returns (int8 codes [N, K], scale) with scale [N]
+    (``group_size=None``) or [N, K/g], in w's dtype (its value is rounded to w's dtype either way).
+
+    ``scale = max(amax / 7.5, eps)`` in w's dtype; ``q = clamp(round_half_even(w * fp32(1/scale)),
+    -8, 7)`` in fp32 (quark_handson.md 4)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ShapeError(f"INT4 quantization expects a 2-D float weight, got {w.dtype} {list(w.shape)}")
+    n, k = w.shape
+    if group_size is None:
+        scale = _quark_int4_scale(w.abs().amax(dim=1))
+        return _quark_int4_round(w, scale[:, None]), scale
+    if group_size <= 0 or k % group_size:
+        raise ShapeError(f"input dim {k} of weight {list(w.shape)} is not divisible by group size {group_size}")
+    wg = w.reshape(n, k // group_size, group_size)
+    scale = _quark_int4_scale(wg.abs().amax(dim=-1))
+    return _quark_int4_round(wg, scale[..., None]).reshape(n, k), scale
+
+
+def quark_int4_per_channel_quantize(w: torch.Tensor, reorder: bool = True,
+                                    scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT4 per-output-channel symmetric weight in Quark's export layout.
+
+    Returns (``weight`` int32 [N, ceil(K/8)], ``weight_scale`` [N]). ``reorder=True`` is
+    ``export_safetensors``' default packing; Quark 0.13 file-to-file writes ``reorder=False``.
+    ``scale_dtype=None`` stores the scale in w's dtype (``scale_type="float"``, the in-memory export);
+    ``torch.float32`` is ``scale_type="float32"`` / file-to-file. Pair it with
+    :func:`quark_int4_zero_point_like` for a Quark-loadable export."""
+    q, scale = quark_int4_quantize(w)
+    return quark_int4_pack(q, reorder), scale.to(scale_dtype or w.dtype)
+
+
+def quark_int4_per_channel_dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int | None = None,
+                                      reorder: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] + scale [N] -> W [N, K] = q * scale[n] (fp32 product, cast to dtype)."""
+    if packed.dim() != 2 or scale.dim() != 1 or scale.shape[0] != packed.shape[0]:
+        raise ShapeError(f"per-channel INT4: weight {list(packed.shape)} and weight_scale {list(scale.shape)} "
+                         f"are not [N, K/8] and [N]")
+    q = quark_int4_unpack(packed, reorder, k)
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def quark_int4_per_group_quantize(w: torch.Tensor, group_size: int = 128, reorder: bool = True,
+                                  scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT4 per-group (along K) symmetric weight in Quark's *export* layout, which is transposed:
+    returns (``weight`` int32 [K, ceil(N/8)] = pack(q.T), ``weight_scale`` [K/g, N]).
+
+    Quark 0.13 file-to-file differs (quark_handson.md 5): ``reorder=False`` and an untransposed
+    [N, K/g] scale (``scale.T`` of this one). ``scale_dtype`` as in
+    :func:`quark_int4_per_channel_quantize`."""
+    q, scale = quark_int4_quantize(w, group_size)
+    return quark_int4_pack(q.t(), reorder), scale.t().contiguous().to(scale_dtype or w.dtype)
+
+
+def quark_int4_per_group_dequantize(packed: torch.Tensor, scale: torch.Tensor, reorder: bool = True,
+                                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Export layout int32 [K, ceil(N/8)] + scale [K/g, N] -> W [N, K] = q[n,k] * scale[k//g, n]."""
+    if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] == 0 or packed.shape[0] % scale.shape[0]:
+        raise ShapeError(f"per-group INT4: weight {list(packed.shape)} and weight_scale {list(scale.shape)} "
+                         f"are not [K, N/8] and [K/group, N]")
+    k, n = packed.shape[0], scale.shape[1]
+    if packed.shape[1] != (n + 7) // 8:
+        raise ShapeError(f"per-group INT4: weight {list(packed.shape)} does not match {n} output channels")
+    g = k // scale.shape[0]
+    qt = quark_int4_unpack(packed, reorder, n).float()  # [K, N]
+    w = qt.reshape(-1, g, n) * scale.float()[:, None, :]
+    return w.reshape(k, n).t().contiguous().to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 E4M3
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _fp8_scale(amax: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    # Quark's get_scale("float32") casts amax to the scale dtype *before* dividing by 448, so
+    # scale_type="float32" gives an fp32 quotient even for a bf16 weight, "float" a bf16 one.
+    s = amax.to(scale_dtype or amax.dtype) / FP8_E4M3_MAX
+    return s.masked_fill(s == 0, _F32_EPS)
+
+
+def fp8_per_tensor_quantize(w: torch.Tensor, scale_dtype: torch.dtype | None = torch.float32
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quark ``FP8E4M3PerTensorSpec`` (min_max, static) of a weight: returns (float8_e4m3fn, 0-d scale).
+
+    ``scale = amax / 448`` in ``scale_dtype`` (default fp32 = ``scale_type="float32"``, also what
+    file-to-file forces; ``None`` = w's dtype). ``q = fp8(clamp(w / scale, +-448))`` where the
+    quotient has *w's* dtype: for a bf16 weight it is rounded to bf16 before the FP8 cast, as in
+    Quark (``bf16_tensor / fp32_0d_tensor`` stays bf16 under torch's promotion rules)."""
+    if not w.is_floating_point():
+        raise ShapeError(f"FP8 quantization expects a float tensor, got {w.dtype}")
+    scale = _fp8_scale(w.abs().amax(), scale_dtype)
+    return _fp8_cast(w / scale), scale
+
+
+def fp8_per_channel_quantize(w: torch.Tensor, scale_dtype: torch.dtype | None = torch.float32
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quark ``FP8E4M3PerChannelSpec(ch_axis=0)`` static weight (the ``ptpc_fp8`` scheme): returns
+    (float8_e4m3fn [N, K], scale [N]).
+
+    ``scale[n] = amax_n / 448`` in ``scale_dtype`` (as :func:`fp8_per_tensor_quantize`); Quark then
+    casts the scale to *w's* dtype before dividing (``real_quantize_fp8_per_channel_with_scale``), so
+    a bf16 weight is divided by a bf16-rounded scale in bf16 while the stored scale keeps fp32."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ShapeError(f"FP8 per-channel quantization expects a 2-D float weight, got {w.dtype} {list(w.shape)}")
+    scale = _fp8_scale(w.abs().amax(dim=1), scale_dtype)
+    return _fp8_cast(w / scale.to(w.dtype)[:, None]), scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per-tensor (scale shape () or [1]) or per-output-channel (scale [N] or [N, 1]) FP8 weight
+    [N, K] -> ``q * scale`` computed in fp32, cast to dtype."""
+    s = scale.float()
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif q.dim() == 2 and s.numel() == q.shape[0] and s.dim() <= 2:
+        s = s.reshape(-1, 1)
+    else:
+        raise ShapeError(f"FP8 weight_scale of shape {list(scale.shape)} is neither per-tensor nor per-channel "
+                         f"for a weight of shape {list(q.shape)}")
+    return (q.float() * s).to(dtype)
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """DeepSeek-V3 / Kimi-K2 FP8: ``W = fp8 * scale_inv[n // 128, k // 128]`` (computed in fp32)."""
+    if w.dim() != 2:
+        raise ShapeError(f"FP8 block weight must be 2-D, got shape {list(w.shape)}")
+    n, k = w.shape
+    bn, bk = block
+    want = ((n + bn - 1) // bn, (k + bk - 1) // bk)
+    if tuple(scale_inv.shape) != want:
+        raise ShapeError(f"weight_scale_inv has shape {list(scale_inv.shape)} but weight {[n, k]} with "
+                         f"{bn}x{bk} blocks needs {list(want)}")
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() * s).to(dtype)
+
+
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style block quantization (for synthetic fixtures): ``scale_inv = amax / 448`` per
+    block in fp32 (1 for an all-zero block), ``q = fp8(w / scale_inv)``."""
+    if w.dim() != 2:
+        raise ShapeError(f"FP8 block quantization expects a 2-D weight, got shape {list(w.shape)}")
+    n, k = w.shape
+    bn, bk = block
+    pn, pk = (-n) % bn, (-k) % bk
+    x = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    blocks = x.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    s = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_E4M3_MAX)
+    q = (blocks / s[:, None, :, None]).reshape(n + pn, k + pk)[:n, :k]
+    return _fp8_cast(q), s
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_e4m3fn(clamp(x / scale, -448, 448))`` in fp32 (scale broadcast against x)."""
+    return _fp8_cast(x.float() / scale.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# W4A8: FP8 per-tensor, then INT4 per-channel (Quark ProgressiveSpec / the int4_fp8 scheme)
+# ---------------------------------------------------------------------------------------------
+
+
+def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dtype | None = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W4A8 weights of ``amd/Kimi-K2.5-W4A8`` (Quark ``ProgressiveSpec`` = the ``int4_fp8`` scheme:
+    FP8-E4M3 per-tensor, then INT4 per-channel; kimi_quant_formats.md 3.4):
+
+    stage 1: ``s1 = amax(W) / 448`` (fp32), ``x8 = fp8(W / s1)``;
+    stage 2 on x8's values in ``stage2_dtype``: ``s2[n] = max(amax_n / 7.5, eps)`` in that dtype,
+    ``q = clamp(round_half_even(x8 * fp32(1/s2)), -8, 7)``.
+
+    ``stage2_dtype=torch.float32`` is Quark 0.13 file-to-file (``_progressive_quantize_weight``, what
+    AMD's artifact was made with); ``None`` (= w's dtype) is the in-memory ``quantize_model`` +
+    ``export_safetensors`` path, whose s2 is bf16-rounded for a bf16 weight (x8 is exact in bf16).
+
+    Returns (``weight`` int32 [N, ceil(K/8)], ``weight_scale`` fp32 0-d = s1, ``weight_scale_2``
+    fp32 [N] = s2). To match AMD's artifact, pass the *fp32* dequant of the Moonshot INT4 source
+    (``ct_int4_dequantize(..., dtype=torch.float32)``)."""
+    if w.dim() != 2:
+        raise ShapeError(f"W4A8 quantization expects a 2-D weight, got shape {list(w.shape)}")
+    x8, s1 = fp8_per_tensor_quantize(w, torch.float32)
+    q, s2 = quark_int4_quantize(x8.to(stage2_dtype or w.dtype))
+    return quark_int4_pack(q, reorder), s1, s2.float()
+
+
+def w4a8_dequantize(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                    k: int | None = None, reorder: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W = (q * weight_scale_2[n]) * weight_scale`` in fp32 (Quark's reverse-dequant order; loaders
+    that merge ``weight_scale_2 * weight_scale`` first can differ by one fp32 ulp)."""
+    if weight_scale.numel() != 1:
+        raise ShapeError(f"W4A8 weight_scale must be per-tensor, got shape {list(weight_scale.shape)}")
+    x = quark_int4_per_channel_dequantize(packed, weight_scale_2, k, reorder, torch.float32)
+    return (x * weight_scale.float().reshape(())).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 E2M1, E8M0 and OCP MXFP4
 # ---------------------------------------------------------------------------------------------
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
-_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 
 
 def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
@@ -139,8 +407,9 @@ def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
 
 def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> E2M1 codes uint8 [..., K]."""
-    p = packed.to(torch.uint8)
-    return torch.stack([p & 0xF, p >> 4], -1).reshape(*p.shape[:-1], -1)
+    if packed.dtype != torch.uint8:
+        raise ShapeError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
+    return torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
 
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -149,17 +418,19 @@ def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_encode(x: torch.Tensor) -> torch.Tensor:
-    """float -> E2M1 codes: saturate at +-6, round half to even mantissa, no negative zero
-    (Quark's convention). ``x`` is already divided by its block scale."""
-    x = x.float()
-    a = x.abs().clamp(max=6.0)
-    mids = _E2M1_MIDS.to(x.device)
-    lo = torch.searchsorted(mids, a, right=False)
-    hi = torch.searchsorted(mids, a, right=True)
-    # On an exact tie lo and hi are the two neighbours; the even index has the even mantissa.
-    idx = torch.where((hi != lo) & (lo % 2 == 1), hi, lo)
+    """float -> E2M1 codes (uint8 0..15): saturate at +-6, round half to even mantissa, and a value
+    that rounds to zero is +0 (code 0, never 8), as Quark's ``fake_quantize_to_low_precision_fp``.
+    ``x`` is already divided by its block scale.
+
+    Branch-free: on [0,2) the grid step is 0.5, on [2,4) 1, on [4,6] 2, so ``round(a/step)*step``
+    (exact: power-of-two steps, round-half-even) is the nearest grid value with ties to the even
+    mantissa; the code index follows from the rounded value."""
+    a = x.float().abs().clamp(max=6.0)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    r = torch.round(a / step) * step
+    idx = torch.where(r < 2.0, r * 2.0, torch.where(r < 4.0, r + 2.0, r * 0.5 + 4.0)).to(torch.uint8)
     sign = (x < 0) & (idx != 0)
-    return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
+    return idx | (sign.to(torch.uint8) << 3)
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -170,27 +441,36 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scale -> E8M0 uint8 (the biased exponent field of the float32)."""
-    bits = scale.float().view(torch.int32)
-    return ((bits >> 23) & 0xFF).to(torch.uint8)
+    """Positive float scale -> E8M0 uint8, as Quark's ``to_e8m0_uint8``: the nearest power of two
+    (log2 rounded half-even) biased by 127, with the exponent clamped to [-126, 127]. Note -126,
+    not -127: Quark stores an all-zero block's 2**-127 scale as byte 1."""
+    # Quark takes the log2 in the scale's own dtype (fp32 from its MX observer).
+    s = scale if scale.dtype in (torch.float32, torch.float64, torch.bfloat16) else scale.float()
+    e = torch.log2(s.clamp(min=2.0**-126)).round()
+    return (e.clamp(-127, 127) + 127).to(torch.uint8)
 
 
 def mxfp4_scale_even(amax: torch.Tensor) -> torch.Tensor:
     """Quark ``scale_calculation_mode="even"``: the shared exponent of a 32-block.
 
-    Round amax's mantissa to one bit (half up), take its exponent, subtract E2M1's emax (2),
-    clamp to [-127, 127]. Returns the unbiased exponent as int32."""
+    Round amax's mantissa to one bit (half up, carrying into the exponent), take the exponent,
+    subtract E2M1's emax (2), clamp to [-127, 127]; amax 0 counts as 2**-126. Returns the unbiased
+    exponent as int32 (the block scale is ``2**e``)."""
     a = amax.float()
-    a = torch.where(a == 0, torch.full_like(a, torch.finfo(torch.float32).tiny), a)
-    bits = a.view(torch.int32)
-    bits = (bits + (1 << 21)) & 0x7F800000
-    exp = (bits >> 23) - 127
+    a = torch.where(a == 0, torch.full_like(a, 2.0**-126), a)
+    bits = (a.view(torch.int32) + (1 << 21)) & 0x7F800000
+    field = bits >> 23
+    # A carry out of exponent 254 gives inf in Quark (log2 -> inf -> clamped to 127).
+    exp = torch.where(field == 255, 127 + 2, field - 127)
     return (exp - 2).clamp(-127, 127)
 
 
 def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MXFP4 along the last dim: returns (uint8 packed [..., K/2], uint8 E8M0 scales [..., K/32]).
-    Computed in float32 from ``w`` (pass an fp32 source for bit-exact parity with Quark)."""
+    """OCP MXFP4 along the last dim as Quark ``OCP_MXFP4Spec`` (``PerBlockMXObserver``, "even"
+    scales): returns (uint8 packed [..., K/2], uint8 E8M0 scales [..., K/32]).
+
+    Quark works in fp32 whatever the weight dtype (bf16 -> fp32 is exact). To reproduce AMD's
+    Kimi MXFP4 artifact from the Moonshot INT4 source, pass its fp32 dequant."""
     k = w.shape[-1]
     if k % group_size:
         raise ShapeError(f"input dim {k} is not divisible by the MXFP4 group size {group_size}")
@@ -198,53 +478,17 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
     e = mxfp4_scale_even(x.abs().amax(-1, keepdim=True))
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
     codes = fp4_encode(x / scale).reshape(w.shape)
-    return fp4_pack(codes), (e + 127).to(torch.uint8).reshape(*w.shape[:-1], -1)
+    # Stored byte = to_e8m0_uint8(scale): exact for powers of two, except 2**-127 -> byte 1.
+    return fp4_pack(codes), (e.clamp(min=-126) + 127).to(torch.uint8).reshape(*w.shape[:-1], -1)
 
 
 def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                      group_size: int = 32) -> torch.Tensor:
-    """uint8 packed [..., K/2] + uint8 E8M0 [..., K/32] -> dense [..., K]."""
+    """uint8 packed [..., K/2] + uint8 E8M0 [..., K/32] -> dense [..., K] (fp32 product, cast)."""
     vals = fp4_decode(fp4_unpack(packed))
     k = vals.shape[-1]
-    if scale.shape[-1] * group_size != k:
-        raise ShapeError(f"MXFP4 scale has {scale.shape[-1]} groups per row but the weight has {k} columns")
-    s = e8m0_to_float(scale).repeat_interleave(group_size, dim=-1)
-    return (vals * s).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# FP8 E4M3
-# ---------------------------------------------------------------------------------------------
-
-FP8_E4M3_MAX = 448.0
-
-
-def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """DeepSeek-V3 / Kimi-K2 FP8: ``W = fp8 * scale_inv[n // 128, k // 128]`` (computed in fp32)."""
-    n, k = w.shape
-    bn, bk = block
-    want = ((n + bn - 1) // bn, (k + bk - 1) // bk)
-    if tuple(scale_inv.shape) != want:
-        raise ShapeError(f"weight_scale_inv has shape {list(scale_inv.shape)} but weight {[n, k]} with "
-                         f"{bn}x{bk} blocks needs {list(want)}")
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (w.float() * s).to(dtype)
-
-
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-style block quantization: ``scale_inv = amax / 448`` per block."""
-    n, k = w.shape
-    bn, bk = block
-    pn, pk = (-n) % bn, (-k) % bk
-    x = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
-    blocks = x.reshape((n + pn) // bn, bn, (k + pk) // bk, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
-    s = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_E4M3_MAX)
-    q = (blocks / s[:, None, :, None]).reshape(n + pn, k + pk)[:n, :k]
-    return q.to(torch.float8_e4m3fn), s
-
-
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``fp8_e4m3fn(clamp(x / scale, -448, 448))`` in fp32 (scale broadcast against x)."""
-    return (x.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    if scale.shape[-1] * group_size != k or scale.shape[:-1] != packed.shape[:-1]:
+        raise ShapeError(f"MXFP4 weight_scale {list(scale.shape)} does not match weight {list(packed.shape)} "
+                         f"(needs [..., {k // group_size}])")
+    s = e8m0_to_float(scale).unsqueeze(-1)
+    return (vals.reshape(*vals.shape[:-1], -1, group_size) * s).reshape(vals.shape).to(dtype)
