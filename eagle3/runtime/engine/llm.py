@@ -183,7 +183,9 @@ class LLM:
                 add(GenerationConfig.from_pretrained(str(self.target_path)).eos_token_id)
             except OSError:
                 pass
-        add(getattr(getattr(self.target, "spec", None), "eos_token_id", None))
+        spec = getattr(self.target, "spec", None)
+        add(getattr(spec, "eos_token_ids", None))
+        add(getattr(spec, "eos_token_id", None))
         if self.tokenizer is not None:
             add(getattr(self.tokenizer, "eos_token_id", None))
         return frozenset(ids)
@@ -343,6 +345,10 @@ class LLM:
 
     def stats_line(self) -> str:
         return self.stats.line()
+
+    def reset_stats(self) -> None:
+        """Start the engine-wide acceptance counters afresh (e.g. after a warm-up)."""
+        self.stats = SpecStats(self.stats.num_speculative_tokens)
 
 
 def _is_model(obj: Any) -> bool:
