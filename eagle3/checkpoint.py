@@ -173,6 +173,24 @@ class CheckpointReader:
         if p.is_dir() and (p / INDEX_FILE).is_file():
             self._check_index(p)
 
+    @classmethod
+    def from_headers(cls, path: str | os.PathLike[str], headers: dict[str, dict[str, dict[str, Any]]],
+                     metadata: dict[str, Any] | None = None) -> CheckpointReader:
+        """A header-only view: ``headers`` maps shard file names to their safetensors header
+        entries (``dtype``, ``shape``, ``data_offsets``), e.g. fetched from the Hub with HTTP range
+        requests. Names, shapes and dtypes work as usual; :meth:`get` refuses (no data is here)."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.metadata = metadata or {}
+        self.files = [self.path / f for f in headers]
+        self._infos = {}
+        for fname, entries in headers.items():
+            for name, ent in entries.items():
+                begin, end = (int(x) for x in ent["data_offsets"])
+                self._infos[name] = TensorInfo(name, ent["dtype"], tuple(int(d) for d in ent["shape"]),
+                                               self.path / fname, -1, end - begin)
+        return self
+
     def _files_from_index(self, d: Path) -> list[Path]:
         idx_path = d / INDEX_FILE
         try:
@@ -233,6 +251,8 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (a fresh, writable CPU tensor)."""
         info = self.info(name)
+        if info.offset < 0:
+            raise CheckpointError(f"{info.file}: tensor {name!r} is not downloaded (header-only view)")
         buf = bytearray(info.nbytes)
         try:
             with open(info.file, "rb") as f:

@@ -95,7 +95,10 @@ def inspect(
     from eagle3 import hub
     from eagle3.formats import detect
 
-    summary = detect.detect(hub.resolve(path))
+    # A repo id is inspected from its configs and safetensors headers only (range requests):
+    # no weights are downloaded.
+    where, reader = hub.header_view(path)
+    summary = detect.detect(where, reader=reader)
     if json_out:
         _print_json(summary.to_json())
     else:
@@ -143,6 +146,54 @@ def make_tiny(
     paths = tiny.make_tiny(out, seed=seed, only=only, overwrite=overwrite)
     for name, p in paths.items():
         typer.echo(f"{name:28s} {p}")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="Draft or target: checkpoint directory or Hub repo id.")],
+    out: Annotated[Path, typer.Argument(help="Output directory (written to OUT.partial, then renamed).")],
+    engine: Annotated[str | None, typer.Option(help="vllm|sglang|atom|speculators|eagle3 (required for drafts).")] = None,
+    target: Annotated[str | None, typer.Option(help="Draft: the target model (dir or Hub id) to pair-check against and take default aux ids from.")] = None,
+    aux_layer_ids: Annotated[str | None, typer.Option(help="Draft: aux layer ids, e.g. 2,30,58 (overrides the source).")] = None,
+    aux_convention: Annotated[str | None, typer.Option(help="Draft: input|output -- what the aux ids mean (overrides detection).")] = None,
+    norm_output: Annotated[str | None, typer.Option(help="Draft: true|false -- set EAGLE-3.1 norm_output explicitly.")] = None,
+    drop: Annotated[list[str] | None, typer.Option(help="Leave out tensors matching NAME (exact or glob; repeatable).")] = None,
+    verifier: Annotated[str | None, typer.Option(help="Draft, speculators: verifier name_or_path (default: --target or moonshotai/Kimi-K2.5).")] = None,
+    text_only: Annotated[bool, typer.Option(help="Target: Kimi-K2.5 wrapper -> DeepseekV3ForCausalLM text stack.")] = False,
+    dequantize: Annotated[str | None, typer.Option(help="Target: bf16|fp32 -- INT4 / FP8-block weights become dense.")] = None,
+    model_type: Annotated[str | None, typer.Option(help="Target: kimi_k2|deepseek_v3 -- model_type of the text stack.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
+    max_shard_size: Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB (default 5GiB).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON.")] = False,
+) -> None:
+    """Convert a draft for an engine, or a Kimi-K2.5 target (text-only, dequantized).
+
+    Examples: eagle3 convert ./kimi-k2.5-eagle3 ./draft-vllm --engine vllm --target ./Kimi-K2.5
+
+    eagle3 convert ./Kimi-K2.5 ./Kimi-K2.5-text-bf16 --text-only --dequantize bf16
+
+    Writes OUT/convert_report.json (renames, drops, aux-id choice, warnings) and a manifest.
+    """
+    from eagle3 import convert as conv
+
+    report = conv.convert(
+        src, out, engine=engine, target=target, aux_layer_ids=conv.parse_aux_ids(aux_layer_ids),
+        aux_convention=aux_convention, norm_output=conv.parse_bool(norm_output, "--norm-output"),
+        drop=drop, verifier=verifier, text_only=text_only, dequantize=dequantize, model_type=model_type,
+        trust_remote_code=trust_remote_code, overwrite=overwrite, max_shard_bytes=conv.parse_size(max_shard_size),
+        progress=not quiet and not json_out,
+    )
+    if json_out:
+        _print_json(report.to_json())
+    else:
+        conv.print_summary(report)
 
 
 def main(argv: list[str] | None = None) -> None:

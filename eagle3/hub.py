@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import DownloadError, UsageError
-from eagle3.formats.files import REMOTE_CODE_PATTERNS, download_patterns
+from eagle3.formats.files import INDEX_FILE, REMOTE_CODE_PATTERNS, download_patterns
 
-__all__ = ["DownloadResult", "FileEntry", "download", "is_local", "print_result", "resolve"]
+__all__ = ["DownloadResult", "FileEntry", "download", "header_view", "is_local", "print_result", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,35 @@ def resolve(path_or_repo: str | os.PathLike[str], *, revision: str | None = None
         return local
     return download(os.fspath(path_or_repo), revision=revision, cache_dir=cache_dir, token=token,
                     trust_remote_code=trust_remote_code).path
+
+
+def header_view(path_or_repo: str | os.PathLike[str], *, revision: str | None = None,
+                cache_dir: str | os.PathLike[str] | None = None,
+                token: str | None = None) -> tuple[Path, CheckpointReader | None]:
+    """What ``inspect`` needs without the weights: a local path as is (reader ``None``: read the
+    files); for a repo id, the small files (configs, index, tokenizer) in the cache plus a
+    header-only :class:`CheckpointReader` built from the shards' safetensors headers, fetched with
+    HTTP range requests (``HfApi.get_safetensors_metadata``). Offline, the cached snapshot is used."""
+    local = _local_or_none(path_or_repo)
+    if local is not None:
+        return local, None
+    from huggingface_hub import HfApi, constants
+
+    repo = os.fspath(path_or_repo)
+    if constants.is_offline_mode():
+        return resolve(repo, revision=revision, cache_dir=cache_dir, token=token), None
+    small = download(repo, revision=revision, cache_dir=cache_dir, token=token,
+                     include=[*download_patterns(weights=False), INDEX_FILE])
+    ctx = _ErrorContext(repo, revision, _cache_dir(cache_dir), None, False)
+    with ctx.translate():
+        meta = HfApi(endpoint=_endpoint(), token=token).get_safetensors_metadata(
+            repo, revision=small.commit or revision)
+    headers = {
+        fname: {name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
+                for name, t in fm.tensors.items()}
+        for fname, fm in sorted(meta.files_metadata.items())
+    }
+    return small.path, CheckpointReader.from_headers(small.path, headers)
 
 
 # ---------------------------------------------------------------------------------------------

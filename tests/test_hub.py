@@ -354,12 +354,22 @@ def test_local_path_is_reported_not_downloaded(fixtures: dict[str, Path], tmp_pa
         hubmod.download(str(src), local_dir=tmp_path / "x")
 
 
-def test_inspect_accepts_a_repo_id(hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inspect_accepts_a_repo_id(hub: FakeHub, fixtures: dict[str, Path], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     res = CliRunner().invoke(app, ["inspect", DRAFT, "--json"])
     assert res.exit_code == 0, (res.exception, res.output)
-    assert json.loads(res.stdout)["role"] == "draft"
-    assert list((tmp_path / "cache" / "models--lightseekorg--kimi-k2.5-eagle3" / "snapshots").iterdir())
+    out = json.loads(res.stdout)
+    assert out["role"] == "draft"
+    snaps = list((tmp_path / "cache" / "models--lightseekorg--kimi-k2.5-eagle3" / "snapshots").iterdir())
+    assert snaps
+    # Only configs/index/tokenizer were downloaded: the shards were read through range requests.
+    assert not list(snaps[0].glob("*.safetensors"))
+    local = json.loads(CliRunner().invoke(app, ["inspect", str(fixtures["draft"]), "--json"]).stdout)
+    for key in ("role", "family", "quant", "dims"):
+        assert out[key] == local[key]
+    assert out["tensors"]["count"] == local["tensors"]["count"]
+    assert out["tensors"]["total_bytes"] == local["tensors"]["total_bytes"]

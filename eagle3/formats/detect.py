@@ -369,16 +369,22 @@ def aux_convention(ids: list[int] | None, speculators_format: bool) -> tuple[Con
 # ---------------------------------------------------------------------------------------------
 
 
-def detect(path: str | os.PathLike[str], check_vocab_map: bool = True) -> CheckpointSummary:
+def detect(path: str | os.PathLike[str], check_vocab_map: bool = True,
+           reader: CheckpointReader | None = None) -> CheckpointSummary:
     """Identify the checkpoint at ``path`` (a directory or a ``.safetensors`` file beside its config).
 
     Reads headers and config only; with ``check_vocab_map`` a draft's ``d2t``/``t2d`` (tiny
     int64/bool vectors) are read to check that draft ids map into the target vocabulary.
-    Raises CheckpointError for unreadable files and FormatError for unknown or inconsistent formats."""
+    Raises CheckpointError for unreadable files and FormatError for unknown or inconsistent formats.
+    ``reader`` may be a header-only view (``CheckpointReader.from_headers``) of a remote checkpoint
+    whose config sits in ``path``."""
     p = Path(path)
     if p.is_file() and p.suffix != ".safetensors":
         raise FormatError(f"{p}: not a checkpoint (give its directory or one of its .safetensors files)")
-    reader = CheckpointReader(p)
+    if reader is None:
+        reader = CheckpointReader(p)
+    else:
+        check_vocab_map = False  # no tensor data in a header-only view
     if not reader.files:
         raise CheckpointError(f"{reader.path}: no .safetensors files (nothing to inspect)")
     cfg_file = reader.path / CONFIG_FILE
