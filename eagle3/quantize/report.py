@@ -1,0 +1,164 @@
+"""The verification report: per quantized tensor, how far its decode (read back from the output
+files, eagle3's codecs) is from the source weight it was quantized from.
+
+``quantization_report.json`` holds one row per quantized module (relative Frobenius error, SNR in
+dB, max abs error, whether it is within the scheme's expected error) and a summary;
+``quantization_report.png`` plots error and SNR by layer (matplotlib, Agg backend: no display).
+:func:`summary_table` is what ``eagle3 quantize`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.checkpoint import write_json
+from eagle3.formats import keys
+
+REPORT_JSON = "quantization_report.json"
+REPORT_PNG = "quantization_report.png"
+
+
+@dataclass
+class ErrorAccumulator:
+    """Running sums over row chunks (float64: a 132M-element weight would lose digits in fp32)."""
+
+    sq_err: float = 0.0
+    sq_ref: float = 0.0
+    max_abs: float = 0.0
+    nonfinite: int = 0
+
+    def add(self, decoded: torch.Tensor, ref: torch.Tensor) -> None:
+        ref = ref.float()
+        diff = decoded - ref
+        self.nonfinite += int((~torch.isfinite(decoded)).sum())
+        self.sq_err += float(torch.linalg.vector_norm(diff, dtype=torch.float64) ** 2)
+        self.sq_ref += float(torch.linalg.vector_norm(ref, dtype=torch.float64) ** 2)
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+
+
+@dataclass
+class TensorReport:
+    module: str
+    kind: str  # routed-expert | shared-expert | dense-mlp | attention | mlp | other
+    layer: int | None
+    shape: list[int]
+    rel_error: float  # ||W' - W|| / ||W||
+    snr_db: float  # 10 log10(||W||^2 / ||W' - W||^2); inf when exact
+    max_abs_error: float
+    ok: bool  # finite and rel_error <= the scheme's expected bound
+
+    @classmethod
+    def from_acc(cls, module: str, shape: tuple[int, int], acc: ErrorAccumulator, bound: float) -> TensorReport:
+        rel = math.sqrt(acc.sq_err / acc.sq_ref) if acc.sq_ref > 0 else (0.0 if acc.sq_err == 0 else math.inf)
+        snr = 10 * math.log10(acc.sq_ref / acc.sq_err) if acc.sq_err > 0 else math.inf
+        ok = acc.nonfinite == 0 and rel <= bound
+        return cls(module, module_kind(module), layer_index(module), list(shape), rel, snr, acc.max_abs, ok)
+
+
+def module_kind(name: str) -> str:
+    if keys.expert_index(name) is not None:
+        return "routed-expert"
+    if ".shared_experts." in name:
+        return "shared-expert"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense-mlp" if keys.target_layer_index(name) is not None else "mlp"
+    return "other"
+
+
+def layer_index(name: str) -> int | None:
+    i = keys.target_layer_index(name)
+    if i is not None:
+        return i
+    p = keys.draft_layer_prefix(name)
+    if p is None:
+        return None
+    return 0 if p == keys.MIDLAYER else int(p.split(".")[1])
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def summarize(rows: list[TensorReport]) -> dict[str, Any]:
+    """Totals and per-kind aggregates (JSON-safe: inf SNR -> null)."""
+    by_kind: dict[str, list[TensorReport]] = defaultdict(list)
+    for r in rows:
+        by_kind[r.kind].append(r)
+
+    def agg(rs: list[TensorReport]) -> dict[str, Any]:
+        rel = [r.rel_error for r in rs]
+        snr = [r.snr_db for r in rs]
+        return {"tensors": len(rs), "mean_rel_error": sum(rel) / len(rel) if rel else None,
+                "max_rel_error": max(rel) if rel else None, "min_snr_db": _finite(min(snr)) if snr else None,
+                "failed": sum(not r.ok for r in rs)}
+
+    return {"all": agg(rows), "by_kind": {k: agg(v) for k, v in sorted(by_kind.items())}}
+
+
+def write_report(out_dir: Path, rows: list[TensorReport], meta: dict[str, Any]) -> list[Path]:
+    """Write the JSON report (always) and the PNG plot (when matplotlib is installed)."""
+    rows = sorted(rows, key=lambda r: (r.layer if r.layer is not None else -1, r.module))
+    data = {**meta, "summary": summarize(rows),
+            "tensors": [{**asdict(r), "snr_db": _finite(r.snr_db)} for r in rows]}
+    written = [out_dir / REPORT_JSON]
+    write_json(written[0], data)
+    png = plot(rows, out_dir / REPORT_PNG, title=f"{meta.get('recipe', '')} ({meta.get('scope', '')})")
+    if png is not None:
+        written.append(png)
+    return written
+
+
+def plot(rows: list[TensorReport], path: Path, title: str = "") -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:  # matplotlib ships with eagle3[eval]; the JSON report carries the same numbers
+        return None
+    kinds = sorted({r.kind for r in rows})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for i, kind in enumerate(kinds):
+        rs = [r for r in rows if r.kind == kind]
+        # Spread kinds side by side within a layer so that they do not hide each other.
+        x = [(r.layer if r.layer is not None else -1) + (i - (len(kinds) - 1) / 2) * 0.12 for r in rs]
+        ax1.scatter(x, [r.rel_error for r in rs], s=10, label=kind, alpha=0.7)
+        ax2.scatter(x, [min(r.snr_db, 99.0) for r in rs], s=10, label=kind, alpha=0.7)
+    ax1.set_ylabel("relative error ||W'-W||/||W||")
+    ax2.set_ylabel("SNR (dB)")
+    ax2.set_xlabel("layer (-1: outside the decoder layers)")
+    ax1.set_title(f"eagle3 quantize: per-tensor error {title}")
+    ax1.legend(fontsize=8, loc="best")
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(rows: list[TensorReport], title: str) -> Any:
+    """A rich Table: one line per module kind plus a total."""
+    from rich.table import Table
+
+    s = summarize(rows)
+    t = Table(title=title)
+    for col in ("kind", "tensors", "mean rel err", "max rel err", "min SNR dB", "over bound"):
+        t.add_column(col, justify="left" if col == "kind" else "right")
+
+    def fmt(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for kind, a in [*s["by_kind"].items(), ("all", s["all"])]:
+        t.add_row(kind, str(a["tensors"]), fmt(a["mean_rel_error"], ".4f"), fmt(a["max_rel_error"], ".4f"),
+                  fmt(a["min_snr_db"], ".1f") if a["tensors"] else "-", str(a["failed"]))
+    return t
