@@ -196,6 +196,47 @@ def convert(
         conv.print_summary(report)
 
 
+# ---------------------------------------------------------------------------------------------
+# quantize
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def quantize(
+    src: Annotated[str, typer.Argument(help="Target or draft: checkpoint directory or Hub repo id.")],
+    out: Annotated[Path, typer.Argument(help="Output directory (written to OUT.partial, then renamed).")],
+    recipe: Annotated[str, typer.Option(help="w4a8|w4a8-int8|mxfp4|int4-draft|fp8-draft, or a recipe YAML file.")],
+    scope: Annotated[str | None, typer.Option(help="A scope of the recipe, e.g. mxfp4: experts|experts+shared+dense.")] = None,
+    workers: Annotated[int, typer.Option(help="Parallel shard processes (0 = one per CPU core).")] = 0,
+    engine: Annotated[str, typer.Option(help="native (eagle3 codecs) | quark (AMD Quark's primitives, same bits).")] = "native",
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from OUT.partial, skipping finished shards.")] = False,
+    verify: Annotated[bool, typer.Option(help="Read every quantized tensor back and compare with the source.")] = True,
+    trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
+) -> None:
+    """Quantize a checkpoint file to file into AMD Quark's export format (vLLM, SGLang, ATOM).
+
+    Examples: eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-W4A8 --recipe w4a8
+
+    eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-MXFP4 --recipe mxfp4 --scope experts --workers 4
+
+    eagle3 quantize ./kimi-k2.5-eagle3 ./draft-int4 --recipe int4-draft
+
+    Writes OUT/quantization_report.json (+ .png): per-tensor error of the decoded output vs the source.
+    """
+    from eagle3.quantize import pipeline
+
+    result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
+                               resume=resume, verify=verify, trust_remote_code=trust_remote_code,
+                               progress=not quiet and not json_out and sys.stderr.isatty())
+    if json_out:
+        _print_json(result.to_json())
+    else:
+        pipeline.print_summary(result)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: one-line errors and exit code 2 for user errors.
 
