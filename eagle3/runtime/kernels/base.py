@@ -1,0 +1,322 @@
+"""The kernel interface: canonical weights, the ops a model calls, and backend selection.
+
+Design (shared/docs/research/kernel_backends.md sections 0 and 5):
+
+* The loader turns every on-disk format into one of a few *canonical* weights
+  (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`); bit
+  unpacking happens there, through ``eagle3.formats.codecs``. A backend never sees a file layout.
+* Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, dequantize,
+  pre-transpose; whatever the backend wants) and ``__call__`` (per step). Weightless ops (norm,
+  RoPE, attention) are backend methods.
+* ``torch`` (:mod:`eagle3.runtime.kernels.torch_ref`) is the exact reference on any device.
+  Triton (Hopper) and aiter (MI3xx) backends plug in with the same interface later; a backend may
+  refuse a case and return the reference op instead.
+
+Batch invariance is part of the contract: for every op, the result for one token (row) must not
+depend on which other tokens share the call. The reference achieves it by construction (see
+``torch_ref``); other backends must keep it or declare themselves non-invariant
+(:attr:`KernelBackend.batch_invariant`), in which case the engine cannot promise that speculative
+greedy output equals plain greedy output.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from eagle3.errors import ShapeError, UsageError
+from eagle3.formats import codecs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eagle3.runtime.context import AttnMetadata
+
+# Dynamic activation quantization applied in front of a quantized Linear (per token, or per
+# 32-element block of a token row for MXFP4). None = activations stay in the compute dtype.
+ActQuant = Literal["int8", "fp8", "mxfp4"] | None
+ACT_QUANTS: tuple[str, ...] = ("int8", "fp8", "mxfp4")
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (what the loader produces)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DenseWeight:
+    """A float weight ``[N, K]`` (+ optional bias ``[N]``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+
+@dataclass
+class Int4Weight:
+    """Signed INT4 codes, unpacked: ``codes`` int8 ``[N, K]`` in [-8, 7].
+
+    ``W[n, k] = codes[n, k] * scale[n, k // group_size]`` (group scales ``[N, K/G]``) or
+    ``codes[n, k] * scale[n]`` (per-channel, ``group_size=None``), times ``tensor_scale`` when
+    set (Quark's two-stage W4A8: per-tensor FP8 stage scale). The product is formed in
+    ``scale.dtype`` - compressed-tensors' rule (bf16 for Kimi), see kimi_quant_formats.md 2.3."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    group_size: int | None = None
+    tensor_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+
+@dataclass
+class MXFP4Weight:
+    """OCP MXFP4: ``packed`` uint8 ``[N, K/2]`` (E2M1, even element in the low nibble) and
+    ``scale`` uint8 ``[N, K/32]`` (E8M0)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.packed.shape[0]), int(self.packed.shape[1]) * 2
+
+
+@dataclass
+class FP8Weight:
+    """FP8 E4M3 ``weight [N, K]`` with ``scale``: ``[ceil(N/bn), ceil(K/bk)]`` when ``block`` is
+    set (DeepSeek ``weight_scale_inv``), ``[N]`` / ``[N, 1]`` per channel, or 0-d / ``[1]`` per
+    tensor. ``W = float(weight) * scale``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+
+LinearWeight = DenseWeight | Int4Weight | MXFP4Weight | FP8Weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearOp(ABC):
+    """``y = act_quant(x) @ W.T (+ bias)`` in the compute dtype."""
+
+    in_features: int
+    out_features: int
+
+    @abstractmethod
+    def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        """Once, at load. May keep, relayout or dequantize ``weight``; it owns it afterwards."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` -> ``[T, N]`` (compute dtype)."""
+
+
+class MoEOp(ABC):
+    """Routed experts: ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x)) * up_e(x))``, ``e = ids[t, j]``.
+
+    The sum over the top-k slots runs in fp32 in slot order, then casts to the compute dtype
+    (transformers' default ``grouped_mm`` path does the same, transformers_kimi_tiny.md 5.6)."""
+
+    @abstractmethod
+    def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
+                act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        """Per-expert weights (index = expert id)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights`` fp32 ``[T, k]`` -> ``[T, H]``."""
+
+
+class KernelBackend(ABC):
+    """Factory for the weighted ops plus the weightless ones."""
+
+    name: str = "?"
+    batch_invariant: bool = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def linear(self) -> LinearOp: ...
+
+    @abstractmethod
+    def moe(self) -> MoEOp: ...
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        """``x [M, K] @ w_t [K, N]`` (router, lm_head, small unquantized products)."""
+
+    @abstractmethod
+    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption)."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def silu(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """Rotate ``x [T, heads, d]`` with ``cos/sin [T, d/2]``. ``interleaved``: pairs
+        ``(x[2i], x[2i+1])`` (DeepSeek / GPT-J), output in rotate-half order; else NeoX halves."""
+
+    @abstractmethod
+    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        """``cache [S, ...]`` (flat slots) ``[slot_mapping[t]] = values[t]``; slot -1 is skipped."""
+
+    def plan_attention(self, meta: AttnMetadata) -> Any:
+        """Per-forward precomputation shared by every attention layer (gather indices, masks);
+        the model calls it once per forward and passes the result as ``plan``."""
+        return None
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                  scale: float, plan: Any = None) -> torch.Tensor:
+        """Paged causal attention by position. ``q [T, Hkv, G, D]``, ``k_cache [S, Hkv, D]``,
+        ``v_cache [S, Hkv, Dv]`` (flat slots; MLA: ``Hkv = 1``, ``v`` a prefix view of ``k``).
+        Query ``t`` of sequence ``b`` at position ``p`` attends slots of positions ``0..p``
+        through ``meta.block_tables[b]``. Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``."""
+
+
+_BACKENDS: dict[str, type[KernelBackend]] = {}
+
+
+def register_backend(name: str, cls: type[KernelBackend]) -> None:
+    _BACKENDS[name] = cls
+
+
+ENV_BACKEND = "EAGLE3_KERNEL_BACKEND"
+
+
+def get_backend(name: str | None = None, device: torch.device | str = "cpu") -> KernelBackend:
+    """The backend called ``name`` (default: ``$EAGLE3_KERNEL_BACKEND`` or ``torch``) on ``device``."""
+    name = name or os.environ.get(ENV_BACKEND) or "torch"
+    if name not in _BACKENDS:
+        # Import on demand so that optional backends (triton, aiter) register themselves.
+        import importlib
+
+        try:
+            importlib.import_module(f"eagle3.runtime.kernels.{name}")
+        except ImportError:
+            pass
+    if name not in _BACKENDS:
+        raise UsageError(f"unknown kernel backend {name!r} (available: {', '.join(sorted(_BACKENDS))})")
+    return _BACKENDS[name](device)
+
+
+def concat_out_features(weights: list[LinearWeight]) -> LinearWeight:
+    """Stack Linear weights of one kind along the output dim (gate + up -> one GEMM).
+
+    Per-tensor scales of INT4 / FP8 weights are folded into per-channel scales first, so that
+    every row keeps exactly its own scale."""
+    first = weights[0]
+    if any(type(w) is not type(first) for w in weights):
+        raise UsageError("cannot fuse Linear weights of different formats: "
+                         + ", ".join(type(w).__name__ for w in weights))
+    if any(w.bias is not None for w in weights):
+        biases = [w.bias if w.bias is not None else torch.zeros(w.shape[0], dtype=torch.float32) for w in weights]
+        bias: torch.Tensor | None = torch.cat([b.float() for b in biases])
+    else:
+        bias = None
+    if isinstance(first, DenseWeight):
+        return DenseWeight(torch.cat([w.weight for w in weights]), bias)  # type: ignore[union-attr]
+    if isinstance(first, MXFP4Weight):
+        return MXFP4Weight(torch.cat([w.packed for w in weights]),  # type: ignore[union-attr]
+                           torch.cat([w.scale for w in weights]), bias)  # type: ignore[union-attr]
+    if isinstance(first, Int4Weight):
+        ws: list[Int4Weight] = weights  # type: ignore[assignment]
+        if first.group_size is not None:
+            if any(w.group_size != first.group_size or w.tensor_scale is not None for w in ws):
+                raise UsageError("cannot fuse INT4 weights with different group sizes or tensor scales")
+            return Int4Weight(torch.cat([w.codes for w in ws]), torch.cat([w.scale for w in ws]),
+                              first.group_size, None, bias)
+
+        def chan(w: Int4Weight) -> torch.Tensor:
+            s = w.scale.float().reshape(-1)
+            return s * w.tensor_scale.float().reshape(()) if w.tensor_scale is not None else s
+
+        return Int4Weight(torch.cat([w.codes for w in ws]), torch.cat([chan(w) for w in ws]), None, None, bias)
+    if isinstance(first, FP8Weight):
+        fs: list[FP8Weight] = weights  # type: ignore[assignment]
+        if first.block is not None:
+            bn = first.block[0]
+            if any(w.block != first.block for w in fs) or any(w.shape[0] % bn for w in fs[:-1]):
+                raise UsageError("cannot fuse FP8 block weights whose rows do not align to the block")
+            return FP8Weight(torch.cat([w.weight for w in fs]), torch.cat([w.scale for w in fs]), first.block, bias)
+
+        def fchan(w: FP8Weight) -> torch.Tensor:
+            s = w.scale.float().reshape(-1)
+            return s.expand(w.shape[0]) if s.numel() == 1 else s
+
+        return FP8Weight(torch.cat([w.weight for w in fs]), torch.cat([fchan(w) for w in fs]), None, bias)
+    raise TypeError(f"not a canonical weight: {type(first).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact dequantization of canonical weights (weight-only paths, MLA absorption)
+# ---------------------------------------------------------------------------------------------
+
+
+def int4_channel_scale(w: Int4Weight) -> torch.Tensor:
+    """Per-output-channel fp32 scale of a per-channel INT4 weight, stage scales merged
+    (``weight_scale_2 * weight_scale`` for Quark W4A8, as vLLM merges them)."""
+    if w.group_size is not None:
+        raise UsageError("int8/fp8 activations need a per-channel INT4 weight, got group scales "
+                         f"(group {w.group_size})")
+    s = w.scale.float().reshape(-1)
+    if w.tensor_scale is not None:
+        s = s * w.tensor_scale.float().reshape(())
+    return s
+
+
+def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[N, K]`` weight in ``dtype`` (exact decode, one rounding to ``dtype``)."""
+    if isinstance(w, DenseWeight):
+        return w.weight.to(dtype)
+    if isinstance(w, Int4Weight):
+        n, k = w.shape
+        if w.group_size is not None:
+            if w.scale.shape != (n, k // w.group_size):
+                raise ShapeError(f"INT4 group scale has shape {list(w.scale.shape)}, expected {[n, k // w.group_size]}")
+            # compressed-tensors forms q * scale in the scale's dtype (bf16(q*s) for Kimi).
+            sd = w.scale.dtype
+            out = w.codes.to(sd) * w.scale.repeat_interleave(w.group_size, dim=1)
+            if w.tensor_scale is not None:
+                out = out.float() * w.tensor_scale.float().reshape(())
+            return out.to(dtype)
+        return (w.codes.float() * int4_channel_scale(w)[:, None]).to(dtype)
+    if isinstance(w, MXFP4Weight):
+        return codecs.mxfp4_dequantize(w.packed, w.scale, dtype=dtype)
+    if isinstance(w, FP8Weight):
+        if w.block is not None:
+            return codecs.fp8_block_dequantize(w.weight, w.scale, block=w.block, dtype=dtype)
+        s = w.scale.float()
+        s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
+        return (w.weight.float() * s).to(dtype)
+    raise TypeError(f"not a canonical weight: {type(w).__name__}")

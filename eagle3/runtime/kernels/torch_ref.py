@@ -1,0 +1,472 @@
+"""The exact, batch-invariant torch reference backend (CPU, CUDA, ROCm).
+
+Batch invariance by construction. A token's result must be bit-identical whether it is decoded
+alone, verified with k drafts, or prefilled with 500 others. BLAS kernels pick different code
+paths (and K-reduction orders) for different matrix shapes: measured on the CPU here, fp32
+``x[:M] @ W.T`` differs from ``(x @ W.T)[:M]`` for M < 12 except 4 and 8. So every
+floating-point reduction below runs with a shape that depends only on the model, never on the
+batch:
+
+* GEMMs (:func:`mm_rows`, :func:`bmm_rows`) run on tiles of exactly ``ROW_TILE`` rows (zero
+  padded) as one ``bmm`` over the tiles; every tile is the same-shaped GEMM, whose row results
+  depend only on that row (checked by ``tests/runtime/test_kernels_torch_ref.py`` on each run).
+* Integer GEMMs (W4A8 with int8 activations) accumulate exactly in int32 (``torch._int_mm``); the
+  FP8-activation variant accumulates FP8 x INT4/FP8 products in float64, which is exact too
+  (every product is a multiple of 2^-18 below 2^17, so any K < 2^17 sums exactly). Exact sums
+  need no tiling at all.
+* Attention gathers, per query token, the keys at positions ``0..p`` padded to whole
+  ``KEY_TILE`` tiles, and runs one fixed-shape ``[G, D] x [D, KEY_TILE]`` GEMM per (token, tile,
+  kv-head). Padded keys get probability exactly 0, so tiles past a token's own context add exact
+  zeros to the sums over tiles (an outer, sequential reduction).
+* Norms, RoPE, routing and the top-k combine are row-wise elementwise ops or inner reductions of
+  model-fixed length.
+* Transcendental pointwise ops (sigmoid, SiLU, exp, cos, sin) are NOT shape-invariant on CPU as
+  such: TensorIterator runs the SIMD kernel on whole vectors and a scalar libm path on the tail,
+  and the two differ by an ulp (measured: fp32 sigmoid/silu of row ``t`` change with the number
+  of rows). :func:`pointwise` feeds them a strided view, which sends every element down the
+  scalar path, so an element's result depends on its value only.
+
+Numerics follow transformers' DeepseekV3 implementation where it defines them (RMSNorm weight
+multiply in the activation dtype, cos/sin cast to the activation dtype, router in fp32, top-k
+combine in fp32); attention runs in fp32 with one softmax over the whole context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.errors import ShapeError, UsageError
+from eagle3.formats import codecs
+from eagle3.runtime.kernels.base import (
+    ActQuant,
+    FP8Weight,
+    Int4Weight,
+    KernelBackend,
+    LinearOp,
+    LinearWeight,
+    MoEOp,
+    dequantize,
+    int4_channel_scale,
+    register_backend,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eagle3.runtime.context import AttnMetadata
+
+ROW_TILE = 16  # GEMM rows per tile: every float GEMM is a [ROW_TILE, K] x [K, N] product
+KEY_TILE = 64  # keys per attention tile
+INT8_MAX = 127.0
+# Per-expert weight bytes below which MoE gathers expert weights per row tile (one bmm for all
+# experts) instead of looping over the active experts. Fixed per model, never per batch.
+_MOE_GATHER_BYTES = 2 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-invariant pointwise transcendental ops
+# ---------------------------------------------------------------------------------------------
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` with every element on the same (scalar) code path on CPU; see the module doc.
+    GPU pointwise kernels apply one per-element function already."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return fn(x)
+    buf = x.new_empty(*x.shape, 2)
+    buf[..., 0] = x
+    return fn(buf[..., 0])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(F.silu, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-invariant GEMMs
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad dim -2 of ``x`` up to a multiple of ``multiple`` (at least one tile)."""
+    m = x.shape[-2]
+    target = max(multiple, -(-m // multiple) * multiple)
+    if target == m:
+        return x
+    return F.pad(x, (0, 0, 0, target - m))
+
+
+def mm_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w_t [K, N]`` computed as ``ceil(M / ROW_TILE)`` identical tile GEMMs."""
+    m, k = x.shape
+    if m == 0:
+        return x.new_empty(0, w_t.shape[1])
+    xp = _pad_rows(x, ROW_TILE)
+    nb = xp.shape[0] // ROW_TILE
+    out = torch.bmm(xp.view(nb, ROW_TILE, k), w_t.expand(nb, k, w_t.shape[1]))
+    return out.view(nb * ROW_TILE, -1)[:m]
+
+
+def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [B, M, K] @ w [B, K, N]`` with the M rows tiled as in :func:`mm_rows`."""
+    b, m, k = x.shape
+    n = w.shape[-1]
+    if m == 0:
+        return x.new_empty(b, 0, n)
+    xp = _pad_rows(x, ROW_TILE)
+    nb = xp.shape[1] // ROW_TILE
+    if nb == 1:
+        return torch.bmm(xp, w)[:, :m]
+    # [B, nb, R, K] x [B, nb, K, N]: the weight is repeated per tile (a copy only for prefill).
+    ww = w.unsqueeze(1).expand(b, nb, k, n).reshape(b * nb, k, n)
+    out = torch.bmm(xp.reshape(b * nb, ROW_TILE, k), ww)
+    return out.view(b, nb * ROW_TILE, n)[:, :m]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic activation quantization (per token row; per 32-block for MXFP4)
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``scale = amax / 127``, ``q = round_half_even(x / scale)``."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(xf / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 E4M3: ``scale = amax / 448`` (codecs.fp8_quantize saturates and rounds)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / codecs.FP8_E4M3_MAX, torch.ones_like(amax))
+    return codecs.fp8_quantize(xf, scale[:, None]), scale
+
+
+def mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic MXFP4 fake-quantization of activations (Quark "even" scales per 32-block of a row),
+    returned in ``x.dtype``. An E2M1 value times a power of two is exact in bf16."""
+    packed, scale = codecs.mxfp4_quantize(x.float())
+    return codecs.mxfp4_dequantize(packed, scale, dtype=x.dtype)
+
+
+def _bias(w: LinearWeight, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    return None if w.bias is None else w.bias.to(device=device, dtype=dtype)
+
+
+def _check_act(w: LinearWeight, act: ActQuant) -> str:
+    """The execution mode for (weight kind, activation quant): dense | int8 | fp8 | mxfp4."""
+    if act is None:
+        return "dense"
+    if act == "mxfp4":
+        return "mxfp4"  # any weight: activations are fake-quantized, the GEMM is a float GEMM
+    if act in ("int8", "fp8"):
+        if isinstance(w, Int4Weight):
+            return act
+        if isinstance(w, FP8Weight) and act == "fp8" and w.block is None:
+            return "fp8"
+        raise UsageError(f"{act} activations with a {type(w).__name__} weight are not supported")
+    raise UsageError(f"unknown activation quantization {act!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchLinear(LinearOp):
+    """Float GEMM on row tiles, or an exact integer / float64 GEMM for quantized activations."""
+
+    def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.mode = _check_act(weight, act)
+        self.dtype = dtype
+        self.bias = _bias(weight, dtype, device)
+        if self.mode in ("dense", "mxfp4"):
+            self.w = dequantize(weight, dtype).to(device).contiguous()
+        elif self.mode == "int8":
+            assert isinstance(weight, Int4Weight)
+            self.codes = weight.codes.to(device=device, dtype=torch.int8).contiguous()  # [N, K]
+            self.w_scale = int4_channel_scale(weight).to(device)
+            # torch._int_mm on CUDA needs M > 16 (kernel_backends.md 2.3): pad rows there.
+            self.min_rows = 17 if device.type == "cuda" else 1
+        else:  # fp8 activations, INT4 or per-channel FP8 weight: exact float64 accumulation
+            if isinstance(weight, Int4Weight):
+                self.w64 = weight.codes.to(device=device, dtype=torch.float64).contiguous()
+                self.w_scale = int4_channel_scale(weight).to(device)
+            else:
+                assert isinstance(weight, FP8Weight)
+                self.w64 = weight.weight.to(device).to(torch.float64).contiguous()
+                s = weight.scale.float().reshape(-1)
+                self.w_scale = (s.expand(self.out_features) if s.numel() == 1 else s).to(device).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dense":
+            y = mm_rows(x, self.w.t())
+        elif self.mode == "mxfp4":
+            y = mm_rows(mxfp4_qdq(x), self.w.t())
+        elif self.mode == "int8":
+            y = int8_linear(x, self.codes, self.w_scale, self.min_rows).to(self.dtype)
+        else:
+            y = fp8_linear(x, self.w64, self.w_scale).to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """W4A8 (int8 activations): per-token int8 ``x``, ``int32 acc = x_q @ codes.T`` (exact),
+    ``y = acc * s_x[m] * s_w[n]`` in fp32."""
+    m = x.shape[0]
+    q, sx = quantize_int8_per_token(x)
+    if m < min_rows:
+        q = F.pad(q, (0, 0, 0, min_rows - m))
+    acc = torch._int_mm(q, codes.t())[:m]
+    return acc.float() * sx[:, None] * w_scale[None, :]
+
+
+def fp8_linear(x: torch.Tensor, w64: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """FP8-activation variant: per-token E4M3 ``x`` times the weight codes, summed exactly in
+    float64, then ``* s_x[m] * s_w[n]`` in fp32."""
+    q, sx = quantize_fp8_per_token(x)
+    acc = q.to(torch.float64) @ w64.t()
+    return acc.float() * sx[:, None] * w_scale[None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchMoE(MoEOp):
+    """Routed experts. Token-expert pairs are grouped by expert; float experts run as row-tiled
+    GEMMs (all experts in one ``bmm`` when small, else a loop over the active experts); int8 /
+    fp8-activation experts run the exact linear per active expert."""
+
+    def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
+                act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        if not (len(gate) == len(up) == len(down)) or not gate:
+            raise ShapeError(f"MoE needs the same number of gate/up/down experts, got {len(gate)}/{len(up)}/{len(down)}")
+        self.num_experts = len(gate)
+        self.dtype = dtype
+        self.mode = _check_act(gate[0], act)
+        self.inter = gate[0].shape[0]
+        self.hidden = gate[0].shape[1]
+        if self.mode in ("dense", "mxfp4"):
+            # gate rows then up rows, as transformers' fused gate_up_proj.
+            self.w13 = torch.stack([torch.cat([dequantize(g, dtype), dequantize(u, dtype)], 0)
+                                    for g, u in zip(gate, up, strict=True)]).to(device).contiguous()
+            self.w2 = torch.stack([dequantize(d, dtype) for d in down]).to(device).contiguous()
+            per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+            self.gather = per_expert <= _MOE_GATHER_BYTES
+        else:
+            self.experts13 = []
+            self.experts2 = []
+            for g, u, d in zip(gate, up, down, strict=True):
+                l13 = TorchLinear()
+                l13.prepare(_concat_rows(g, u), act, dtype, device)
+                l2 = TorchLinear()
+                l2.prepare(d, act, dtype, device)
+                self.experts13.append(l13)
+                self.experts2.append(l2)
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.mode in ("dense", "mxfp4") and self.gather:
+            out_sorted = self._gathered(x, flat, order, counts, k)
+        else:
+            out_sorted = self._looped(x, order, counts, k)
+        pair_out = torch.empty_like(out_sorted)
+        pair_out[order] = out_sorted
+        y = (pair_out.view(t, k, -1).float() * topk_weights.float()[..., None]).sum(1)
+        return y.to(self.dtype)
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        g, u = h.split(self.inter, dim=-1)
+        a = silu(g) * u
+        return mxfp4_qdq(a) if self.mode == "mxfp4" else a
+
+    def _gathered(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                  k: int) -> torch.Tensor:
+        r = ROW_TILE
+        padded = (counts + r - 1) // r * r
+        pad_start = torch.cumsum(padded, 0) - padded
+        cnt_start = torch.cumsum(counts, 0) - counts
+        e_sorted = flat[order]
+        dest = pad_start[e_sorted] + torch.arange(order.numel(), device=x.device) - cnt_start[e_sorted]
+        total = int(padded.sum())
+        xin = x[order // k]
+        if self.mode == "mxfp4":
+            xin = mxfp4_qdq(xin)
+        xbuf = x.new_zeros(total, self.hidden)
+        xbuf[dest] = xin
+        nt = total // r
+        tile_e = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), padded // r,
+                                         output_size=nt)
+        h = torch.bmm(xbuf.view(nt, r, self.hidden), self.w13[tile_e].transpose(1, 2))
+        o = torch.bmm(self._act(h), self.w2[tile_e].transpose(1, 2))
+        return o.reshape(total, self.hidden)[dest]
+
+    def _looped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+        out = x.new_empty(order.numel(), self.hidden)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            idx = slice(start, start + n)
+            rows = x[order[idx] // k]
+            if self.mode in ("dense", "mxfp4"):
+                if self.mode == "mxfp4":
+                    rows = mxfp4_qdq(rows)
+                h = mm_rows(rows, self.w13[e].t())
+                out[idx] = mm_rows(self._act(h), self.w2[e].t())
+            else:
+                h = self.experts13[e](rows)
+                g, u = h.split(self.inter, dim=-1)
+                out[idx] = self.experts2[e](silu(g) * u)
+            start += n
+        return out
+
+
+def _concat_rows(a: LinearWeight, b: LinearWeight) -> LinearWeight:
+    """Stack two per-channel quantized weights along the output dim (gate + up)."""
+    if isinstance(a, Int4Weight) and isinstance(b, Int4Weight):
+        sa = int4_channel_scale(a)
+        sb = int4_channel_scale(b)
+        return Int4Weight(torch.cat([a.codes, b.codes]), torch.cat([sa, sb]))
+    if isinstance(a, FP8Weight) and isinstance(b, FP8Weight):
+        def chan(w: FP8Weight) -> torch.Tensor:
+            s = w.scale.float().reshape(-1)
+            return s.expand(w.shape[0]) if s.numel() == 1 else s
+        return FP8Weight(torch.cat([a.weight, b.weight]), torch.cat([chan(a), chan(b)]))
+    raise UsageError(f"cannot fuse {type(a).__name__} and {type(b).__name__} expert weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttnPlan:
+    """Per-forward gather indices, shared by every layer of a model: which cache slot holds key
+    ``j`` of query ``t``'s context (``slots [T, NK*KEY_TILE]``) and whether it is visible."""
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+    num_tiles: int
+
+
+def plan_attention(meta: AttnMetadata) -> AttnPlan:
+    pos = meta.positions.to(torch.int64)
+    t = pos.shape[0]
+    device = pos.device
+    cu = meta.cu_seqlens_q.to(device=device, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), cu[1:] - cu[:-1], output_size=t)
+    nk = int((pos.max() // KEY_TILE + 1).item()) if t else 1
+    j = torch.arange(nk * KEY_TILE, device=device)
+    bt = meta.block_tables.to(device=device, dtype=torch.int64)
+    bs = meta.block_size
+    blk_idx = (j // bs).clamp(max=bt.shape[1] - 1)
+    blocks = bt[seq][:, blk_idx]  # [T, J]
+    valid = (j[None, :] <= pos[:, None]) & (blocks >= 0)
+    slots = torch.where(valid, blocks * bs + (j % bs)[None, :], torch.zeros((), dtype=torch.int64, device=device))
+    return AttnPlan(slots=slots, valid=valid, num_tiles=nk)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttnPlan,
+                    scale: float) -> torch.Tensor:
+    """fp32 attention, one fixed-shape GEMM per (token, key tile, kv head); see the module doc."""
+    t, hkv, g, d = q.shape
+    dv = v_cache.shape[-1]
+    nk, kt = plan.num_tiles, KEY_TILE
+    if t == 0:
+        return q.new_empty(t, hkv, g, dv)
+    flat = plan.slots.reshape(-1)
+    k = k_cache[flat].float().view(t, nk, kt, hkv, d)
+    v = v_cache[flat].float().view(t, nk, kt, hkv, dv)
+    if hkv == 1:  # MLA: the permute below is a view
+        kb = k.view(t * nk, kt, d)
+        vb = v.view(t * nk, kt, dv)
+    else:
+        kb = k.permute(0, 1, 3, 2, 4).reshape(t * nk * hkv, kt, d)
+        vb = v.permute(0, 1, 3, 2, 4).reshape(t * nk * hkv, kt, dv)
+    qs = (q.float() * scale)[:, None].expand(t, nk, hkv, g, d).reshape(t * nk * hkv, g, d)
+    s = torch.bmm(qs, kb.transpose(1, 2)).view(t, nk, hkv, g, kt)
+    mask = plan.valid.view(t, nk, 1, 1, kt)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=(1, 4), keepdim=True)
+    p = pointwise(torch.exp, s - m)  # masked keys: exp(-inf) = 0 exactly
+    pv = torch.bmm(p.view(t * nk * hkv, g, kt), vb).view(t, nk, hkv, g, dv)
+    num = pv.sum(1)
+    den = p.sum(-1).sum(1)
+    return (num / den[..., None]).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchBackend(KernelBackend):
+    name = "torch"
+    batch_invariant = True
+
+    def linear(self) -> LinearOp:
+        return TorchLinear()
+
+    def moe(self) -> MoEOp:
+        return TorchMoE()
+
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        return mm_rows(x, w_t)
+
+    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return bmm_rows(x, w)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return pointwise(torch.sigmoid, x)
+
+    def cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return pointwise(torch.cos, angles), pointwise(torch.sin, angles)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        if interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        slots = slot_mapping.to(device=cache.device, dtype=torch.int64)
+        vals = values.to(cache.dtype)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, vals = slots[keep], vals[keep]
+        cache.index_copy_(0, slots, vals)
+
+    def plan_attention(self, meta: AttnMetadata) -> AttnPlan:
+        return plan_attention(meta)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                  scale: float, plan: AttnPlan | None = None) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan if plan is not None else plan_attention(meta), scale)
+
+
+register_backend("torch", TorchBackend)

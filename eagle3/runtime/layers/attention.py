@@ -1,0 +1,141 @@
+"""Attention over the paged KV cache: DeepSeek MLA (latent cache, absorbed form) and Llama MHA.
+
+MLA (kimi_quant_formats.md 5.2-5.3). Per token and layer the cache holds ``[c (kv_lora, after
+kv_a_layernorm), k_pe (qk_rope, after RoPE)]``. The absorbed form folds ``kv_b_proj`` into the
+query and the output::
+
+    q_abs[h] = W_UK[h]^T q_nope[h]        (W_UK = kv_b.view(nh, dn+dv, rkv)[:, :dn])
+    o_lat[h] = softmax((q_abs[h].c + q_pe[h].k_pe) * scale) . c
+    o[h]     = W_UV[h] o_lat[h]            (W_UV = kv_b.view(nh, dn+dv, rkv)[:, dn:])
+
+which is the attention of ``nh`` query heads over one shared 576-wide key (MQA), so prefill,
+decode and multi-token verify are one call. The naive form (``absorbed=False``) expands the whole
+cache through ``kv_b_proj`` into per-head keys and values; it exists for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle3.errors import ShapeError
+from eagle3.runtime.config import MHASpec, MLASpec
+from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, concat_out_features, dequantize
+from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.norm import RMSNorm
+from eagle3.runtime.layers.rotary import RotaryEmbedding
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, spec: MLASpec, in_dim: int, out_dim: int, rotary: RotaryEmbedding, backend: KernelBackend,
+                 name: str = "") -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.rotary = rotary
+        self.name = name
+        nh, dqk = spec.num_heads, spec.qk_head_dim
+        if spec.q_lora_rank is not None:
+            self.q_a_proj = Linear(in_dim, spec.q_lora_rank, backend, name + ".q_a_proj")
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps, backend)
+            self.q_b_proj = Linear(spec.q_lora_rank, nh * dqk, backend, name + ".q_b_proj")
+        else:
+            self.q_proj = Linear(in_dim, nh * dqk, backend, name + ".q_proj")
+        self.kv_a_proj_with_mqa = Linear(in_dim, spec.kv_lora_rank + spec.qk_rope_head_dim, backend,
+                                         name + ".kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.latent_norm_eps, backend)
+        self.o_proj = Linear(nh * spec.v_head_dim, out_dim, backend, name + ".o_proj")
+        self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
+        self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
+        self.register_buffer("kv_b", torch.zeros(nh * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank))
+        self.absorbed = True
+
+    @property
+    def cache_dim(self) -> int:
+        return self.spec.kv_lora_rank + self.spec.qk_rope_head_dim
+
+    def load_kv_b(self, weight: LinearWeight, dtype: torch.dtype, device: torch.device) -> None:
+        """``kv_b_proj`` is absorbed, so it is kept dense in the compute dtype (any format)."""
+        s = self.spec
+        w = dequantize(weight, dtype).to(device)
+        want = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        if tuple(w.shape) != want:
+            raise ShapeError(f"{self.name}.kv_b_proj: weight is {list(w.shape)}, expected {list(want)}")
+        per_head = w.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        self.kv_b = w.contiguous()
+        self.w_uk = per_head[:, : s.qk_nope_head_dim].contiguous()
+        self.w_uv_t = per_head[:, s.qk_nope_head_dim:].transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
+        s, be = self.spec, self.backend
+        t, nh = x.shape[0], s.num_heads
+        if s.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(t, nh, s.qk_head_dim)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        q_pe = self.rotary(q_pe, cos, sin)
+        k_pe = self.rotary(k_pe.reshape(t, 1, s.qk_rope_head_dim), cos, sin).view(t, s.qk_rope_head_dim)
+        flat = cache.view(-1, self.cache_dim)
+        be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
+        if self.absorbed:
+            q_abs = be.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, nh, rkv]
+            q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.cache_dim)
+            o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan)
+            o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        else:
+            o = self._naive(q_nope, q_pe, flat, meta, plan)
+        return self.o_proj(o.reshape(t, nh * s.v_head_dim))
+
+    def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, meta: AttnMetadata,
+               plan: Any) -> torch.Tensor:
+        """Expand every cached latent into per-head keys/values (the prefill form of 5.2)."""
+        s, be = self.spec, self.backend
+        t, nh = q_nope.shape[0], s.num_heads
+        kv = be.matmul(flat[:, : s.kv_lora_rank].contiguous(), self.kv_b.t()).view(-1, nh, s.qk_nope_head_dim + s.v_head_dim)
+        k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+        k_pe = flat[:, None, s.kv_lora_rank:].expand(-1, nh, s.qk_rope_head_dim)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).view(t, nh, 1, s.qk_head_dim)
+        o = be.attention(q, k, v.contiguous(), meta, s.softmax_scale, plan)
+        return o.view(t, nh, s.v_head_dim)
+
+
+class MHAAttention(nn.Module):
+    """Llama attention (GQA, NeoX RoPE) over a paged ``[slots, 2, kv_heads, head_dim]`` cache."""
+
+    def __init__(self, spec: MHASpec, in_dim: int, out_dim: int, rotary: RotaryEmbedding, backend: KernelBackend,
+                 name: str = "") -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.rotary = rotary
+        nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.sizes = [nq, nkv, nkv]
+        self.qkv_proj = Linear(in_dim, nq + 2 * nkv, backend, name + ".qkv_proj")
+        self.o_proj = Linear(nq, out_dim, backend, name + ".o_proj")
+
+    def load(self, q: LinearWeight, k: LinearWeight, v: LinearWeight, o: LinearWeight, act: ActQuant,
+             dtype: torch.dtype, device: torch.device) -> None:
+        self.qkv_proj.load(concat_out_features([q, k, v]), act, dtype, device)
+        self.o_proj.load(o, act, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
+        s, be = self.spec, self.backend
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.rotary(q.view(t, s.num_heads, s.head_dim), cos, sin)
+        k = self.rotary(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
+        flat = cache.view(-1, 2, s.num_kv_heads, s.head_dim)
+        be.write_cache(flat, meta.slot_mapping, torch.stack([k, v.view(t, s.num_kv_heads, s.head_dim)], dim=1))
+        g = s.num_heads // s.num_kv_heads
+        o = be.attention(q.view(t, s.num_kv_heads, g, s.head_dim), flat[:, 0], flat[:, 1], meta, s.softmax_scale, plan)
+        return self.o_proj(o.reshape(t, s.num_heads * s.head_dim))

@@ -1,0 +1,101 @@
+"""SwiGLU MLP and the DeepSeek-V3 MoE block (sigmoid router with correction bias, group-limited
+top-k, routed experts + always-on shared experts), kimi_quant_formats.md 5.4.
+
+Numerics as transformers: router logits ``x.float() @ W.float().T``; selection on
+``sigmoid + e_score_correction_bias``, weights are the unbiased scores, renormalised
+(``/ (sum + 1e-20)``) and scaled by ``routed_scaling_factor``; the routed sum is taken in fp32,
+cast, then the shared experts' output (activation dtype) is added.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, MoEOp, concat_out_features
+from eagle3.runtime.layers.linear import Linear
+
+
+class DenseMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, inter: int, backend: KernelBackend, name: str = "") -> None:
+        super().__init__()
+        self.inter = inter
+        self.backend = backend
+        self.gate_up = Linear(hidden, 2 * inter, backend, name + ".gate_up_proj")
+        self.down = Linear(inter, hidden, backend, name + ".down_proj")
+
+    def load(self, gate: LinearWeight, up: LinearWeight, down: LinearWeight, act: ActQuant,
+             dtype: torch.dtype, device: torch.device) -> None:
+        self.gate_up.load(concat_out_features([gate, up]), act, dtype, device)
+        self.down.load(down, act, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(self.backend.silu(g) * u)
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, n_shared: int, n_group: int,
+                 topk_group: int, scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
+                 backend: KernelBackend, name: str = "") -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.inter = inter
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.scoring_func = scoring_func
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.backend = backend
+        self.name = name
+        self.register_buffer("gate_weight_t", torch.zeros(hidden, num_experts))  # fp32 [H, E]
+        self.register_buffer("e_score_correction_bias", None)
+        self.experts: MoEOp | None = None
+        self.shared = DenseMLP(hidden, inter * n_shared, backend, name + ".shared_experts") if n_shared else None
+        self.kind = "unloaded"
+
+    def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
+        # The router runs in fp32 (transformers casts both operands); keep an fp32 copy, transposed.
+        self.gate_weight_t = weight.float().t().contiguous().to(device)
+        self.e_score_correction_bias = None if bias is None else bias.float().to(device)
+
+    def load_experts(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
+                     act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        op = self.backend.moe()
+        op.prepare(gate, up, down, act, dtype, device)
+        self.experts = op
+        self.kind = f"{type(gate[0]).__name__}, act={act}"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (topk_ids int64 [T, k], topk_weights fp32 [T, k])."""
+        logits = self.backend.matmul(x.float(), self.gate_weight_t)
+        scores = self.backend.sigmoid(logits) if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            t = choice.shape[0]
+            grouped = choice.view(t, self.n_group, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], True)
+            choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, -1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * self.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError(f"{self.name}: experts not loaded")
+        ids, w = self.route(x)
+        y = self.experts(x, ids, w)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts} top{self.top_k} inter={self.inter} ({self.kind})"

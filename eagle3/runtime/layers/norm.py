@@ -1,0 +1,27 @@
+"""RMSNorm with transformers' numerics: normalise in fp32, cast back, multiply by the weight in
+the activation dtype (transformers_kimi_tiny.md 5.2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eagle3.errors import ShapeError
+from eagle3.runtime.kernels.base import KernelBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, backend: KernelBackend) -> None:
+        super().__init__()
+        self.size = size
+        self.eps = eps
+        self.backend = backend
+        self.register_buffer("weight", torch.ones(size))
+
+    def load(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        if tuple(weight.shape) != (self.size,):
+            raise ShapeError(f"RMSNorm weight has shape {list(weight.shape)}, expected [{self.size}]")
+        self.weight = weight.to(device=self.weight.device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,89 @@
+"""Rotary position embeddings: default / linear / llama3 / YaRN frequencies, interleaved
+(DeepSeek, Kimi MLA) or NeoX (Llama drafts) rotation.
+
+YaRN follows transformers' ``_compute_yarn_parameters`` (= DeepSeek's ``yarn``), verified equal in
+kimi_quant_formats.md 5.2: ramped interpolation between ``base^(-2i/d)`` and ``/factor``, and
+cos/sin scaled by ``attention_factor = mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both
+are set, else ``mscale(f)``. (vLLM's Llama YaRN ignores ``mscale``/``mscale_all_dim`` and always
+scales by ``mscale(f)``; for a Llama draft with ``mscale == mscale_all_dim`` this differs: we
+follow the config's meaning as transformers does.)
+
+cos/sin are computed in fp32 from ``position * inv_freq`` and cast to the activation dtype
+before rotating, as transformers does (bit-exact in bf16, transformers_kimi_tiny.md 5.3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from eagle3.runtime.config import RopeSpec, yarn_get_mscale
+from eagle3.runtime.kernels.base import KernelBackend
+
+
+def compute_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
+    """(inv_freq fp32 ``[dim/2]``, attention_factor for cos/sin)."""
+    dim, base = spec.dim, spec.theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    pos_freqs = base ** exponents
+    if spec.kind in ("default", "dynamic"):
+        # "dynamic" only changes inv_freq beyond the original length, and then by the batch's
+        # longest sequence (not batch invariant); the runtime uses the unscaled frequencies.
+        return 1.0 / pos_freqs, 1.0
+    if spec.kind == "linear":
+        return 1.0 / pos_freqs / spec.factor, 1.0
+    if spec.kind == "llama3":
+        inv = 1.0 / pos_freqs
+        old = spec.original_max_position_embeddings or 8192
+        low_wl, high_wl = old / spec.low_freq_factor, old / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / spec.factor, inv)
+        smooth = (old / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn
+    f = spec.factor
+    if spec.attention_factor is not None:
+        attn = spec.attention_factor
+    elif spec.mscale and spec.mscale_all_dim:
+        attn = float(yarn_get_mscale(f, spec.mscale) / yarn_get_mscale(f, spec.mscale_all_dim))
+    else:
+        attn = yarn_get_mscale(f)
+    orig = spec.original_max_position_embeddings or 4096
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(spec.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(spec.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (f * pos_freqs)
+    return inv_inter * (1 - extra_factor) + inv_extra * extra_factor, attn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, spec: RopeSpec, backend: KernelBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        inv_freq, self.attention_factor = compute_inv_freq(spec)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, dim/2]`` each, in ``dtype`` (computed once per forward, shared by all layers)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = self.backend.cos_sin(freqs)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [T, heads, dim]``."""
+        return self.backend.rope(x, cos, sin, self.spec.interleaved)

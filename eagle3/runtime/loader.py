@@ -1,0 +1,413 @@
+"""Checkpoint -> runtime model, straight from the files (no convert step), one tensor at a time.
+
+Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit decode goes through
+``eagle3.formats.codecs``):
+
+* bf16 / fp16 / fp32 weights;
+* compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi routed experts, W4A16):
+  ``weight_packed`` + ``weight_scale`` + ``weight_shape``;
+* Quark W4A8: reorder-packed INT4 ``weight`` int32 + per-tensor ``weight_scale`` (0-d or [1]) +
+  per-channel ``weight_scale_2`` [N], with dynamic per-token FP8 (default, as the config says) or
+  INT8 (``act_override="int8"``) activations;
+* Quark INT4 per-channel (or per-group, stored transposed) ``weight`` + ``weight_scale``;
+* Quark MXFP4: uint8 E2M1 ``weight`` + uint8 E8M0 ``weight_scale``, dynamic MXFP4 activations
+  when ``input_tensors`` says so;
+* FP8 E4M3: DeepSeek 128x128 ``weight_scale_inv`` blocks, or per-channel / per-tensor
+  ``weight_scale`` (Quark ptpc_fp8 drafts, with dynamic per-token FP8 activations when the
+  config asks for them).
+
+The Kimi-K2.5 wrapper's ``vision_tower.*`` / ``mm_projector.*`` tensors are never read.
+
+What the runtime does with each format (first steps, documented):
+
+* INT4 W4A16 weights are dequantized once at load to the compute dtype, exactly as
+  compressed-tensors does (``bf16(q * s)``); the packed form is what a GPU backend's
+  ``prepare()`` would keep.
+* DeepSeek block-FP8 weights are dequantized at load and run with compute-dtype activations
+  (engines quantize activations per 1x128 group; the reference does not).
+* W4A8 runs as an integer GEMM (INT8) or an exact float64 GEMM (FP8 activations), see
+  ``kernels/torch_ref.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.checkpoint import CheckpointReader
+from eagle3.errors import FormatError, ShapeError, UsageError
+from eagle3.formats import codecs, detect, keys
+from eagle3.runtime.config import DraftSpec, QuantSpec, TargetSpec
+from eagle3.runtime.interfaces import default_aux_layer_ids
+from eagle3.runtime.kernels import get_backend
+from eagle3.runtime.kernels.base import (
+    ACT_QUANTS,
+    ActQuant,
+    DenseWeight,
+    FP8Weight,
+    Int4Weight,
+    LinearWeight,
+    MXFP4Weight,
+)
+from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.moe import MoE
+from eagle3.runtime.layers.norm import RMSNorm
+from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
+from eagle3.runtime.models.eagle3 import Eagle3DraftModel
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class WeightReader:
+    """Reads named tensors and decodes one Linear module into a canonical weight."""
+
+    def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
+                 act_override: ActQuant = None) -> None:
+        self.reader = CheckpointReader(path)
+        self.path = self.reader.path
+        self.quant = quant
+        self.dtype = dtype
+        self.device = device
+        self.act_override = act_override
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.reader
+
+    def get(self, name: str) -> torch.Tensor:
+        self.used.add(name)
+        return self.reader.get(name)
+
+    def norm(self, module: RMSNorm, name: str) -> None:
+        t = self.get(name)
+        if tuple(t.shape) != (module.size,):
+            raise ShapeError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}, expected [{module.size}]")
+        module.load(t.to(self.device), self.dtype)
+
+    def linear(self, module: str) -> tuple[LinearWeight, ActQuant]:
+        """Decode ``<module>.*`` (format told by the tensors present) -> (weight, activation quant)."""
+        w = self._decode(module)
+        bias_name = f"{module}.bias"
+        if self.has(bias_name):
+            w.bias = self.get(bias_name)
+        if isinstance(w, DenseWeight):
+            return w, None
+        act = self.quant.act_for(module)
+        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
+            act = self.act_override
+        if isinstance(w, FP8Weight) and w.block is not None:
+            act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
+        return w, act
+
+    def load_linear(self, layer: Linear, module: str) -> None:
+        w, act = self.linear(module)
+        try:
+            layer.load(w, act, self.dtype, self.device)
+        except ShapeError as e:
+            raise ShapeError(f"{self.path}: {module}: {e}") from None
+
+    def _decode(self, m: str) -> LinearWeight:
+        n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
+        n_scale = f"{m}.{keys.SCALE}"
+        n_inv, n_zp = f"{m}.{keys.SCALE_INV}", f"{m}.{keys.ZERO_POINT}"
+        if self.has(n_zp):
+            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+        if self.has(n_packed):  # compressed-tensors pack-quantized INT4
+            packed, scale = self.get(n_packed), self.get(n_scale)
+            shape = self.get(f"{m}.{keys.CT_SHAPE}").tolist()
+            n, k = int(shape[0]), int(shape[1])
+            codes = codecs.ct_int4_unpack(packed, k)
+            if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
+                raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
+            return Int4Weight(codes, scale, group_size=k // scale.shape[1])
+        if not self.has(n_w):
+            raise FormatError(f"{self.path}: no weight for module {m!r} (looked for {n_w!r} and {n_packed!r})")
+        w = self.get(n_w)
+        if w.dtype in _FLOATS:
+            return DenseWeight(w)
+        if w.dtype == torch.int32:  # Quark INT4 (reorder or natural nibble order)
+            return self._quark_int4(m, w)
+        if w.dtype == torch.uint8:  # Quark MXFP4
+            scale = self.get(n_scale)
+            if scale.dtype != torch.uint8 or scale.shape[0] != w.shape[0] or scale.shape[1] * 32 != w.shape[1] * 2:
+                raise ShapeError(f"{self.path}: tensor {n_scale!r} is {scale.dtype}{list(scale.shape)}; MXFP4 weight "
+                                 f"{list(w.shape)} needs uint8 [{w.shape[0]}, {w.shape[1] * 2 // 32}]")
+            return MXFP4Weight(w, scale)
+        if w.dtype in _FP8:
+            if self.has(n_inv):
+                return FP8Weight(w, self.get(n_inv).float(), block=self.quant.fp8_block or (128, 128))
+            return FP8Weight(w, self.get(n_scale).float())
+        raise FormatError(f"{self.path}: tensor {n_w!r} has dtype {w.dtype}, not a weight format eagle3 reads")
+
+    def _quark_int4(self, m: str, w: torch.Tensor) -> Int4Weight:
+        reorder = self.quant.pack_method == "reorder"
+        scale = self.get(f"{m}.{keys.SCALE}").float()
+        n_s2 = f"{m}.{keys.SCALE_2}"
+        if self.has(n_s2):  # two-stage W4A8: W = q * scale_2[n] * scale
+            codes = codecs.quark_int4_unpack(w, reorder=reorder)
+            s2 = self.get(n_s2).float().reshape(-1)
+            if s2.shape[0] != codes.shape[0] or scale.numel() != 1:
+                raise ShapeError(f"{self.path}: {m}: W4A8 weight {list(codes.shape)} needs weight_scale_2 "
+                                 f"[{codes.shape[0]}] and a per-tensor weight_scale, got {list(s2.shape)} and "
+                                 f"{list(scale.shape)}")
+            return Int4Weight(codes, s2, None, tensor_scale=scale.reshape(()))
+        if self.quant.int4_per_group:  # Quark per_group INT4 is stored transposed: [K, N/8], scale [K/G, N]
+            codes = codecs.quark_int4_unpack(w, reorder=reorder).t().contiguous()
+            scale = scale.t().contiguous()
+            n, k = codes.shape
+            if scale.shape[0] != n or k % scale.shape[1]:
+                raise ShapeError(f"{self.path}: {m}: per-group scale {list(scale.shape)} does not fit weight [{n}, {k}]")
+            return Int4Weight(codes, scale, group_size=k // scale.shape[1])
+        codes = codecs.quark_int4_unpack(w, reorder=reorder)
+        if scale.numel() == 1:
+            return Int4Weight(codes, scale.reshape(1).expand(codes.shape[0]).contiguous())
+        if scale.reshape(-1).shape[0] != codes.shape[0]:
+            raise ShapeError(f"{self.path}: {m}: per-channel scale {list(scale.shape)} does not fit weight "
+                             f"{list(codes.shape)}")
+        return Int4Weight(codes, scale.reshape(-1))
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    return torch.device(device or "cpu")
+
+
+def _check_act_override(act: ActQuant) -> None:
+    if act is not None and act not in ("int8", "fp8"):
+        raise UsageError(f"act_override must be 'int8' or 'fp8' (W4A8 activation type), got {act!r}; "
+                         f"known activation types: {', '.join(ACT_QUANTS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Target
+# ---------------------------------------------------------------------------------------------
+
+
+def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = None) -> TargetSpec:
+    """The :class:`TargetSpec` of a target checkpoint (config and headers only)."""
+    summary = detect.detect(path, check_vocab_map=False)
+    if summary.role != "target" or summary.target is None:
+        raise FormatError(f"{summary.config_file}: this is a {summary.role} checkpoint ({summary.family}), "
+                          f"not a target")
+    cfg = detect.load_config(path)
+    tc = detect.text_config(cfg)
+    qc, _ = detect.quantization_config(cfg)
+    where = f"{summary.config_file}" + (" text_config" if tc is not cfg else "")
+    return TargetSpec.from_config(tc, where, prefix=summary.target.text_prefix, quant=qc,
+                                  latent_norm_eps=latent_norm_eps, top=cfg)
+
+
+def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                backend: str = "torch", *, act_override: ActQuant = None,
+                latent_norm_eps: float | None = None) -> DeepseekV3Model:
+    """Load a DeepSeek-V3 / Kimi target from any supported format.
+
+    ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
+    ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
+    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1)."""
+    _check_act_override(act_override)
+    spec = target_spec(path, latent_norm_eps)
+    dev = _device(device)
+    be = get_backend(backend, dev)
+    model = DeepseekV3Model(spec, be, dtype)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
+    p = spec.prefix
+    with torch.no_grad():
+        embed = wr.get(f"{p}{keys.TARGET_EMBED}")
+        if tuple(embed.shape) != (spec.vocab_size, spec.hidden_size):
+            raise ShapeError(f"{wr.path}: tensor {p + keys.TARGET_EMBED!r} has shape {list(embed.shape)}, expected "
+                             f"{[spec.vocab_size, spec.hidden_size]}")
+        model.embed_tokens = embed.to(device=dev, dtype=dtype)
+        for i, layer in enumerate(model.layers):
+            _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
+        wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
+        head = f"{p}lm_head"
+        if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
+            wr.load_linear(model.lm_head, head)
+        elif spec.tie_word_embeddings:
+            model.lm_head.load(DenseWeight(embed), None, dtype, dev)
+        else:
+            raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
+    model.eval()
+    return model
+
+
+def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
+    wr.norm(layer.input_layernorm, p + "input_layernorm.weight")
+    wr.norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+    _load_mla(wr, layer.self_attn, p + "self_attn.")
+    mlp = layer.mlp
+    if isinstance(mlp, MoE):
+        gate_w = wr.get(p + "mlp.gate.weight")
+        if tuple(gate_w.shape) != (mlp.num_experts, mlp.hidden):
+            raise ShapeError(f"{wr.path}: tensor {p + 'mlp.gate.weight'!r} has shape {list(gate_w.shape)}, expected "
+                             f"{[mlp.num_experts, mlp.hidden]}")
+        bias_name = p + "mlp.gate.e_score_correction_bias"
+        mlp.load_router(gate_w, wr.get(bias_name) if wr.has(bias_name) else None, wr.device)
+        gates, ups, downs, acts = [], [], [], set()
+        for e in range(mlp.num_experts):
+            for proj, out in (("gate_proj", gates), ("up_proj", ups), ("down_proj", downs)):
+                w, act = wr.linear(f"{p}mlp.experts.{e}.{proj}")
+                out.append(w)
+                acts.add(act)
+        if len(acts) != 1 or len({type(w) for w in gates + ups + downs}) != 1:
+            raise FormatError(f"{wr.path}: the routed experts of {p}mlp mix weight formats")
+        want = {"gate": (mlp.inter, mlp.hidden), "down": (mlp.hidden, mlp.inter)}
+        for name, ws in (("gate", gates), ("gate", ups), ("down", downs)):
+            if any(w.shape != want[name] for w in ws):
+                raise ShapeError(f"{wr.path}: {p}mlp.experts: expert weights are not all {list(want[name])}")
+        mlp.load_experts(gates, ups, downs, acts.pop(), wr.dtype, wr.device)
+        if mlp.shared is not None:
+            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.")
+    else:
+        _load_mlp(wr, mlp, p + "mlp.")
+
+
+def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
+    (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
+    if ag != au:
+        raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
+    try:
+        mlp.gate_up.load(_concat(wr, [g, u], p + "gate_proj/up_proj"), ag, wr.dtype, wr.device)
+        mlp.down.load(d, ad, wr.dtype, wr.device)
+    except ShapeError as e:
+        raise ShapeError(f"{wr.path}: {e}") from None
+
+
+def _concat(wr: WeightReader, ws: list[LinearWeight], what: str) -> LinearWeight:
+    from eagle3.runtime.kernels.base import concat_out_features
+
+    try:
+        return concat_out_features(ws)
+    except UsageError as e:
+        raise FormatError(f"{wr.path}: {what}: {e}") from None
+
+
+def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
+    if attn.spec.q_lora_rank is not None:
+        wr.load_linear(attn.q_a_proj, p + "q_a_proj")
+        wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
+        wr.load_linear(attn.q_b_proj, p + "q_b_proj")
+    else:
+        wr.load_linear(attn.q_proj, p + "q_proj")
+    wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
+    wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
+    kv_b, _ = wr.linear(p + "kv_b_proj")
+    try:
+        attn.load_kv_b(kv_b, wr.dtype, wr.device)
+    except ShapeError as e:
+        raise ShapeError(f"{wr.path}: {e}") from None
+    wr.load_linear(attn.o_proj, p + "o_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft
+# ---------------------------------------------------------------------------------------------
+
+
+def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = None) -> DraftSpec:
+    summary = detect.detect(path, check_vocab_map=False)
+    if summary.role != "draft" or summary.draft is None:
+        raise FormatError(f"{summary.config_file}: this is a {summary.role} checkpoint ({summary.family}), "
+                          f"not an EAGLE-3 draft")
+    cfg = detect.load_config(path)
+    layer_cfg = detect.text_config(cfg)
+    qc, _ = detect.quantization_config(cfg)
+    return DraftSpec.from_detected(cfg, layer_cfg, summary.draft, summary.family, str(summary.config_file),
+                                   quant=qc, latent_norm_eps=latent_norm_eps)
+
+
+def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None, backend: str | None = None, *,
+               act_override: ActQuant = None, latent_norm_eps: float | None = None,
+               aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3DraftModel:
+    """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device and backend default to the
+    target's). Shares the target's embedding (and lm_head) when the draft has none.
+    ``aux_layer_ids`` overrides the config's ids (input-to-layer convention)."""
+    _check_act_override(act_override)
+    spec = draft_spec(path, latent_norm_eps)
+    dtype = dtype or target.dtype
+    dev = _device(device) if device is not None else target.backend.device
+    be = get_backend(backend, dev) if backend is not None else target.backend
+    where = Path(path)
+    if spec.target_hidden_size != target.hidden_size:
+        raise ShapeError(f"{where}: draft takes aux states of width {spec.target_hidden_size} but the target's "
+                         f"hidden size is {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        raise ShapeError(f"{where}: draft maps into a vocabulary of {spec.vocab_size} tokens but the target has "
+                         f"{target.vocab_size}")
+    ids = tuple(aux_layer_ids or spec.aux_layer_ids or default_aux_layer_ids(target.num_layers))
+    if len(ids) != spec.num_aux or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] > target.num_layers:
+        raise FormatError(f"{where}: aux layer ids {list(ids)} (input-to-layer) do not fit a draft with "
+                          f"{spec.num_aux} aux states and a target with {target.num_layers} layers")
+    if not spec.own_lm_head:
+        spec = _replace(spec, draft_vocab_size=target.vocab_size)
+    model = Eagle3DraftModel(spec, ids, be, dtype)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
+    lp = spec.layer_prefix
+    with torch.no_grad():
+        if spec.own_embedding:
+            emb = wr.get(keys.DRAFT_EMBED)
+            if tuple(emb.shape) != (spec.vocab_size, spec.hidden_size):
+                raise ShapeError(f"{wr.path}: tensor {keys.DRAFT_EMBED!r} has shape {list(emb.shape)}, expected "
+                                 f"{[spec.vocab_size, spec.hidden_size]}")
+            model.embed_tokens = emb.to(device=dev, dtype=dtype)
+        else:
+            if spec.hidden_size != target.hidden_size:
+                raise ShapeError(f"{where}: draft has no embed_tokens and its hidden size {spec.hidden_size} differs "
+                                 f"from the target's {target.hidden_size}")
+            model.embed_tokens = target.embed_tokens.to(dtype)  # shared, not copied (same dtype/device)
+        wr.load_linear(model.fc, "fc")
+        if model.input_norm is not None:
+            wr.norm(model.input_norm, keys.DRAFT_INPUT_NORM)
+        if model.fc_norm is not None:
+            for i, norm in enumerate(model.fc_norm):
+                name = keys.fc_norm_key(i)
+                if not wr.has(name):
+                    legacy = [n for n, j in keys.LEGACY_FC_NORM.items() if j == i]
+                    name = legacy[0] if legacy and wr.has(legacy[0]) else name
+                wr.norm(norm, name)
+        for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            wr.norm(getattr(model, n), f"{lp}{n}.weight")
+        if spec.attention == "mla":
+            _load_mla(wr, model.self_attn, lp + "self_attn.")
+        else:
+            q, k, v, o = (wr.linear(f"{lp}self_attn.{n}_proj") for n in "qkvo")
+            if len({q[1], k[1], v[1]}) != 1:
+                raise FormatError(f"{wr.path}: {lp}self_attn q/k/v have different activation quantization")
+            try:
+                model.self_attn.qkv_proj.load(_concat(wr, [q[0], k[0], v[0]], lp + "self_attn.q/k/v_proj"), q[1],
+                                              dtype, dev)
+                model.self_attn.o_proj.load(o[0], o[1], dtype, dev)
+            except ShapeError as e:
+                raise ShapeError(f"{wr.path}: {e}") from None
+        _load_mlp(wr, model.mlp, lp + "mlp.")
+        wr.norm(model.norm, keys.DRAFT_NORM)
+        if spec.own_lm_head:
+            wr.load_linear(model.lm_head, "lm_head")
+        else:
+            model.lm_head = target.lm_head
+        if wr.has(keys.D2T) and spec.draft_vocab_size != spec.vocab_size:
+            d2t = wr.get(keys.D2T).to(torch.int64)
+            if d2t.shape != (spec.draft_vocab_size,):
+                raise ShapeError(f"{wr.path}: tensor 'd2t' has shape {list(d2t.shape)}, expected "
+                                 f"[{spec.draft_vocab_size}]")
+            tgt = d2t + torch.arange(d2t.shape[0])
+            if int(tgt.min()) < 0 or int(tgt.max()) >= spec.vocab_size:
+                raise FormatError(f"{wr.path}: tensor 'd2t' maps draft ids outside the target vocabulary "
+                                  f"[0, {spec.vocab_size})")
+            model.d2t = d2t.to(dev)
+        elif spec.draft_vocab_size != spec.vocab_size:
+            raise FormatError(f"{wr.path}: the draft vocabulary has {spec.draft_vocab_size} tokens, the target "
+                              f"{spec.vocab_size}, and there is no 'd2t' map")
+    model.eval()
+    return model
+
+
+def _replace(spec: DraftSpec, **kw: Any) -> DraftSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, **kw)
