@@ -1,0 +1,271 @@
+"""The torch reference kernels: batch invariance of every primitive, exactness of the integer and
+FP8 GEMMs, quantized linears against their dequantized references, paged attention against a
+naive float64 softmax, MoE against a per-token loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.formats import codecs
+from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.kernels import get_backend
+from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, dequantize
+from eagle3.runtime.kernels.torch_ref import (
+    KEY_TILE,
+    ROW_TILE,
+    bmm_rows,
+    int8_linear,
+    mm_rows,
+    mxfp4_qdq,
+    pointwise,
+    quantize_fp8_per_token,
+    quantize_int8_per_token,
+)
+from tests.runtime.model_kit import single_thread  # noqa: E402
+
+BE = get_backend("torch")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_rows_are_batch_invariant(dtype: torch.dtype) -> None:
+    g = _gen(0)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    x = torch.randn(3 * ROW_TILE + 5, 64, generator=g).to(dtype)
+    full = mm_rows(x, w.t())
+    for m in (1, 2, 3, 5, 7, 9, 13, ROW_TILE, ROW_TILE + 1, 40):
+        assert torch.equal(mm_rows(x[:m], w.t()), full[:m]), m
+        assert torch.equal(mm_rows(x[m - 1: m], w.t())[0], full[m - 1]), m  # alone vs in a batch
+    wb = torch.randn(4, 64, 32, generator=g).to(dtype)
+    xb = torch.randn(4, 2 * ROW_TILE + 3, 64, generator=g).to(dtype)
+    fb = bmm_rows(xb, wb)
+    for m in (1, 3, ROW_TILE, 2 * ROW_TILE + 1):
+        assert torch.equal(bmm_rows(xb[:, :m], wb), fb[:, :m])
+    # the tiled product is the product
+    torch.testing.assert_close(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, F.silu, torch.exp, torch.cos, torch.sin])
+def test_pointwise_ops_are_batch_invariant(fn) -> None:
+    # Measured on CPU: plain fp32 sigmoid/silu of a row change with the number of rows (SIMD body vs
+    # scalar tail); pointwise() must not.
+    x = torch.randn(200, 8, generator=_gen(1)) * 3
+    full = pointwise(fn, x)
+    for t in range(1, 60):
+        assert torch.equal(pointwise(fn, x[:t]), full[:t])
+    torch.testing.assert_close(full, fn(x), rtol=1e-6, atol=1e-6)
+
+
+def test_int8_gemm_accumulates_exactly() -> None:
+    g = _gen(2)
+    codes = torch.randint(-8, 8, (48, 256), generator=g, dtype=torch.int8)
+    scale = torch.rand(48, generator=g) + 0.5
+    x = torch.randn(9, 256, generator=g) * 3
+    q, sx = quantize_int8_per_token(x)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    acc_ref = q.long() @ codes.long().t()  # exact int64
+    y = int8_linear(x, codes, scale)
+    want = acc_ref.float() * sx[:, None] * scale[None, :]
+    assert torch.equal(y, want)  # the int32 accumulator was exact, scaling is the same fp32 math
+    # and the per-token result is independent of the batch
+    assert torch.equal(int8_linear(x[4:5], codes, scale), y[4:5])
+
+
+def _w4a8_weight(g: torch.Generator, n: int = 40, k: int = 128) -> tuple[Int4Weight, torch.Tensor]:
+    codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    s2 = torch.rand(n, generator=g) * 0.02 + 0.01
+    s1 = torch.tensor(0.37)
+    w = Int4Weight(codes, s2, None, tensor_scale=s1)
+    return w, codes.float() * (s2 * s1)[:, None]
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_w4a8_linear_matches_dequantized_reference(act: str) -> None:
+    g = _gen(3)
+    w, dense = _w4a8_weight(g)
+    x = torch.randn(11, 128, generator=g)
+    op = BE.linear()
+    op.prepare(w, act, torch.float32, torch.device("cpu"))
+    y = op(x)
+    ref = x @ dense.t()
+    # error of an 8-bit per-token activation quantizer: |dx| <= amax/254 (int8) or 2^-4 relative (fp8)
+    step = x.abs().amax(-1, keepdim=True) / (254 if act == "int8" else 16)
+    bound = (step * dense.abs().sum(-1)[None, :]).max()
+    assert (y - ref).abs().max() <= bound
+    assert (y - ref).abs().max() > 0  # it really quantized the activations
+    if act == "fp8":
+        q, sx = quantize_fp8_per_token(x)
+        exact = (q.double() @ w.codes.double().t()).float() * sx[:, None] * (w.scale * w.tensor_scale)[None, :]
+        assert torch.equal(y, exact)
+    for t in (0, 5, 10):
+        assert torch.equal(op(x[t: t + 1]), y[t: t + 1])
+
+
+def test_mxfp4_linear_is_qdq_then_float_gemm() -> None:
+    g = _gen(4)
+    w = torch.randn(64, 128, generator=g) * 0.1
+    packed, scale = codecs.mxfp4_quantize(w)
+    mw = MXFP4Weight(packed, scale)
+    x = torch.randn(7, 128, generator=g)
+    op = BE.linear()
+    op.prepare(mw, "mxfp4", torch.float32, torch.device("cpu"))
+    y = op(x)
+    wq = codecs.mxfp4_dequantize(packed, scale)
+    xq = mxfp4_qdq(x)
+    # the activation fake-quant keeps at most 8 distinct magnitudes per 32-block (the E2M1 grid)
+    assert max(len(torch.unique(b.abs())) for b in xq.view(-1, 32)) <= 8
+    torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-5)
+    # MXFP4 keeps ~2 significant bits per element and block: loose bound against the float product
+    rel = (y - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert 0 < rel < 0.25
+    # weight-only MXFP4 (W4A16) is exactly the dequantized weight
+    op2 = BE.linear()
+    op2.prepare(mw, None, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(op2(x), x @ wq.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_group_dequant_matches_compressed_tensors_rule() -> None:
+    g = _gen(5)
+    q = torch.randint(-8, 8, (32, 64), generator=g, dtype=torch.int8)
+    scale = (torch.rand(32, 2, generator=g) * 0.05).to(torch.bfloat16)
+    packed = codecs.ct_int4_pack(q)
+    w = Int4Weight(codecs.ct_int4_unpack(packed, 64), scale, group_size=32)
+    # compressed-tensors forms q * s in the scale dtype (bf16): the codec's own dequantize
+    assert torch.equal(dequantize(w, torch.bfloat16), codecs.ct_int4_dequantize(packed, scale, (32, 64)))
+    assert torch.equal(dequantize(w, torch.float32), codecs.ct_int4_dequantize(packed, scale, (32, 64)).float())
+
+
+def test_fp8_block_weight_dequant() -> None:
+    g = _gen(6)
+    w = torch.randn(256, 192, generator=g)
+    q, s = codecs.fp8_block_quantize(w)
+    fw = FP8Weight(q, s, block=(128, 128))
+    torch.testing.assert_close(dequantize(fw, torch.float32), codecs.fp8_block_dequantize(q, s, dtype=torch.float32))
+    assert (dequantize(fw, torch.float32) - w).abs().max() < 0.07 * w.abs().max()
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _paged(lens_new: list[int], lens_ctx: list[int], block: int, slots_total: int, seed: int):
+    """Random scattered block tables for sequences with ``ctx`` cached + ``new`` query tokens."""
+    g = _gen(seed)
+    perm = torch.randperm(slots_total // block, generator=g).tolist()
+    tables, pos, slot_of = [], [], {}
+    for b, (n, c) in enumerate(zip(lens_new, lens_ctx, strict=True)):
+        total = c + n
+        nb = -(-total // block)
+        table = [perm.pop() for _ in range(nb)]
+        tables.append(table)
+        for p in range(total):
+            slot_of[(b, p)] = table[p // block] * block + p % block
+        pos += list(range(c, total))
+    width = max(len(t) for t in tables)
+    bt = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        bt[b, : len(t)] = torch.tensor(t)
+    cu = torch.tensor([0] + list(torch.tensor(lens_new).cumsum(0)), dtype=torch.int32)
+    meta = AttnMetadata(torch.tensor(pos), cu, torch.tensor([c + n for n, c in zip(lens_new, lens_ctx, strict=True)],
+                                                               dtype=torch.int32),
+                        torch.tensor([slot_of[(b, p)] for b in range(len(tables)) for p in
+                                      range(lens_ctx[b], lens_ctx[b] + lens_new[b])]), bt, block)
+    return meta, slot_of
+
+
+@pytest.mark.parametrize("hkv,g,d,dv", [(2, 3, 16, 8), (1, 4, 48, 32)])  # GQA MHA; MLA-shaped MQA
+def test_paged_attention_matches_naive_float64(hkv: int, g: int, d: int, dv: int) -> None:
+    lens_new, lens_ctx = [3, 1, 70], [5, 80, 0]  # verify-like, decode, long prefill (2 key tiles)
+    meta, slot_of = _paged(lens_new, lens_ctx, block=4, slots_total=512, seed=7)
+    gen = _gen(8)
+    k_cache = torch.randn(512, hkv, d, generator=gen)
+    v_cache = torch.randn(512, hkv, dv, generator=gen)
+    t = sum(lens_new)
+    q = torch.randn(t, hkv, g, d, generator=gen)
+    scale = 0.3
+    out = BE.attention(q, k_cache, v_cache, meta, scale)
+    row = 0
+    for b, (n, c) in enumerate(zip(lens_new, lens_ctx, strict=True)):
+        for i in range(n):
+            p = c + i
+            slots = torch.tensor([slot_of[(b, j)] for j in range(p + 1)])
+            k, v = k_cache[slots].double(), v_cache[slots].double()  # [L, hkv, d]
+            s = torch.einsum("hgd,lhd->hgl", q[row].double(), k) * scale
+            ref = torch.einsum("hgl,lhd->hgd", s.softmax(-1), v)
+            torch.testing.assert_close(out[row].double(), ref, rtol=1e-5, atol=1e-5)
+            row += 1
+    assert KEY_TILE < 70 + 1  # the long prefill really spans two key tiles
+    # a token's output does not depend on its batch: the decode query alone
+    meta1 = AttnMetadata(meta.positions[3:4], torch.tensor([0, 1], dtype=torch.int32), meta.context_lens[1:2],
+                         meta.slot_mapping[3:4], meta.block_tables[1:2], 4)
+    assert torch.equal(BE.attention(q[3:4], k_cache, v_cache, meta1, scale), out[3:4])
+
+
+def test_write_cache_skips_negative_slots() -> None:
+    cache = torch.zeros(8, 3)
+    BE.write_cache(cache, torch.tensor([2, -1, 5]), torch.ones(3, 3) * torch.tensor([[1.0], [2.0], [3.0]]))
+    assert cache[2].tolist() == [1, 1, 1] and cache[5].tolist() == [3, 3, 3] and cache.sum() == 12
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------
+
+
+def _moe_ref(x, ids, w, gate, up, down):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = F.silu(x[t] @ gate[e].t()) * (x[t] @ up[e].t())
+            out[t] += w[t, j] * (h @ down[e].t()).float()
+    return out
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_moe_matches_per_token_loop_and_is_batch_invariant(gather: bool) -> None:
+    g = _gen(9)
+    e_, h_, i_ = 6, 64, 32
+    gate = [torch.randn(i_, h_, generator=g) / 8 for _ in range(e_)]
+    up = [torch.randn(i_, h_, generator=g) / 8 for _ in range(e_)]
+    down = [torch.randn(h_, i_, generator=g) / 6 for _ in range(e_)]
+    op = BE.moe()
+    op.prepare([DenseWeight(w) for w in gate], [DenseWeight(w) for w in up], [DenseWeight(w) for w in down], None,
+               torch.float32, torch.device("cpu"))
+    op.gather = gather
+    x = torch.randn(37, h_, generator=g)
+    ids = torch.stack([torch.randperm(e_, generator=g)[:3] for _ in range(37)])
+    w = torch.rand(37, 3, generator=g)
+    y = op(x, ids, w)
+    torch.testing.assert_close(y, _moe_ref(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
+    for t in (0, 17, 36):
+        assert torch.equal(op(x[t: t + 1], ids[t: t + 1], w[t: t + 1]), y[t: t + 1])
+    assert math.isfinite(float(y.sum()))
+
+
+def test_moe_w4a8_experts_loop_exactly() -> None:
+    g = _gen(10)
+    e_, h_, i_ = 4, 64, 32
+    ws = [[_w4a8_weight(g, n, k) for _ in range(e_)] for n, k in ((i_, h_), (i_, h_), (h_, i_))]
+    op = BE.moe()
+    op.prepare([a for a, _ in ws[0]], [a for a, _ in ws[1]], [a for a, _ in ws[2]], "int8", torch.float32,
+               torch.device("cpu"))
+    x = torch.randn(9, h_, generator=g)
+    ids = torch.stack([torch.randperm(e_, generator=g)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=g)
+    y = op(x, ids, w)
+    ref = _moe_ref(x, ids, w, [d for _, d in ws[0]], [d for _, d in ws[1]], [d for _, d in ws[2]])
+    assert (y - ref).abs().max() < 0.05 * ref.abs().max()
+    assert torch.equal(op(x[3:4], ids[3:4], w[3:4]), y[3:4])
