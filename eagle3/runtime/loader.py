@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from eagle3.checkpoint import CheckpointReader
-from eagle3.errors import FormatError, ShapeError, UsageError
+from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
 from eagle3.formats import codecs, detect, keys
 from eagle3.runtime.config import DraftSpec, QuantSpec, TargetSpec
 from eagle3.runtime.interfaces import default_aux_layer_ids
@@ -125,7 +125,7 @@ class WeightReader:
                 raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
             return Int4Weight(codes, scale, group_size=k // scale.shape[1])
         if not self.has(n_w):
-            raise FormatError(f"{self.path}: no weight for module {m!r} (looked for {n_w!r} and {n_packed!r})")
+            raise CheckpointError(f"{self.path}: missing tensor {n_w!r} (or {n_packed!r}) of module {m!r}")
         w = self.get(n_w)
         if w.dtype in _FLOATS:
             return DenseWeight(w)

@@ -129,9 +129,20 @@ def mxfp4_expert(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor
     return {"weight": packed, "weight_scale": scale}, codecs.mxfp4_dequantize(packed, scale)
 
 
+def fp8_block_expert(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from eagle3.formats import codecs
+
+    q, s = codecs.fp8_block_quantize(w)
+    return {"weight": q, "weight_scale_inv": s}, codecs.fp8_block_dequantize(q, s, dtype=torch.float32)
+
+
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}
+
+
 def requantize_target(src, out, scheme: str, reference_out=None):
     """Rewrite the tiny text-only INT4 target (``kimi-k2-thinking``) with Quark ``scheme`` routed
-    experts (``w4a8`` | ``int4`` | ``mxfp4``), from the fp32-dequantized Moonshot INT4 weights as
+    experts (``w4a8`` | ``int4`` | ``mxfp4``; or DeepSeek ``fp8-block``), from the fp32-dequantized Moonshot INT4 weights as
     Quark's file-to-file path does. With ``reference_out`` also write the same model with the
     dequantized expert weights stored densely in fp32 (and no quantization_config)."""
     import json
@@ -140,7 +151,8 @@ def requantize_target(src, out, scheme: str, reference_out=None):
     from eagle3.checkpoint import CheckpointReader, CheckpointWriter
     from eagle3.formats import codecs
 
-    quantize = {"w4a8": quark_w4a8_expert, "int4": quark_int4_expert, "mxfp4": mxfp4_expert}[scheme]
+    quantize = {"w4a8": quark_w4a8_expert, "int4": quark_int4_expert, "mxfp4": mxfp4_expert,
+                "fp8-block": fp8_block_expert}[scheme]
     src, out = Path(src), Path(out)
     reader = CheckpointReader(src)
     cfg = json.loads((src / "config.json").read_text())
@@ -172,7 +184,7 @@ def requantize_target(src, out, scheme: str, reference_out=None):
         rcfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
         (Path(reference_out) / "config.json").write_text(json.dumps(rcfg, indent=1))
     qcfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
-    qcfg["quantization_config"] = quark_config(scheme)
+    qcfg["quantization_config"] = FP8_BLOCK_CONFIG if scheme == "fp8-block" else quark_config(scheme)
     (out / "config.json").write_text(json.dumps(qcfg, indent=1))
     return out
 
