@@ -163,11 +163,16 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ w_t [K, N]`` (router, lm_head, small unquantized products)."""
+        """``x [M, K] @ w_t [K, N]`` (router, small unquantized products); result in ``x.dtype``."""
 
     @abstractmethod
     def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption)."""
+
+    def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A dense operand for :meth:`matmul` / :meth:`bmm`, rounded to the model ``dtype`` and laid
+        out as the backend computes with it (prepared once, at load)."""
+        return w.to(dtype).contiguous()
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

@@ -61,8 +61,11 @@ if TYPE_CHECKING:  # pragma: no cover
 ROW_TILE = 16  # GEMM rows per tile: every float GEMM is a [ROW_TILE, K] x [K, N] product
 KEY_TILE = 64  # keys per attention tile
 INT8_MAX = 127.0
-# Per-expert weight bytes below which MoE gathers expert weights per row tile (one bmm for all
-# experts) instead of looping over the active experts. Fixed per model, never per batch.
+# MoE execution plan, fixed per model (never per batch, so a token's bits do not depend on it):
+# all experts for every token as two GEMMs when all expert weights together are this small
+# (tiny and test models: fewest ops), else gather expert weights per row tile when one expert is
+# small, else loop over the active experts.
+_MOE_ALL_BYTES = 16 * 1024 * 1024
 _MOE_GATHER_BYTES = 2 * 1024 * 1024
 
 
@@ -99,31 +102,47 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, target - m))
 
 
+def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """GEMM operand dtype. CPUs without AVX512-BF16 run bf16 GEMMs ~10x slower than fp32 (measured
+    here), so on CPU bf16/fp16 weights are widened to fp32 once at load and each GEMM output is
+    rounded back to the model dtype: the same math as a bf16 GEMM with fp32 accumulation."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 def mm_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w_t [K, N]`` computed as ``ceil(M / ROW_TILE)`` identical tile GEMMs."""
+    """``x [M, K] @ w_t [K, N]`` computed as ``ceil(M / ROW_TILE)`` identical tile GEMMs, in
+    ``w_t.dtype``; returns ``x.dtype``."""
     m, k = x.shape
     if m == 0:
         return x.new_empty(0, w_t.shape[1])
-    xp = _pad_rows(x, ROW_TILE)
+    xp = _pad_rows(x.to(w_t.dtype), ROW_TILE)
     nb = xp.shape[0] // ROW_TILE
     out = torch.bmm(xp.view(nb, ROW_TILE, k), w_t.expand(nb, k, w_t.shape[1]))
-    return out.view(nb * ROW_TILE, -1)[:m]
+    return out.view(nb * ROW_TILE, -1)[:m].to(x.dtype)
 
 
 def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [B, M, K] @ w [B, K, N]`` with the M rows tiled as in :func:`mm_rows`."""
+    """``x [B, M, K] @ w [B, K, N]`` with the M rows tiled as in :func:`mm_rows` (in ``w.dtype``,
+    returns ``x.dtype``)."""
     b, m, k = x.shape
     n = w.shape[-1]
     if m == 0:
         return x.new_empty(b, 0, n)
-    xp = _pad_rows(x, ROW_TILE)
+    xp = _pad_rows(x.to(w.dtype), ROW_TILE)
     nb = xp.shape[1] // ROW_TILE
     if nb == 1:
-        return torch.bmm(xp, w)[:, :m]
+        return torch.bmm(xp, w)[:, :m].to(x.dtype)
     # [B, nb, R, K] x [B, nb, K, N]: the weight is repeated per tile (a copy only for prefill).
     ww = w.unsqueeze(1).expand(b, nb, k, n).reshape(b * nb, k, n)
     out = torch.bmm(xp.reshape(b * nb, ROW_TILE, k), ww)
-    return out.view(b, nb * ROW_TILE, n)[:, :m]
+    return out.view(b, nb * ROW_TILE, n)[:, :m].to(x.dtype)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Plain ``bmm`` in ``b.dtype`` returning ``a.dtype`` (fixed-shape tiles only)."""
+    return torch.bmm(a.to(b.dtype), b).to(a.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +207,8 @@ class TorchLinear(LinearOp):
         self.dtype = dtype
         self.bias = _bias(weight, dtype, device)
         if self.mode in ("dense", "mxfp4"):
-            self.w = dequantize(weight, dtype).to(device).contiguous()
+            # round to the model dtype first (bf16(q*s) for INT4), then widen for the CPU GEMM
+            self.w = dequantize(weight, dtype).to(device=device, dtype=compute_dtype(dtype, device)).contiguous()
         elif self.mode == "int8":
             assert isinstance(weight, Int4Weight)
             self.codes = weight.codes.to(device=device, dtype=torch.int8).contiguous()  # [N, K]
@@ -253,15 +273,21 @@ class TorchMoE(MoEOp):
         self.num_experts = len(gate)
         self.dtype = dtype
         self.mode = _check_act(gate[0], act)
+        self.path = "loop"
         self.inter = gate[0].shape[0]
         self.hidden = gate[0].shape[1]
         if self.mode in ("dense", "mxfp4"):
             # gate rows then up rows, as transformers' fused gate_up_proj.
+            cd = compute_dtype(dtype, device)
             self.w13 = torch.stack([torch.cat([dequantize(g, dtype), dequantize(u, dtype)], 0)
-                                    for g, u in zip(gate, up, strict=True)]).to(device).contiguous()
-            self.w2 = torch.stack([dequantize(d, dtype) for d in down]).to(device).contiguous()
+                                    for g, u in zip(gate, up, strict=True)]).to(device=device, dtype=cd).contiguous()
+            self.w2 = torch.stack([dequantize(d, dtype) for d in down]).to(device=device, dtype=cd).contiguous()
             per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
-            self.gather = per_expert <= _MOE_GATHER_BYTES
+            self.path = ("all" if per_expert * self.num_experts <= _MOE_ALL_BYTES
+                         else "gather" if per_expert <= _MOE_GATHER_BYTES else "loop")
+            if self.path == "all":
+                self.w13_all_t = self.w13.view(-1, self.hidden).t()  # [H, E * 2I]
+                self.w2_t = self.w2.transpose(1, 2)  # [E, I, H]
         else:
             self.experts13 = []
             self.experts2 = []
@@ -275,10 +301,12 @@ class TorchMoE(MoEOp):
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
+        if self.path == "all":
+            return self._all_experts(x, topk_ids, topk_weights)
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.mode in ("dense", "mxfp4") and self.gather:
+        if self.path == "gather":
             out_sorted = self._gathered(x, flat, order, counts, k)
         else:
             out_sorted = self._looped(x, order, counts, k)
@@ -291,6 +319,16 @@ class TorchMoE(MoEOp):
         g, u = h.split(self.inter, dim=-1)
         a = silu(g) * u
         return mxfp4_qdq(a) if self.mode == "mxfp4" else a
+
+    def _all_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token (row-tiled GEMMs), then pick the top-k rows: 3-4x the
+        FLOPs of routing, but a handful of ops, which is what a small model's step costs."""
+        t = x.shape[0]
+        xin = mxfp4_qdq(x) if self.mode == "mxfp4" else x
+        h = mm_rows(xin, self.w13_all_t).view(t, self.num_experts, 2 * self.inter)
+        o = bmm_rows(self._act(h).transpose(0, 1), self.w2_t)  # [E, T, H]
+        picked = o.transpose(0, 1)[torch.arange(t, device=x.device)[:, None], ids]  # [T, k, H]
+        return (picked.float() * w.float()[..., None]).sum(1).to(self.dtype)
 
     def _gathered(self, x: torch.Tensor, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
                   k: int) -> torch.Tensor:
@@ -309,8 +347,8 @@ class TorchMoE(MoEOp):
         nt = total // r
         tile_e = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), padded // r,
                                          output_size=nt)
-        h = torch.bmm(xbuf.view(nt, r, self.hidden), self.w13[tile_e].transpose(1, 2))
-        o = torch.bmm(self._act(h), self.w2[tile_e].transpose(1, 2))
+        h = _bmm(xbuf.view(nt, r, self.hidden), self.w13[tile_e].transpose(1, 2))
+        o = _bmm(self._act(h), self.w2[tile_e].transpose(1, 2))
         return o.reshape(total, self.hidden)[dest]
 
     def _looped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -429,6 +467,9 @@ class TorchBackend(KernelBackend):
 
     def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return bmm_rows(x, w)
+
+    def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return w.to(dtype).to(compute_dtype(dtype, self.device)).contiguous()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()

@@ -65,9 +65,10 @@ class MLAAttention(nn.Module):
         if tuple(w.shape) != want:
             raise ShapeError(f"{self.name}.kv_b_proj: weight is {list(w.shape)}, expected {list(want)}")
         per_head = w.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        self.kv_b = w.contiguous()
-        self.w_uk = per_head[:, : s.qk_nope_head_dim].contiguous()
-        self.w_uv_t = per_head[:, s.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        be = self.backend
+        self.kv_b = be.matrix(w, dtype)
+        self.w_uk = be.matrix(per_head[:, : s.qk_nope_head_dim], dtype)
+        self.w_uv_t = be.matrix(per_head[:, s.qk_nope_head_dim:].transpose(1, 2), dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
