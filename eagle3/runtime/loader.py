@@ -231,6 +231,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             model.lm_head.load(DenseWeight(embed), None, dtype, dev)
         else:
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
+    model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
     model.eval()
     return model
 
@@ -403,6 +404,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
         elif spec.draft_vocab_size != spec.vocab_size:
             raise FormatError(f"{wr.path}: the draft vocabulary has {spec.draft_vocab_size} tokens, the target "
                               f"{spec.vocab_size}, and there is no 'd2t' map")
+    model.to(dev)
     model.eval()
     return model
 

@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
     def load(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         if tuple(weight.shape) != (self.size,):
             raise ShapeError(f"RMSNorm weight has shape {list(weight.shape)}, expected [{self.size}]")
-        self.weight = weight.to(device=self.weight.device, dtype=dtype)
+        self.weight = weight.to(dtype=dtype)  # stays on the device the loader put it on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
