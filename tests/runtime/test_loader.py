@@ -132,3 +132,53 @@ def test_user_errors_are_one_line_and_name_the_culprit(tiny_dir, tmp_path) -> No
         load_draft(tiny_dir / "kimi-k2.5-eagle3", tgt, aux_layer_ids=(2, 3, 9))
     for err in (FormatError, ShapeError, UsageError, CheckpointError):
         assert issubclass(err, Eagle3Error)
+
+
+def _ptpc_fp8_draft(src, dst, ref_dst):
+    """An AMD ``ptpc_fp8``-style draft (Quark FP8 per-channel weights, dynamic per-token FP8
+    activations; fc and lm_head excluded) plus the same draft with the dequantized weights."""
+    dst.mkdir()
+    ref_dst.mkdir()
+    r = CheckpointReader(src)
+    with CheckpointWriter(dst) as wq, CheckpointWriter(ref_dst) as wr:
+        for n in r.names():
+            t = r.get(n)
+            if n.startswith("midlayer.") and n.endswith("_proj.weight"):
+                s = t.float().abs().amax(-1) / codecs.FP8_E4M3_MAX
+                q = codecs.fp8_quantize(t.float(), s[:, None])
+                wq.add(n, q)
+                wq.add(n[: -len("weight")] + "weight_scale", s)
+                wr.add(n, q.float() * s[:, None])
+            else:
+                wq.add(n, t)
+                wr.add(n, t)
+    cfg = json.loads((src / "config.json").read_text())
+    (ref_dst / "config.json").write_text(json.dumps(cfg))
+    spec = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False, "symmetric": True,
+            "round_method": "half_even", "scale_type": "float32"}
+    cfg["quantization_config"] = {
+        "quant_method": "quark", "layer_quant_config": {}, "layer_type_quant_config": {},
+        "global_quant_config": {"weight": spec, "input_tensors": {**spec, "is_dynamic": True, "ch_axis": 1},
+                                "output_tensors": None, "bias": None},
+        "exclude": ["fc", "lm_head"], "export": {"kv_cache_group": [], "pack_method": "reorder",
+                                                 "weight_format": "real_quantized"}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_fp8_per_channel_draft(tiny_dir, tmp_path) -> None:
+    qdir, rdir = tmp_path / "fp8", tmp_path / "fp8-ref"
+    _ptpc_fp8_draft(tiny_dir / "kimi-k2.5-eagle3", qdir, rdir)
+    tgt = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32)
+    d, r = load_draft(qdir, tgt), load_draft(rdir, tgt)
+    assert d.mlp.down.kind == "FP8Weight" and d.mlp.down.act == "fp8"
+    assert d.self_attn.qkv_proj.act == "fp8" and d.fc.kind == "DenseWeight" and d.fc.act is None
+    gen = torch.Generator().manual_seed(3)
+    ids, hid = torch.randint(0, 768, (8,), generator=gen).tolist(), torch.randn(8, 128, generator=gen)
+    outs = []
+    for m in (d, r):
+        kv = PagedKV(m, num_layers=1)
+        x, meta = kv.step({0: ids})
+        with torch.no_grad():
+            outs.append(m(x, hid, meta, kv.caches[0])[1])
+    rel = (outs[0] - outs[1]).norm() / outs[1].norm()
+    assert 0 < rel < 0.05  # only the dynamic FP8 activations differ
