@@ -1,0 +1,249 @@
+"""The bridge between asyncio request handlers and the engine's synchronous ``step()`` loop.
+
+One background thread owns the engine: it loops on :meth:`LLM.step` while requests are
+unfinished and sleeps on an event otherwise. Handlers call :meth:`AsyncEngine.generate`, which
+queues the request through the engine's thread-safe inbox (``LLM.add_request`` / ``LLM.abort``)
+and receives the per-step outputs on an ``asyncio.Queue`` fed with
+``loop.call_soon_threadsafe``. Leaving the generator early (client disconnect, stop string,
+error) aborts the request, which frees its sequence and KV blocks at the next step.
+
+Stop *strings* are handled here, on the detokenized text, the way vLLM's output processor does
+it: the engine knows token ids only. While streaming, the last ``max(len(stop)) - 1`` characters
+are held back so that a stop string split across steps is never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3.errors import Eagle3Error
+from eagle3.serve.metrics import ServerMetrics
+from eagle3.serve.protocol import APIError
+
+logger = logging.getLogger("eagle3.serve")
+
+_IDLE_WAIT_S = 1.0
+
+
+@dataclass
+class Delta:
+    """What one engine step means for one request, as the client sees it."""
+
+    text: str  # new text to send (never beyond a stop string)
+    num_output_tokens: int  # output tokens so far; at the end, tokens up to the stop point
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    stop_reason: str | int | None = None  # the matched stop string (vLLM's field)
+
+
+class OutputTracker:
+    """Turns one request's engine outputs into stop-string-safe text deltas."""
+
+    def __init__(self, stops: Sequence[str], include_stop: bool, decode: Callable[[list[int]], str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
+        self.decode = decode
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.num_tokens = 0
+        self.done = False
+        self.engine_done = False
+        self.reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def feed(self, out: Any) -> Delta:
+        prev_len = len(self.text)
+        ids = list(out.token_ids)
+        prev_tokens = len(ids) - len(out.new_token_ids)
+        self.text += out.new_text
+        self.num_tokens = len(ids)
+        if out.finished:
+            self.engine_done = True
+        hit = self._find_stop(max(0, prev_len - self.hold)) if self.stops else None
+        if hit is not None:
+            pos, stop = hit
+            self.num_tokens = self._tokens_through(ids, prev_tokens, stop, max(0, prev_len - self.hold))
+            self.text = self.text[: pos + len(stop) if self.include_stop else pos]
+            self.done, self.reason, self.stop_reason = True, "stop", stop
+            return self._emit(len(self.text))
+        if out.finished:
+            self.done, self.reason = True, out.finish_reason
+            if out.finish_reason == "stop" and ids:
+                self.stop_reason = ids[-1]
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - self.hold)
+
+    def _emit(self, upto: int) -> Delta:
+        upto = max(upto, self.sent)
+        text = self.text[self.sent: upto]
+        self.sent = upto
+        return Delta(text, self.num_tokens, self.done, self.reason, self.stop_reason)
+
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _tokens_through(self, ids: list[int], prev_tokens: int, stop: str, start: int) -> int:
+        """Output tokens up to the one whose text completes the stop string (vLLM counts so)."""
+        for j in range(max(prev_tokens, 0) + 1, len(ids) + 1):
+            if self.decode(ids[:j]).find(stop, start) != -1:
+                return j
+        return len(ids)
+
+
+class AsyncEngine:
+    """Owns an :class:`eagle3.runtime.engine.llm.LLM` (or anything with its incremental API:
+    ``add_request``, ``step``, ``abort``, ``has_unfinished``, ``tokenizer``, ``max_model_len``)."""
+
+    def __init__(self, llm: Any, metrics: ServerMetrics | None = None) -> None:
+        self.llm = llm
+        self.metrics = metrics
+        self.tokenizer = getattr(llm, "tokenizer", None)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # last step failure (the loop keeps running)
+
+    # -- facts the handlers need ------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.max_model_len)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(getattr(self.llm, "k", 0) or 0)
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + output tokens one request may use: the model's context length, or less when
+        the KV cache is smaller (the engine reserves 2k lookahead slots per request)."""
+        limit = self.max_model_len
+        bm = getattr(self.llm, "block_manager", None)
+        if bm is not None:
+            limit = min(limit, bm.num_blocks * bm.block_size - 2 * self.num_speculative_tokens)
+        return limit
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("this server has no tokenizer: send token ids", 400, param="prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="eagle3-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()  # before the check: an add between check and wait sets it again
+            if not self.llm.has_unfinished():
+                if self.metrics is not None:
+                    self.metrics.update_gauges(self.llm)
+                self._wake.wait(_IDLE_WAIT_S)
+                continue
+            try:
+                outputs = self.llm.step()
+            except Exception as err:  # keep serving: fail what is in flight, not the server
+                logger.exception("engine step failed; failing the requests in flight")
+                self.error = err
+                self._fail_all(err)
+                continue
+            if self.metrics is not None:
+                self.metrics.engine_steps.inc()
+                self.metrics.observe_engine(self.llm)
+            for out in outputs:
+                self._dispatch(out.request_id, out)
+
+    def _dispatch(self, rid: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the request's loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self.llm.abort(rid)
+            self._dispatch(rid, err)
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: Any, *, stops: Sequence[str] = (),
+                       include_stop: bool = False, request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Run one request; yields a :class:`Delta` per engine step that touched it.
+
+        Raises :class:`APIError` (400) when the engine refuses the request (too long, bad ids)."""
+        if not self.alive:
+            raise APIError("the engine is not running", 503)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._streams[rid] = (loop, queue)
+        tracker = OutputTracker(stops, include_stop, self.decode)
+        added = False
+        try:
+            try:
+                self.llm.add_request(prompt_ids, params, request_id=rid)
+            except Eagle3Error as err:
+                raise APIError(str(err), 400, param="prompt") from err
+            added = True
+            self._wake.set()
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise APIError(f"engine error: {item}", 500, type_="server_error")
+                delta = tracker.feed(item)
+                yield delta
+                if tracker.done:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if added and not tracker.engine_done:
+                # Stop string, client gone or error: free the sequence and its KV blocks.
+                self.llm.abort(rid)
+                self._wake.set()
+
+
+def now() -> float:
+    """The clock every server-side latency uses."""
+    return time.perf_counter()

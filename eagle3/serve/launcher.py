@@ -1,0 +1,177 @@
+"""Building the engine and running the HTTP server (foreground, or in a background thread for
+``serve --validate`` and the tests)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.errors import UsageError
+
+logger = logging.getLogger("eagle3.serve")
+_START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class EngineOptions:
+    """What the runtime engine is built with (``eagle3 serve`` flags)."""
+
+    num_speculative_tokens: int = 3
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    backend: str = "torch"
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    trust_remote_code: bool = False
+
+
+def load_tokenizer(target: Path, trust_remote_code: bool = False) -> Any | None:
+    """The target's tokenizer, or None when the directory has none (token-id prompts only).
+
+    Falls back to ``PreTrainedTokenizerFast`` on ``tokenizer.json`` when AutoTokenizer cannot map
+    the config's tokenizer class (e.g. Kimi-K2-Thinking's config with transformers 5). Code
+    shipped with the model only runs with ``trust_remote_code``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    target = Path(target)
+    if not target.is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except Exception as err:
+        if (target / "tokenizer.json").is_file():
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(str(target))
+            except Exception:  # fall through to the explanation below
+                pass
+        cfg = target / "tokenizer_config.json"
+        if not trust_remote_code and cfg.is_file() and "auto_map" in cfg.read_text():
+            raise UsageError(f"{target}: the tokenizer is defined by code shipped with the model; pass "
+                             f"--trust-remote-code to run it") from err
+        if any((target / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise UsageError(f"{target}: cannot load the tokenizer: {type(err).__name__}: {err}") from err
+        logger.warning("%s has no tokenizer; the server accepts token-id prompts only", target)
+        return None
+
+
+def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions) -> Any:
+    """The runtime's :class:`~eagle3.runtime.engine.llm.LLM` for a target directory (+ draft)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    target = Path(target)
+    if not target.is_dir():
+        raise UsageError(f"{target}: not a checkpoint directory")
+    if draft is not None and not Path(draft).is_dir():
+        raise UsageError(f"--draft {draft}: not a checkpoint directory")
+    tokenizer = load_tokenizer(target, opts.trust_remote_code)
+    return LLM(target, draft, num_speculative_tokens=opts.num_speculative_tokens, dtype=opts.dtype,
+               device=opts.device, backend=opts.backend, tokenizer=tokenizer,
+               trust_remote_code=opts.trust_remote_code, kv_cache_memory=opts.kv_cache_memory,
+               max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+               max_model_len=opts.max_model_len, seed=opts.seed)
+
+
+def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None) -> Any:
+    """The FastAPI app over ``llm`` (the engine thread starts with the app)."""
+    from eagle3.serve.app import create_app
+    from eagle3.serve.async_engine import AsyncEngine
+    from eagle3.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0))
+    engine = AsyncEngine(llm, metrics)
+    return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics)
+
+
+def _uvicorn_server(app: Any, host: str, port: int, log_level: str) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=5, access_log=log_level == "debug")
+    return uvicorn.Server(config)
+
+
+def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run the server in the foreground until Ctrl-C / SIGTERM."""
+    server = _uvicorn_server(app, host, port, log_level)
+    server.run()
+    if not server.started:
+        raise UsageError(f"the server could not start on {host}:{port} (port in use?)")
+
+
+class ServerThread:
+    """The server in a background thread of this process, for ``serve --validate`` and tests.
+
+    >>> with ServerThread(app) as url:   # port 0: an ephemeral loopback port
+    ...     httpx.get(url + "/health")
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.app = app
+        self.host = host
+        self.server = _uvicorn_server(app, host, port, log_level)
+        self.thread = threading.Thread(target=self.server.run, name="eagle3-http", daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise UsageError(f"the HTTP server did not start on {self.host} (port in use?)")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30.0)
+
+
+def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, vopts: Any, *,
+                       model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                       baseline: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same
+    prompts again for the lossless check and the speedup. Returns the report."""
+    from eagle3 import validate
+
+    prep = validate.prepare(vopts)
+    vopts.api_key = api_key
+    meta = {"target": str(target), "draft": None if draft is None else str(draft),
+            "num_speculative_tokens": eopts.num_speculative_tokens if draft is not None else 0,
+            "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype}
+
+    def one_run(with_draft: bool, label: str) -> Any:
+        echo(f"loading {target}" + (f" + draft {draft}" if with_draft else " (no speculation)"))
+        llm = build_llm(target, draft if with_draft else None, eopts)
+        app = build_app(llm, model_name, api_key=api_key, root=str(target))
+        try:
+            with ServerThread(app, host, port) as url:
+                echo(f"{label}: {len(prep.prompts)} GSM8K prompts to {url} at concurrency {vopts.concurrency}")
+                run = validate.evaluate(url, prep, vopts, label)
+        finally:
+            del app, llm
+            gc.collect()
+            _empty_device_cache(eopts.device)
+        return run
+
+    run = one_run(draft is not None, "speculative" if draft is not None else "run")
+    base = one_run(False, "baseline") if draft is not None and baseline else None
+    return validate.finish(run, base, prep, vopts, meta)
+
+
+def _empty_device_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()

@@ -1,0 +1,91 @@
+"""Engine hand-off: the launch commands for vLLM, SGLang and ATOM (printed with --dry-run)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eagle3.cli import app, main
+from eagle3.serve import engines
+
+runner = CliRunner()
+
+
+def _dry(*args: str) -> list[str]:
+    r = runner.invoke(app, ["serve", *args, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    return shlex.split(r.stdout.strip().splitlines()[-1])
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The console-script entry point (one-line errors, exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return int(e.value.code or 0), capsys.readouterr().err
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_vllm(tiny_dir: Path) -> None:
+    t, d = tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3"
+    argv = _dry(str(t), "--draft", str(d), "--engine", "vllm", "--num-speculative-tokens", "4",
+                "--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--port", "9000")
+    assert argv[:3] == ["vllm", "serve", str(t)]
+    assert json.loads(_flag(argv, "--speculative-config")) == {"method": "eagle3", "model": str(d),
+                                                               "num_speculative_tokens": 4}
+    assert _flag(argv, "--tensor-parallel-size") == "8" and _flag(argv, "--kv-cache-dtype") == "fp8"
+    assert _flag(argv, "--port") == "9000" and _flag(argv, "--host") == "127.0.0.1"
+    # the tiny K2.5 target is compressed-tensors INT4: said explicitly
+    assert _flag(argv, "--quantization") == "compressed-tensors"
+    assert "--trust-remote-code" not in argv
+
+
+def test_sglang(tiny_dir: Path) -> None:
+    t, d = tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3"
+    argv = _dry(str(t), "--draft", str(d), "--engine", "sglang", "--tensor-parallel-size", "8",
+                "--kv-cache-dtype", "fp8", "--trust-remote-code")
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and _flag(argv, "--model-path") == str(t)
+    assert _flag(argv, "--speculative-algorithm") == "EAGLE3"
+    assert _flag(argv, "--speculative-draft-model-path") == str(d)
+    assert _flag(argv, "--speculative-num-steps") == "3" and _flag(argv, "--speculative-eagle-topk") == "1"
+    assert _flag(argv, "--speculative-num-draft-tokens") == "4"
+    assert _flag(argv, "--tp") == "8" and _flag(argv, "--kv-cache-dtype") == "fp8_e4m3"
+    assert "--trust-remote-code" in argv
+
+
+def test_atom(tiny_dir: Path) -> None:
+    t, d = tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.6-eagle3.1-mla"
+    argv = _dry(str(t), "--draft", str(d), "--engine", "atom", "--tensor-parallel-size", "8",
+                "--kv-cache-dtype", "fp8", "--port", "8123")
+    assert argv[1:3] == ["-m", "atom.entrypoints.openai_server"] and _flag(argv, "--model") == str(t)
+    assert _flag(argv, "--method") == "eagle3" and _flag(argv, "--draft-model") == str(d)
+    assert _flag(argv, "--num-speculative-tokens") == "3" and _flag(argv, "-tp") == "8"
+    assert _flag(argv, "--kv_cache_dtype") == "fp8" and _flag(argv, "--server-port") == "8123"
+    assert "--quantization" not in argv
+
+
+def test_without_draft_no_speculation_flags(tiny_dir: Path) -> None:
+    argv = _dry(str(tiny_dir / "kimi-k2.5"), "--engine", "vllm")
+    assert "--speculative-config" not in argv and "--kv-cache-dtype" not in argv
+
+
+@pytest.mark.parametrize("engine", engines.ENGINES)
+def test_refuses_when_not_installed(tiny_dir: Path, engine: str, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(engines, "installed", lambda name: False)
+    code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--engine", engine], capsys)
+    assert code == 2
+    assert err.startswith("error: ") and f"{engine} is not installed" in err and "--dry-run" in err
+
+
+def test_bad_engine_and_dry_run_alone(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--engine", "tgi", "--dry-run"], capsys)
+    assert code == 2 and "vllm, sglang, atom" in err
+    code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--dry-run"], capsys)
+    assert code == 2 and "--engine" in err
