@@ -31,7 +31,9 @@ What the runtime does with each format (first steps, documented):
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +107,8 @@ class WeightReader:
 
     def load_linear(self, layer: Linear, module: str) -> None:
         w, act = self.linear(module)
-        try:
+        with _named(self, module):
             layer.load(w, act, self.dtype, self.device)
-        except ShapeError as e:
-            raise ShapeError(f"{self.path}: {module}: {e}") from None
 
     def _decode(self, m: str) -> LinearWeight:
         n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
@@ -271,19 +271,18 @@ def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
     (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
     if ag != au:
         raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
+    with _named(wr, p + "gate_proj/up_proj"):
+        mlp.load(g, u, d, ag, ad, wr.dtype, wr.device)
+
+
+@contextlib.contextmanager
+def _named(wr: WeightReader, what: str) -> Iterator[None]:
+    """Name the checkpoint and module in shape / fusion errors raised while loading ``what``."""
     try:
-        mlp.gate_up.load(_concat(wr, [g, u], p + "gate_proj/up_proj"), ag, wr.dtype, wr.device)
-        mlp.down.load(d, ad, wr.dtype, wr.device)
+        yield
     except ShapeError as e:
         raise ShapeError(f"{wr.path}: {e}") from None
-
-
-def _concat(wr: WeightReader, ws: list[LinearWeight], what: str) -> LinearWeight:
-    from eagle3.runtime.kernels.base import concat_out_features
-
-    try:
-        return concat_out_features(ws)
-    except UsageError as e:
+    except UsageError as e:  # weights that cannot be fused (different formats)
         raise FormatError(f"{wr.path}: {what}: {e}") from None
 
 
@@ -297,10 +296,8 @@ def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
     wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
     kv_b, _ = wr.linear(p + "kv_b_proj")
-    try:
+    with _named(wr, p + "kv_b_proj"):
         attn.load_kv_b(kv_b, wr.dtype, wr.device)
-    except ShapeError as e:
-        raise ShapeError(f"{wr.path}: {e}") from None
     wr.load_linear(attn.o_proj, p + "o_proj")
 
 
@@ -379,12 +376,8 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
             q, k, v, o = (wr.linear(f"{lp}self_attn.{n}_proj") for n in "qkvo")
             if len({q[1], k[1], v[1]}) != 1:
                 raise FormatError(f"{wr.path}: {lp}self_attn q/k/v have different activation quantization")
-            try:
-                model.self_attn.qkv_proj.load(_concat(wr, [q[0], k[0], v[0]], lp + "self_attn.q/k/v_proj"), q[1],
-                                              dtype, dev)
-                model.self_attn.o_proj.load(o[0], o[1], dtype, dev)
-            except ShapeError as e:
-                raise ShapeError(f"{wr.path}: {e}") from None
+            with _named(wr, lp + "self_attn.q/k/v_proj"):
+                model.self_attn.load(q[0], k[0], v[0], o[0], q[1], o[1], dtype, dev)
         _load_mlp(wr, model.mlp, lp + "mlp.")
         wr.norm(model.norm, keys.DRAFT_NORM)
         if spec.own_lm_head:

@@ -123,10 +123,10 @@ class MHAAttention(nn.Module):
         self.qkv_proj = Linear(in_dim, nq + 2 * nkv, backend, name + ".qkv_proj")
         self.o_proj = Linear(nq, out_dim, backend, name + ".o_proj")
 
-    def load(self, q: LinearWeight, k: LinearWeight, v: LinearWeight, o: LinearWeight, act: ActQuant,
-             dtype: torch.dtype, device: torch.device) -> None:
-        self.qkv_proj.load(concat_out_features([q, k, v]), act, dtype, device)
-        self.o_proj.load(o, act, dtype, device)
+    def load(self, q: LinearWeight, k: LinearWeight, v: LinearWeight, o: LinearWeight, act_qkv: ActQuant,
+             act_o: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        self.qkv_proj.load(concat_out_features([q, k, v]), act_qkv, dtype, device)
+        self.o_proj.load(o, act_o, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: torch.Tensor, plan: Any = None) -> torch.Tensor:

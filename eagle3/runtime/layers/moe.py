@@ -26,10 +26,10 @@ class DenseMLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * inter, backend, name + ".gate_up_proj")
         self.down = Linear(inter, hidden, backend, name + ".down_proj")
 
-    def load(self, gate: LinearWeight, up: LinearWeight, down: LinearWeight, act: ActQuant,
-             dtype: torch.dtype, device: torch.device) -> None:
-        self.gate_up.load(concat_out_features([gate, up]), act, dtype, device)
-        self.down.load(down, act, dtype, device)
+    def load(self, gate: LinearWeight, up: LinearWeight, down: LinearWeight, act_gate_up: ActQuant,
+             act_down: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        self.gate_up.load(concat_out_features([gate, up]), act_gate_up, dtype, device)
+        self.down.load(down, act_down, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).split(self.inter, dim=-1)
