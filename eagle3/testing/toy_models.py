@@ -170,3 +170,57 @@ def toy_reference_greedy(target: ToyTarget, prompt: list[int], max_tokens: int,
         if nxt in stop_ids:
             break
     return out
+
+
+class ReplayDraft:
+    """A draft for any target that proposes from known continuations (e.g. the target's own
+    greedy outputs, computed beforehand): a perfect draft for a real model, or an imperfect one
+    with ``corrupt_every=n`` (every ``n``-th draft position proposes a wrong token).
+
+    Like :class:`ToyDraft` it keeps its inputs in its own paged cache and looks the context up
+    from there (tokens ``1 .. p + 1`` at draft position ``p``), so it proposes right only while the
+    engine keeps the draft cache right."""
+
+    hidden_size = 1
+    num_layers = 1
+
+    def __init__(self, sequences: list[list[int]], vocab_size: int, aux_layer_ids: tuple[int, ...],
+                 corrupt_every: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.corrupt_every = corrupt_every
+        self.spec = SimpleNamespace()
+        self.next: dict[tuple[int, ...], int] = {}
+        for s in sequences:
+            for i in range(1, len(s) - 1):
+                self.next[tuple(s[1: i + 1])] = s[i + 1]
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec((1,), torch.int64)
+
+    def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux.new_zeros(aux.shape[0], 1)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMetadata,
+                kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_meta(meta)
+        kv_cache.view(-1)[meta.slot_mapping.cpu()] = input_ids.cpu() + 1
+        cu = meta.cu_seqlens_q.tolist()
+        out = []
+        for b in range(meta.num_seqs):
+            c = _read(kv_cache, meta, b).tolist()
+            for p in meta.positions[cu[b]: cu[b + 1]].tolist():
+                tok = self.next.get(tuple(c[: p + 1]), 0)
+                if self.corrupt_every and p % self.corrupt_every == 0:
+                    tok = (tok + 1) % self.vocab_size
+                out.append(tok)
+        t = torch.tensor(out, dtype=torch.float64, device=hidden.device)[:, None]
+        return t, t
+
+    def compute_logits(self, post_norm: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(post_norm.shape[0], self.vocab_size, device=post_norm.device)
+        logits[torch.arange(post_norm.shape[0]), post_norm[:, 0].long()] = 10.0
+        return logits
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
