@@ -288,12 +288,14 @@ def _named(wr: WeightReader, what: str) -> Iterator[None]:
 
 def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
     if attn.spec.q_lora_rank is not None:
-        wr.load_linear(attn.q_a_proj, p + "q_a_proj")
+        (qa, act_q), (kva, act_kv) = wr.linear(p + "q_a_proj"), wr.linear(p + "kv_a_proj_with_mqa")
+        with _named(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
+            attn.load_a(qa, act_q, kva, act_kv, wr.dtype, wr.device)
         wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
         wr.load_linear(attn.q_b_proj, p + "q_b_proj")
     else:
         wr.load_linear(attn.q_proj, p + "q_proj")
-    wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
+        wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
     kv_b, _ = wr.linear(p + "kv_b_proj")
     with _named(wr, p + "kv_b_proj"):

@@ -428,10 +428,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return q.new_empty(t, hkv, g, dv)
     flat = plan.slots.reshape(-1)
     k = k_cache[flat].float().view(t, nk, kt, hkv, d)
-    v = v_cache[flat].float().view(t, nk, kt, hkv, dv)
+    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride() and dv <= d:
+        v = k[..., :dv]  # MLA: the values are the first kv_lora dims of the cached latent
+    else:
+        v = v_cache[flat].float().view(t, nk, kt, hkv, dv)
     if hkv == 1:  # MLA: the permute below is a view
         kb = k.view(t * nk, kt, d)
-        vb = v.view(t * nk, kt, dv)
+        vb = v.reshape(t * nk, kt, dv)
     else:
         kb = k.permute(0, 1, 3, 2, 4).reshape(t * nk * hkv, kt, d)
         vb = v.permute(0, 1, 3, 2, 4).reshape(t * nk * hkv, kt, dv)

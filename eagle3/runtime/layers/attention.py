@@ -46,6 +46,9 @@ class MLAAttention(nn.Module):
             self.q_proj = Linear(in_dim, nh * dqk, backend, name + ".q_proj")
         self.kv_a_proj_with_mqa = Linear(in_dim, spec.kv_lora_rank + spec.qk_rope_head_dim, backend,
                                          name + ".kv_a_proj_with_mqa")
+        # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM when their formats agree
+        # (vLLM's fused_qkv_a_proj); `load_a` decides.
+        self.fused_a: Linear | None = None
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.latent_norm_eps, backend)
         self.o_proj = Linear(nh * spec.v_head_dim, out_dim, backend, name + ".o_proj")
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
@@ -56,6 +59,23 @@ class MLAAttention(nn.Module):
     @property
     def cache_dim(self) -> int:
         return self.spec.kv_lora_rank + self.spec.qk_rope_head_dim
+
+    def load_a(self, q_a: LinearWeight, act_q: ActQuant, kv_a: LinearWeight, act_kv: ActQuant, dtype: torch.dtype,
+               device: torch.device) -> None:
+        """Load ``q_a_proj`` and ``kv_a_proj_with_mqa`` (fused into one GEMM when possible)."""
+        s = self.spec
+        if type(q_a) is type(kv_a) and act_q == act_kv and s.q_lora_rank is not None:
+            try:
+                fused = concat_out_features([q_a, kv_a])
+            except Exception:
+                fused = None
+            if fused is not None and fused.shape[1] == self.kv_a_proj_with_mqa.in_features:
+                self.fused_a = Linear(fused.shape[1], fused.shape[0], self.backend, self.name + ".q_a+kv_a")
+                self.fused_a.load(fused, act_q, dtype, device)
+                del self.q_a_proj, self.kv_a_proj_with_mqa
+                return
+        self.q_a_proj.load(q_a, act_q, dtype, device)
+        self.kv_a_proj_with_mqa.load(kv_a, act_kv, dtype, device)
 
     def load_kv_b(self, weight: LinearWeight, dtype: torch.dtype, device: torch.device) -> None:
         """``kv_b_proj`` is absorbed, so it is kept dense in the compute dtype (any format)."""
@@ -74,16 +94,22 @@ class MLAAttention(nn.Module):
                 cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
         s, be = self.spec, self.backend
         t, nh = x.shape[0], s.num_heads
-        if s.q_lora_rank is not None:
+        if self.fused_a is not None:
+            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.cache_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(qa))
+        elif s.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            ckv = self.kv_a_proj_with_mqa(x)
         else:
             q = self.q_proj(x)
+            ckv = self.kv_a_proj_with_mqa(x)
         q = q.view(t, nh, s.qk_head_dim)
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        c, k_pe = ckv.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
-        q_pe = self.rotary(q_pe, cos, sin)
-        k_pe = self.rotary(k_pe.reshape(t, 1, s.qk_rope_head_dim), cos, sin).view(t, s.qk_rope_head_dim)
+        # one rotation for the nh query heads and the shared key
+        pe = self.rotary(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
+        q_pe, k_pe = pe[:, :nh], pe[:, nh]
         flat = cache.view(-1, self.cache_dim)
         be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
         if self.absorbed:
