@@ -117,10 +117,10 @@ def mm_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     if m == 0:
         return x.new_empty(0, w_t.shape[1])
-    xp = _pad_rows(x.to(w_t.dtype), ROW_TILE)
+    xp = _pad_rows(x if x.dtype == w_t.dtype else x.to(w_t.dtype), ROW_TILE)
     nb = xp.shape[0] // ROW_TILE
-    out = torch.bmm(xp.view(nb, ROW_TILE, k), w_t.expand(nb, k, w_t.shape[1]))
-    return out.view(nb * ROW_TILE, -1)[:m].to(x.dtype)
+    out = torch.bmm(xp.view(nb, ROW_TILE, k), w_t.expand(nb, k, w_t.shape[1])).view(nb * ROW_TILE, -1)[:m]
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -130,10 +130,11 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[-1]
     if m == 0:
         return x.new_empty(b, 0, n)
-    xp = _pad_rows(x.to(w.dtype), ROW_TILE)
+    xp = _pad_rows(x if x.dtype == w.dtype else x.to(w.dtype), ROW_TILE)
     nb = xp.shape[1] // ROW_TILE
     if nb == 1:
-        return torch.bmm(xp, w)[:, :m].to(x.dtype)
+        out = torch.bmm(xp, w)[:, :m]
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     # [B, nb, R, K] x [B, nb, K, N]: the weight is repeated per tile (a copy only for prefill).
     ww = w.unsqueeze(1).expand(b, nb, k, n).reshape(b * nb, k, n)
     out = torch.bmm(xp.reshape(b * nb, ROW_TILE, k), ww)
@@ -475,9 +476,11 @@ class TorchBackend(KernelBackend):
         return w.to(dtype).to(compute_dtype(dtype, self.device)).contiguous()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one op (bit-identical to the spelled-out
+        # transformers form on CPU, tests/runtime/test_layers.py); the weight multiply stays in the
+        # activation dtype as transformers does it.
+        xf = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), eps=eps)
+        return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         return silu(x)
