@@ -12,8 +12,8 @@ batch:
   depend only on that row (checked by ``tests/runtime/test_kernels_torch_ref.py`` on each run).
 * Integer GEMMs (W4A8 with int8 activations) accumulate exactly in int32 (``torch._int_mm``); the
   FP8-activation variant accumulates FP8 x INT4/FP8 products in float64, which is exact too
-  (every product is a multiple of 2^-18 below 2^17, so any K < 2^17 sums exactly). Exact sums
-  need no tiling at all.
+  (every product is a multiple of 2^-18 of magnitude below 2^18, so any K < 2^17 sums exactly).
+  Exact sums need no tiling at all.
 * Attention gathers, per query token, the keys at positions ``0..p`` padded to whole
   ``KEY_TILE`` tiles, and runs one fixed-shape ``[G, D] x [D, KEY_TILE]`` GEMM per (token, tile,
   kv-head). Padded keys get probability exactly 0, so tiles past a token's own context add exact
@@ -25,6 +25,10 @@ batch:
   and the two differ by an ulp (measured: fp32 sigmoid/silu of row ``t`` change with the number
   of rows). :func:`pointwise` feeds them a strided view, which sends every element down the
   scalar path, so an element's result depends on its value only.
+
+On CPU, bf16/fp16 models keep their GEMM operands in fp32 (:func:`compute_dtype`): the products
+of bf16 values are exact in fp32, so this is a bf16 GEMM with fp32 accumulation, ~10x faster on
+CPUs without AVX512-BF16; outputs are rounded back to the model dtype.
 
 Numerics follow transformers' DeepseekV3 implementation where it defines them (RMSNorm weight
 multiply in the activation dtype, cos/sin cast to the activation dtype, router in fp32, top-k
