@@ -163,3 +163,27 @@ def test_text_prompts_from_checkpoint_paths(tiny_dir: Path) -> None:
         assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
         assert o.prompt is not None and o.finish_reason in ("stop", "length")
     assert "acceptance:" in llm.stats_line()
+
+
+def test_streamed_text_deltas_add_up_to_the_final_text(models: _Models, tiny_dir: Path) -> None:
+    """Incremental detokenization: the deltas ``step()`` hands out (the server streams them)
+    concatenate to the final text, which is one exact decode; the random tiny model emits plenty
+    of partial UTF-8 byte tokens to trip over."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "kimi-k2.5")
+    llm = LLM(models.target("int4"), tiny_dir / "kimi-k2.5-eagle3", num_speculative_tokens=3, tokenizer=tok,
+              num_blocks=64)
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
+    rids = [llm.add_request(p, params) for p in PROMPTS[:3]]
+    streamed = dict.fromkeys(rids, "")
+    final = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            streamed[o.request_id] += o.new_text
+            if o.finished:
+                final[o.request_id] = o
+    for r in rids:
+        assert final[r].text == tok.decode(final[r].token_ids, skip_special_tokens=True)
+        assert streamed[r] == final[r].text
+    assert all(final[r].text for r in rids)

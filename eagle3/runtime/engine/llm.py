@@ -303,21 +303,39 @@ class LLM:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _new_text(self, seq: Sequence) -> str:
+        """Text added by the output tokens since the last call, decoding only a short window
+        (a whole-output decode per step would cost O(length) per token). The window starts a
+        few tokens back so that tokenizers that merge across token boundaries (byte-level BPE
+        pieces of one UTF-8 character, SentencePiece spaces) decode the same as in full."""
+        ids = seq.output_token_ids
+        before = self._decode(ids[seq.prefix_offset: seq.read_offset])
+        after = self._decode(ids[seq.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet (e.g. half of a UTF-8 character)
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return after[len(before):]
+
     def _output(self, seq: Sequence) -> RequestOutput:
         out_ids = seq.output_token_ids
         new_ids = out_ids[seq.num_returned_tokens:]
-        text = self._decode(out_ids)
-        # Hold back a trailing partial UTF-8 character until the next token completes it.
-        stable = text if seq.is_finished else text.rstrip("\ufffd")
-        new_text = stable[len(seq.returned_text):] if stable.startswith(seq.returned_text) else ""
         seq.num_returned_tokens = len(out_ids)
-        seq.returned_text = seq.returned_text + new_text
+        if self.tokenizer is None:
+            text = new_text = ""
+        elif seq.is_finished:
+            # The final text is one exact decode; the last delta is whatever it adds.
+            text = self._decode(out_ids)
+            new_text = text[len(seq.returned_text):] if text.startswith(seq.returned_text) else ""
+        else:
+            new_text = self._new_text(seq)
+            text = seq.returned_text + new_text
+        seq.returned_text += new_text
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=list(out_ids), text=text, finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             new_token_ids=new_ids, new_text=new_text,
-            spec_stats=seq.stats if self.draft is not None else None, num_preemptions=seq.num_preemptions,
+            spec_stats=seq.stats.copy() if self.draft is not None else None, num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finished_time=seq.finished_time)
 

@@ -57,6 +57,10 @@ class Sequence:
         self.num_preemptions = 0
         self.num_returned_tokens = 0  # output tokens already handed out by LLM.step()
         self.returned_text = ""
+        # Incremental detokenization window (output-token offsets): text is decoded from
+        # prefix_offset, and what read_offset..end adds is the delta (see LLM._output).
+        self.prefix_offset = 0
+        self.read_offset = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

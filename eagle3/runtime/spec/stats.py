@@ -42,6 +42,10 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
         self.accepted_hist[num_accepted] += 1
 
+    def copy(self) -> SpecStats:
+        return SpecStats(self.num_speculative_tokens, self.num_drafts, self.num_draft_tokens,
+                         self.num_accepted_tokens, list(self.accepted_per_pos), list(self.accepted_hist))
+
     def merge(self, other: SpecStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
