@@ -237,6 +237,214 @@ def quantize(
         pipeline.print_summary(result)
 
 
+# ---------------------------------------------------------------------------------------------
+# serve / validate / bench
+# ---------------------------------------------------------------------------------------------
+
+
+def _exit_on_report(report: dict, lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(line)
+    if not report["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
+    draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = 3,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
+    port: Annotated[int | None, typer.Option(help="Port (default 8000; --validate: a free ephemeral port).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = False,
+    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = 64,
+    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = 0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    validate: Annotated[str | None, typer.Option(help="Run a validation through the HTTP API, then stop: gsm8k.")] = None,
+    limit: Annotated[int | None, typer.Option(help="--validate: first N test questions.")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="--validate: few-shot exemplars.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="--validate: requests in flight.")] = 1,
+    dataset: Annotated[Path | None, typer.Option(help="--validate: directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="--validate: new tokens per answer (lm-eval: 256).")] = 256,
+    report: Annotated[Path | None, typer.Option(help="--validate: write the JSON report here (+ .png figure).")] = None,
+    figure: Annotated[Path | None, typer.Option(help="--validate: the figure's path (default: REPORT with .png).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="--validate: replace an existing report / figure.")] = False,
+    min_accuracy: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this exact match.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="--validate: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this acceptance rate.")] = None,
+    baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
+    engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="--engine: tensor parallel size.")] = 1,
+    kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
+    quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
+) -> None:
+    """Serve TARGET (+ EAGLE-3 draft) over an OpenAI-compatible API, validate it, or hand off.
+
+    Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
+
+    eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
+
+    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
+
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
+    /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
+    """
+    from eagle3.errors import UsageError
+
+    if engine is not None:
+        from eagle3.serve import engines
+
+        cmd = engines.build_command(
+            engine, target, draft, num_speculative_tokens=num_speculative_tokens, host=host,
+            port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
+            served_model_name=served_model_name, max_model_len=max_model_len)
+        for note in cmd.notes:
+            typer.echo(f"# note: {note}", err=True)
+        typer.echo(cmd.shell())
+        if not dry_run:
+            raise typer.Exit(engines.run(cmd))
+        return
+    if dry_run:
+        raise UsageError("--dry-run goes with --engine vllm|sglang|atom")
+    from eagle3.convert import parse_size
+    from eagle3.serve import launcher
+
+    eopts = launcher.EngineOptions(
+        num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
+        kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+        max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code)
+    name = served_model_name or target.resolve().name
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
+    if validate is not None:
+        from eagle3.validate import ValidateOptions
+        from eagle3.validate.report import summary_lines
+
+        vopts = ValidateOptions(task=validate, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
+                                dataset=dataset, max_tokens=max_tokens, model=name, report=report, figure=figure,
+                                overwrite=overwrite, min_accuracy=min_accuracy, min_acceptance=min_acceptance,
+                                accuracy_filter=accuracy_filter)
+        result = launcher.serve_and_validate(target, draft, eopts, vopts, model_name=name, api_key=api_key,
+                                             host=host, port=0 if port is None else port, baseline=baseline,
+                                             echo=lambda s: typer.echo(s, err=True))
+        _exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
+        return
+    llm = launcher.build_llm(target, draft, eopts)
+    api = launcher.build_app(llm, name, api_key=api_key, root=str(target))
+    typer.echo(f"eagle3: serving {name} on http://{host}:{8000 if port is None else port}/v1", err=True)
+    launcher.serve_forever(api, host, 8000 if port is None else port, log_level)
+
+
+@app.command("validate")
+def validate_cmd(
+    base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")],
+    task: Annotated[str, typer.Option(help="Validation task.")] = "gsm8k",
+    model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
+    baseline_url: Annotated[str | None, typer.Option(help="The same target without speculation: lossless check and speedup.")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N test questions.")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="Few-shot exemplars.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 1,
+    dataset: Annotated[Path | None, typer.Option(help="Directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per answer (lm-eval: 256).")] = 256,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here (+ .png figure).")] = None,
+    figure: Annotated[Path | None, typer.Option(help="The figure's path (default: REPORT with .png).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing report / figure.")] = False,
+    min_accuracy: Annotated[float | None, typer.Option(help="Fail (exit 1) below this exact match.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="Fail (exit 1) below this acceptance rate.")] = None,
+) -> None:
+    """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on GSM8K.
+
+    Example: eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
+
+    Prompts, stop strings, greedy decoding and scoring are lm-eval's gsm8k task; speculative
+    acceptance is read from the server's /metrics when it has them. Exit code 1 on a missed threshold.
+    """
+    from eagle3 import validate as val
+    from eagle3.validate.report import summary_lines
+
+    vopts = val.ValidateOptions(task=task, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
+                                dataset=dataset, max_tokens=max_tokens, model=model, api_key=api_key, report=report,
+                                figure=figure, overwrite=overwrite, min_accuracy=min_accuracy,
+                                min_acceptance=min_acceptance, accuracy_filter=accuracy_filter)
+    prep = val.prepare(vopts)
+    run = val.evaluate(base_url, prep, vopts)
+    base = val.evaluate(baseline_url, prep, vopts, "baseline") if baseline_url else None
+    result = val.finish(run, base, prep, vopts, {"engine": "external"})
+    _exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
+
+
+@app.command()
+def bench(
+    target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
+    draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = 3,
+    base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
+    dataset: Annotated[str, typer.Option(help="random|gsm8k prompts.")] = "random",
+    dataset_path: Annotated[Path | None, typer.Option(help="gsm8k: directory with train.jsonl + test.jsonl.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="random: tokenizer directory (default: TARGET).")] = None,
+    input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 256,
+    output_len: Annotated[int, typer.Option(help="New tokens per request (random: exactly, with ignore_eos).")] = 128,
+    num_prompts: Annotated[int, typer.Option(help="Requests per concurrency level.")] = 32,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, e.g. 1,4,16.")] = "1",
+    seed: Annotated[int, typer.Option(help="Random prompts seed.")] = 0,
+    report: Annotated[Path | None, typer.Option(help="Write the results as JSON.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing report.")] = False,
+    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
+) -> None:
+    """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
+
+    Examples: eagle3 bench --base-url http://127.0.0.1:8000 --tokenizer ./Kimi-K2.5 --concurrency 1,8,32
+
+    eagle3 bench ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --input-len 64 --output-len 32
+    """
+    from eagle3.errors import UsageError
+    from eagle3.validate import bench as b
+    from eagle3.validate.report import write_json_atomic
+
+    if (target is None) == (base_url is None):
+        raise UsageError("give either TARGET (served in-process) or --base-url")
+    if report is not None and report.exists() and not overwrite:
+        raise UsageError(f"{report} exists; pass --overwrite to replace it")
+    opts = b.BenchOptions(dataset=dataset, dataset_path=dataset_path, input_len=input_len, output_len=output_len,
+                          num_prompts=num_prompts, concurrency=b.parse_levels(concurrency), seed=seed, model=model,
+                          api_key=api_key)
+    opts.check()
+    tok = None
+    if tokenizer is not None or target is not None:
+        from eagle3.serve.launcher import load_tokenizer
+
+        tok = load_tokenizer(tokenizer or target, trust_remote_code)
+    if target is not None:
+        from eagle3.serve import launcher
+
+        eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                                       trust_remote_code=trust_remote_code)
+        api = launcher.build_app(launcher.build_llm(target, draft, eopts), target.resolve().name, root=str(target))
+        with launcher.ServerThread(api) as url:
+            result = b.run_bench(url, opts, tok)
+    else:
+        result = b.run_bench(base_url, opts, tok)
+    for line in b.bench_lines(result):
+        typer.echo(line)
+    if report is not None:
+        write_json_atomic(report, result)
+        typer.echo(f"report: {report}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: one-line errors and exit code 2 for user errors.
 

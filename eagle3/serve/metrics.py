@@ -67,15 +67,16 @@ class ServerMetrics:
         self.kv_free_blocks = Gauge(PREFIX + "num_free_kv_blocks", "Free KV cache blocks.", labels,
                                     registry=r).labels(model_name)
         self.engine_steps = counter("engine_steps", "Engine steps run.").labels(model_name)
-        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of >= 1 draft token.").labels(model_name)
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
-        per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                          "Drafts whose token at this position was accepted.", ("position",))
-        self.spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
+        # Speculative counters exist only with a draft (as in vLLM): their absence tells a reader
+        # that the server does not speculate.
+        self.spec_per_pos: list[Any] = []
         if num_speculative_tokens:
-            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, *self.spec_per_pos):
-                c.inc(0)  # export zero-valued series from the start: a scrape before/after needs both
+            self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of >= 1 draft token.").labels(model_name)
+            self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
+            self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
+            per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                              "Drafts whose token at this position was accepted.", ("position",))
+            self.spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
         self._last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [0] * num_speculative_tokens)
 
     # -- engine side (called from the engine thread after each step) ------------------------

@@ -12,7 +12,6 @@ aborts, acceptance counters) without real model cost.
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -121,7 +120,8 @@ def gsm8k_oracle(gold: dict[str, str], wrong_every: int = 3) -> Callable[[str], 
     "Question:" continuation that the server must cut at the stop string."""
 
     def respond(prompt: str) -> str:
-        q = re.sub(r"\s*Answer:\s*$", "", prompt.rsplit("Question:", 1)[-1]).strip()
+        # plain prompts end "Answer:"; chat prompts have the template's (decoded) tail after it
+        q = prompt.rsplit("Question:", 1)[-1].split("\nAnswer:")[0].strip()
         if q not in gold:
             return " I do not know."
         ans = gold[q]

@@ -1,0 +1,39 @@
+"""Servers for the validation tests: the real engine over toy models (with and without a draft)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from eagle3.serve.launcher import ServerThread, build_app
+from tests.serve.fakes import load_tiny_tokenizer, toy_llm
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_dir: Any) -> Any:
+    return load_tiny_tokenizer(tiny_dir)
+
+
+def _serve(llm: Any, name: str) -> Iterator[tuple[str, Any]]:
+    with ServerThread(build_app(llm, name)) as url:
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_tokenizer: Any) -> Iterator[tuple[str, Any]]:
+    """Toy target + noisy EAGLE draft (k = 3)."""
+    yield from _serve(toy_llm(tiny_tokenizer, "noisy"), "toy")
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_tokenizer: Any) -> Iterator[tuple[str, Any]]:
+    """The same toy target without speculation."""
+    yield from _serve(toy_llm(tiny_tokenizer, None), "toy")
+
+
+@pytest.fixture(scope="module")
+def other_server(tiny_tokenizer: Any) -> Iterator[tuple[str, Any]]:
+    """A different toy target (another seed): its greedy output differs."""
+    yield from _serve(toy_llm(tiny_tokenizer, None, seed=1), "toy")
