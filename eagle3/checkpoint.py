@@ -303,18 +303,52 @@ def write_json(path: Path, data: Any) -> None:
 
 
 class _ShardBuilder:
-    """One output shard: tensor bytes are appended to a data file as they arrive; the header
-    (which needs every name and offset) is written in :meth:`finish`."""
+    """One output shard. The header needs every name and offset, so it can only be written when
+    the shard closes; how the data gets behind it depends on the shard's size:
 
-    def __init__(self, data_path: Path) -> None:
+    * small shards (< ``DIRECT_WRITE_BYTES``): tensor bytes go to a data file, and :meth:`finish`
+      writes header + data into the shard (the extra copy is cheap, and the file has no padding);
+    * large shards: once the data would pass that size, the shard file itself is opened with room
+      reserved for the header (estimated from the entries so far, the safetensors spec allows
+      trailing spaces in the header), the bytes written so far move there once, and every later
+      tensor is written exactly once. If the final header does not fit the reservation, the shard
+      falls back to the copy."""
+
+    DIRECT_WRITE_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, data_path: Path, out_path: Path | None = None,
+                 max_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         self.data_path = data_path
+        self.out_path = out_path
+        self.max_bytes = max_bytes
         self._f = open(data_path, "wb")
         self.entries: dict[str, dict[str, Any]] = {}
         self.nbytes = 0
+        self._reserved: int | None = None  # header bytes reserved in out_path once writing directly
+
+    def _go_direct(self, next_bytes: int) -> None:
+        """Switch to writing into ``out_path`` behind a reserved header."""
+        assert self.out_path is not None
+        per_entry = len(json.dumps(self.entries, separators=(",", ":"))) / max(len(self.entries), 1) + 16
+        expect = max(self.max_bytes, self.nbytes + next_bytes)
+        entries = len(self.entries) * expect / max(self.nbytes, 1) + 16
+        reserve = int(min(max(2 * per_entry * entries + 4096, 1 << 20), MAX_HEADER_BYTES // 2))
+        reserve += -reserve % 8
+        self._f.close()
+        out = open(self.out_path, "wb")
+        out.seek(8 + reserve)
+        with open(self.data_path, "rb") as data:
+            _copy_file(data, out, self.nbytes)
+        self.data_path.unlink()
+        self._f = out
+        self._reserved = reserve
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().to("cpu").contiguous()
         n = t.numel() * t.element_size()
+        if (self._reserved is None and self.out_path is not None and self.entries
+                and self.nbytes + n >= self.DIRECT_WRITE_BYTES):
+            self._go_direct(n)
         self.entries[name] = {
             "dtype": tag_from_dtype(t.dtype),
             "shape": list(t.shape),
@@ -325,35 +359,61 @@ class _ShardBuilder:
             self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self.nbytes += n
 
-    def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
-        self._f.close()
+    def _header(self, metadata: dict[str, str]) -> bytes:
         header = {"__metadata__": metadata, **self.entries}
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors aligns data to 8 bytes with space padding
+        return raw + b" " * (-len(raw) % 8)  # safetensors aligns data to 8 bytes with space padding
+
+    def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
+        raw = self._header(metadata)
+        if self._reserved is not None:
+            assert out_path == self.out_path
+            if len(raw) <= self._reserved:
+                self._f.seek(0)
+                self._f.write(struct.pack("<Q", self._reserved))
+                self._f.write(raw + b" " * (self._reserved - len(raw)))
+                self._f.close()
+                return
+            # The header outgrew its reservation: move the data behind a header of the right size.
+            self._f.close()
+            os.replace(out_path, self.data_path)
+            skip = 8 + self._reserved
+        else:
+            self._f.close()
+            skip = 0
         with open(out_path, "wb") as out, open(self.data_path, "rb") as data:
             out.write(struct.pack("<Q", len(raw)))
             out.write(raw)
+            data.seek(skip)
             _copy_file(data, out, self.nbytes)
         self.data_path.unlink()
 
 
 def _copy_file(src: Any, dst: Any, n: int) -> None:
-    """Copy ``n`` bytes between open files, in the kernel where the platform allows it."""
+    """Copy ``n`` bytes from the current position of ``src`` to that of ``dst``, in the kernel
+    where the platform allows it."""
     dst.flush()  # copy_file_range works on the fd offsets: buffered bytes must be out first
+    start, out = src.tell(), dst.tell()
+    os.lseek(src.fileno(), start, os.SEEK_SET)
+    os.lseek(dst.fileno(), out, os.SEEK_SET)
+    done = 0
     try:
-        done = 0
         while done < n:
             k = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
             if k == 0:
                 break
             done += k
-        if done == n:
-            return
-        src.seek(done)
     except (AttributeError, OSError):
-        src.seek(0)
-    dst.flush()
-    shutil.copyfileobj(src, dst, 16 * 1024 * 1024)
+        pass
+    # Re-sync the buffered file objects with what the kernel copied, then finish in user space.
+    src.seek(start + done)
+    dst.seek(out + done)
+    while done < n:
+        chunk = src.read(min(16 * 1024 * 1024, n - done))
+        if not chunk:
+            raise CheckpointError(f"{getattr(src, 'name', src)}: ended {n - done} bytes early while copying")
+        dst.write(chunk)
+        done += len(chunk)
 
 
 class CheckpointWriter:
@@ -377,7 +437,8 @@ class CheckpointWriter:
 
     def _new_shard(self) -> _ShardBuilder:
         i = len(self._done)
-        return _ShardBuilder(self.out_dir / f".shard-{i:05d}.data")
+        return _ShardBuilder(self.out_dir / f".shard-{i:05d}.data", self.out_dir / f".shard-{i:05d}.safetensors",
+                             self.max_shard_bytes)
 
     def start_shard(self) -> None:
         """Close the current shard (if it holds anything); the next tensor starts a new one."""

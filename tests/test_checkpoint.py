@@ -214,3 +214,33 @@ def test_verify_cli(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "eagle3.cli", "verify", str(d)], capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and "sha256 mismatch" in p.stderr
+
+
+@pytest.mark.parametrize("n_small", [3, 30000])
+def test_large_shard_single_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_small: int) -> None:
+    """Past _ShardBuilder.DIRECT_WRITE_BYTES a shard is written in place behind a reserved,
+    space-padded header; with more entries than the reservation holds (n_small=30000) it falls
+    back to the copy. Both read back exactly with the safetensors library."""
+    from eagle3.checkpoint import _ShardBuilder
+
+    monkeypatch.setattr(_ShardBuilder, "DIRECT_WRITE_BYTES", 4096)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(600, generator=g), "b": torch.randn(2000, generator=g).to(torch.bfloat16)}
+    for i in range(n_small):
+        tensors[f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight_scale"] = torch.tensor([float(i)])
+    tensors["z"] = torch.arange(5000, dtype=torch.int64)
+    d = tmp_path / "ckpt"
+    with CheckpointWriter(d, max_shard_bytes=1_000_000) as w:  # the header estimate assumes ~2 KB per tensor
+        for n, t in tensors.items():
+            w.add(n, t)
+    files = sorted(d.glob("*.safetensors"))
+    assert [p.name for p in d.iterdir()] == ["model.safetensors"]  # one shard, no leftover .data file
+    got = {}
+    for f in files:
+        got.update(st.load_file(f))
+    assert set(got) == set(tensors) and all(torch.equal(got[n], t) for n, t in tensors.items())
+    hlen = max(struct.unpack("<Q", f.read_bytes()[:8])[0] for f in files)
+    if n_small == 3:
+        assert hlen >= 1 << 20  # written in place: the reservation (spaces) is the header
+    else:
+        assert 1 << 20 < hlen < 1 << 22  # header of the right size, data moved behind it
