@@ -181,11 +181,18 @@ def test_requests_added_from_another_thread() -> None:
     assert [done[r] for r in rids] == [toy_reference_greedy(target, p, 24) for p in prompts]
 
 
-def test_rejects_requests_that_cannot_fit() -> None:
-    llm = _llm(ToyTarget(), "oracle", num_blocks=4, block_size=4)
+def test_kv_cache_bounds_the_sequence_length() -> None:
+    target = ToyTarget()
     with pytest.raises(UsageError, match="does not fit the KV cache"):
-        llm.add_request([1, 2, 3], SamplingParams(max_tokens=20))
+        _llm(target, "oracle", num_blocks=4, block_size=4, max_model_len=16)
+    llm = _llm(target, "oracle", num_blocks=4, block_size=4, num_speculative_tokens=3)  # 16 slots
+    assert llm.max_model_len == 13
+    o = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=None))[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 10
+    assert o.token_ids == toy_reference_greedy(target, [1, 2, 3], 10)
     with pytest.raises(UsageError, match="empty"):
         llm.add_request([])
+    with pytest.raises(UsageError, match="max_model_len"):
+        llm.add_request(list(range(13)))
     with pytest.raises(UsageError, match="tokenizer"):
         llm.add_request("hello")

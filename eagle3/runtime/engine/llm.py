@@ -116,6 +116,15 @@ class LLM:
             getattr(getattr(self.target, "spec", None), "max_position_embeddings", 0) or _DEFAULT_MAX_MODEL_LEN)
 
         num_blocks = self._num_blocks()
+        # One sequence of max_model_len tokens (+ the draft-step slots) must fit the KV cache, or a
+        # request running alone could never finish: refuse an explicit limit that does not fit,
+        # and shrink the model's default limit to the cache (vLLM refuses both).
+        room = num_blocks * self.config.block_size - self.k
+        if self.config.max_model_len is not None and self.max_model_len > room:
+            raise UsageError(f"max_model_len={self.max_model_len} does not fit the KV cache ({num_blocks} blocks "
+                             f"of {self.config.block_size} tokens, {self.k} draft slots); raise num_blocks or "
+                             f"kv_cache_memory, or lower max_model_len")
+        self.max_model_len = min(self.max_model_len, room)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.config.seed)
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
@@ -232,12 +241,6 @@ class LLM:
             raise UsageError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise UsageError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        total = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len)
-        need = min(total, self.max_model_len) + self.k  # + the k - 1 draft-step slots, rounded up
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if need > capacity:
-            raise UsageError(f"a request of up to {need} tokens does not fit the KV cache "
-                             f"({capacity} slots); raise num_blocks / kv_cache_memory or lower max_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, make_generator(params.seed, self.device), max(self.k, 1), prompt=text)
         self._inbox.append(("add", seq))
