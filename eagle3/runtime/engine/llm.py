@@ -138,6 +138,7 @@ class LLM:
                                           self.config.draft_sampling, self.generator)
         self.stats = SpecStats(max(self.k, 1))
         self.num_steps = 0
+        self.num_preemptions = 0
         self._ids = itertools.count()
         self._inbox: deque[tuple[str, Any]] = deque()
         self._step_lock = threading.Lock()
@@ -280,6 +281,7 @@ class LLM:
                     raise RuntimeError("scheduler made no progress with unfinished requests")
                 return [self._output(s) for s in done]
             self.num_steps += 1
+            self.num_preemptions += len(out.preempted)
             res = self.runner.run_target(out.scheduled)
             items: list[ProposeItem] = []
             for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
@@ -363,6 +365,21 @@ class LLM:
         if self.config.log_stats and self.draft is not None:
             print(self.stats.line(), file=sys.stderr)
         return [final[r] for r in rids]
+
+    # -- gauges for a server's /metrics ------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(op == "add" for op, _ in list(self._inbox))
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (vLLM's ``kv_cache_usage_perc``)."""
+        bm = self.block_manager
+        return 1.0 - bm.num_free_blocks / bm.num_blocks
 
     def stats_line(self) -> str:
         return self.stats.line()
