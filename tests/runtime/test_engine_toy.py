@@ -195,6 +195,9 @@ def test_kv_cache_bounds_the_sequence_length() -> None:
     assert o.token_ids == toy_reference_greedy(target, [1, 2, 3], 10)
     with pytest.raises(UsageError, match="empty"):
         llm.add_request([])
+    llm.add_request([1, 2], request_id="x")
+    with pytest.raises(UsageError, match="already in use"):
+        llm.add_request([1, 2], request_id="x")
     with pytest.raises(UsageError, match="max_model_len"):
         llm.add_request(list(range(13)))
     with pytest.raises(UsageError, match="tokenizer"):

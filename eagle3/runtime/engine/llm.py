@@ -243,6 +243,8 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise UsageError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs or any(op == "add" and arg.request_id == rid for op, arg in list(self._inbox)):
+            raise UsageError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params, make_generator(params.seed, self.device), max(self.k, 1), prompt=text)
         self._inbox.append(("add", seq))
         return rid
@@ -260,8 +262,9 @@ class LLM:
         while self._inbox:
             op, arg = self._inbox.popleft()
             if op == "add":
-                if arg.request_id in self._seqs:
-                    raise UsageError(f"request id {arg.request_id!r} is already running")
+                if arg.request_id in self._seqs:  # lost a race with another add_request()
+                    logger.error("dropping a second request with id %r", arg.request_id)
+                    continue
                 self._seqs[arg.request_id] = arg
                 self.scheduler.add(arg)
             else:
