@@ -316,8 +316,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                     metrics.observe_error(err.status_code)
                     yield _sse(err.body())
                     break
+                progressed = item.num_output_tokens > tokens[index]
                 tokens[index] = item.num_output_tokens
-                if item.text or item.finished:
+                # A chunk per engine step that produced tokens, even when they add no text yet
+                # (special tokens, a held-back stop-string prefix): clients time tokens, as vLLM's do.
+                if item.text or item.finished or progressed:
                     yield _sse(chunk([make_choice(index, item.text, item.finish_reason if item.finished else None,
                                                   item.finished)]))
             else:

@@ -112,7 +112,7 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
         if max_model_len:
             argv += ["--max-model-len", str(max_model_len)]
     elif engine == "sglang":
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", target, "--host", host,
+        argv = ["python3", "-m", "sglang.launch_server", "--model-path", target, "--host", host,
                 "--port", str(port), "--tp", str(tensor_parallel_size)]
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
@@ -127,7 +127,7 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
         if max_model_len:
             argv += ["--context-length", str(max_model_len)]
     else:  # atom
-        argv = [sys.executable, "-m", "atom.entrypoints.openai_server", "--model", target, "--host", host,
+        argv = ["python3", "-m", "atom.entrypoints.openai_server", "--model", target, "--host", host,
                 "--server-port", str(port), "-tp", str(tensor_parallel_size)]
         if kv:
             argv += ["--kv_cache_dtype", kv]
@@ -147,13 +147,16 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
 
 
 def executable_argv(cmd: LaunchCommand) -> list[str]:
-    """The argv to execute: ``vllm`` from PATH, or the module form of the same CLI."""
+    """The argv to execute, in this Python (where the engine was found installed): ``vllm`` from
+    PATH or the module form of the same CLI; ``python3 -m ...`` with this interpreter."""
     if not installed(cmd.engine):
         raise UsageError(f"--engine {cmd.engine}: {cmd.engine} is not installed in this Python "
                          f"({sys.executable}); install it, or use --dry-run to print the command")
-    if cmd.engine == "vllm" and shutil.which("vllm") is None:
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main", *cmd.argv[1:]]
-    return list(cmd.argv)
+    if cmd.engine == "vllm":
+        if shutil.which("vllm") is None:
+            return [sys.executable, "-m", "vllm.entrypoints.cli.main", *cmd.argv[1:]]
+        return list(cmd.argv)
+    return [sys.executable, *cmd.argv[1:]]
 
 
 def run(cmd: LaunchCommand) -> int:

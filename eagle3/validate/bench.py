@@ -2,14 +2,15 @@
 ``vllm bench serve`` measures them.
 
 Per request (``time.perf_counter`` from just before the POST):
-- TTFT: first SSE chunk carrying non-empty text (for /v1/completions this is also vLLM's first
-  chunk with ``choices``, since eagle3 never sends empty text chunks);
-- ITL: the gaps between successive non-empty chunks, one entry per chunk (vLLM's convention; a
-  speculative server sending several tokens per chunk gets one ITL per verify step, so report TPOT
-  when comparing speculative and plain decoding);
-- E2EL: time of the last text chunk (a non-streaming request: the whole request);
+- TTFT: the first SSE chunk with a choice (vLLM's definition; the chat opening chunk, which
+  only carries the role, does not count). eagle3 sends a chunk for every engine step that made
+  tokens, so this is the time of the first token even when its text is empty;
+- ITL: the gaps between successive chunks, one entry per chunk (vLLM's convention; a speculative
+  server sending several tokens per chunk gets one ITL per verify step, so report TPOT when
+  comparing speculative and plain decoding);
+- E2EL: time of the last chunk with a choice (the usage chunk does not extend it);
 - output tokens: ``usage.completion_tokens`` from the final usage chunk
-  (``stream_options.include_usage``), else the number of text chunks.
+  (``stream_options.include_usage``), else the number of chunks.
 
 Per run: ``tpot_i = (e2el_i - ttft_i) / (output_i - 1)`` for ``output_i > 1``; throughputs over the
 wall time from the first send to the last completion; percentiles with numpy's default (linear)
@@ -104,20 +105,22 @@ async def stream_request(client: Any, url: str, body: dict[str, Any], api_key: s
                     res.output_tokens = int(obj["usage"].get("completion_tokens") or 0)
                     res.prompt_tokens = obj["usage"].get("prompt_tokens")
                 for choice in obj.get("choices") or []:
-                    text = choice.get("text")
-                    if text is None:
-                        text = (choice.get("delta") or {}).get("content") or ""
+                    delta = choice.get("delta")
+                    if delta is not None and "role" in delta:
+                        continue  # the chat opening chunk carries no token
+                    text = choice.get("text") if delta is None else delta.get("content")
                     if choice.get("finish_reason"):
                         res.finish_reason = choice["finish_reason"]
-                    if text:
-                        t = time.perf_counter()
-                        if res.ttft is None:
-                            res.ttft = t - st
-                        else:
-                            res.itl.append(t - last)
-                        last = t
-                        chunks += 1
-                        parts.append(text)
+                    if text is None and not choice.get("finish_reason"):
+                        continue
+                    t = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = t - st
+                    else:
+                        res.itl.append(t - last)
+                    last = t
+                    chunks += 1
+                    parts.append(text or "")
         res.latency = (last if chunks else time.perf_counter()) - st
         res.text = "".join(parts)
         if not res.output_tokens:

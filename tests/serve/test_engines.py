@@ -89,3 +89,16 @@ def test_bad_engine_and_dry_run_alone(tiny_dir: Path, capsys: pytest.CaptureFixt
     assert code == 2 and "vllm, sglang, atom" in err
     code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--dry-run"], capsys)
     assert code == 2 and "--engine" in err
+
+
+def test_executes_with_this_python(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setattr(engines, "installed", lambda name: True)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(engines.subprocess, "call", lambda argv: calls.append(argv) or 0)
+    r = runner.invoke(app, ["serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+                            "--engine", "sglang"])
+    assert r.exit_code == 0, r.output
+    assert calls[0][:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert shlex.split(r.stdout.strip().splitlines()[-1])[0] == "python3"
