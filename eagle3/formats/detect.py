@@ -890,6 +890,10 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     if use_aux and fc is None:
         warnings.append("no fc.weight although aux hidden states are in use")
     conv, rule = aux_convention(ids, spec)
+    marked = (cfg.get("eagle3_canonical") or {}).get("aux_layer_ids_convention") if isinstance(
+        cfg.get("eagle3_canonical"), dict) else None
+    if ids and marked in ("input", "output"):  # written by `eagle3 convert --engine eagle3`: no guessing
+        conv, rule = marked, f"eagle3_canonical.aux_layer_ids_convention says {marked!r}"
     aux = AuxLayers(count=n_aux, ids=ids, convention=conv, input_ids=to_input_convention(ids, conv) if ids else None,
                     source=source, rule=rule, use_aux_hidden_state=use_aux)
 
