@@ -300,3 +300,39 @@ def test_quantized_draft_keeps_tensors_and_renames_config(tmp_path: Path, scheme
     from eagle3.formats.detect import detect
 
     assert detect(tmp_path / "vllm").quant.scheme == scheme
+
+
+def test_hub_ids_for_source_and_target(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SRC and --target given as Hub ids (a loopback stand-in for the Hub): the draft is fetched,
+    the target only for its config (pairing needs no weights)."""
+    from huggingface_hub import constants
+
+    from eagle3.testing.fakehub import FakeHub
+
+    with FakeHub() as hub:
+        hub.add_repo("lightseekorg/kimi-k2.5-eagle3", tiny_dir / "kimi-k2.5-eagle3")
+        hub.add_repo("moonshotai/Kimi-K2.5", tiny_dir / "kimi-k2.5")
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        cli("lightseekorg/kimi-k2.5-eagle3", str(tmp_path / "o"), "--engine", "speculators",
+            "--target", "moonshotai/Kimi-K2.5")
+    cfg = engine_rules.config(tmp_path / "o")
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == PHYSICAL_AUX  # the target's 7 layers, read from its config
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "moonshotai/Kimi-K2.5"
+    src = load_all(tiny_dir / "kimi-k2.5-eagle3")
+    got = load_all(tmp_path / "o")
+    assert all(same_bits(got[canonical(n)], t) for n, t in src.items())
+    snaps = tmp_path / "cache" / "models--moonshotai--Kimi-K2.5" / "snapshots"
+    assert not list(snaps.rglob("*.safetensors")) and list(snaps.rglob("config.json"))
+
+
+def test_canonical_marker_removes_the_first_id_ambiguity(tiny_dir: Path, tmp_path: Path) -> None:
+    """Input ids starting at 1 look like SpecForge's output ids to the engines' heuristic; the
+    canonical form says which convention it wrote, and detection (hence the runtime) honours it."""
+    from eagle3.formats.detect import detect
+
+    cli(str(tiny_dir / "kimi-k2.5-eagle3"), str(tmp_path / "c"), "--engine", "eagle3", "--aux-layer-ids", "1,3,5")
+    aux = detect(tmp_path / "c").draft.aux_layers
+    assert aux.convention == "input" and aux.input_ids == [1, 3, 5]
+    cli(str(tmp_path / "c"), str(tmp_path / "v"), "--engine", "vllm")
+    assert engine_rules.config(tmp_path / "v")["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]

@@ -185,8 +185,12 @@ def test_text_only_logits_match_wrapper_in_transformers(tiny_dir: Path, k25_text
     """transformers_kimi_tiny.md §3: the wrapper via AutoModelForImageTextToText with
     CompressedTensorsConfig(dequantize=True); the text stack via DeepseekV3ForCausalLM with
     model_type forced to deepseek_v3 (kimi_k2 would leave the experts random)."""
-    from transformers import (AutoModelForImageTextToText, CompressedTensorsConfig, DeepseekV3Config,
-                              DeepseekV3ForCausalLM)
+    from transformers import (
+        AutoModelForImageTextToText,
+        CompressedTensorsConfig,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
 
     wrapper, info_w = AutoModelForImageTextToText.from_pretrained(
         tiny_dir / "kimi-k2.5", dtype=torch.bfloat16, output_loading_info=True,
