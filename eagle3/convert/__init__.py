@@ -85,6 +85,8 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
             raise UsageError(f"{given[0]} applies to target models; {src} is a {summary.family} draft")
         if engine is None:
             raise UsageError(f"--engine is required for a draft ({'|'.join(ENGINES)})")
+        if verifier is not None and engine != "speculators":
+            raise UsageError(f"--verifier applies to --engine speculators (its verifier.name_or_path), not {engine}")
         from eagle3.convert.draft import DraftOptions, convert_draft
 
         opts = DraftOptions(engine=engine, target=target, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,

@@ -460,7 +460,7 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
 
     # -- tensor plan ------------------------------------------------------------------------------
     items: list[Item] = []
-    for f, fnames in reader.shards().items():
+    for f, fnames in sorted(reader.shards().items(), key=lambda kv: kv[0].name):
         for s in fnames:
             report.tensors_in += 1
             report.bytes_in += reader.info(s).nbytes

@@ -227,7 +227,7 @@ def plan_target(src: Path, opts: TargetOptions, summary: detect.CheckpointSummar
     items: list[Item] = []
     done_mods: set[str] = set()
     n_mm = 0
-    for f, fnames in reader.shards().items():
+    for f, fnames in sorted(reader.shards().items(), key=lambda kv: kv[0].name):
         for s in fnames:
             ti = reader.info(s)
             report.tensors_in += 1

@@ -103,6 +103,7 @@ def test_input_norm_refused_by_atom(tmp_path: Path, capsys: pytest.CaptureFixtur
     ("draft", ["--engine", "vllm", "--norm-output", "maybe"], "--norm-output"),
     ("draft", ["--engine", "vllm", "--drop", "nothing.like.this"], "--drop nothing.like.this"),
     ("draft-noids", ["--engine", "vllm", "--aux-convention", "output"], "--aux-convention"),
+    ("draft", ["--engine", "sglang", "--verifier", "org/model"], "--verifier applies to --engine speculators"),
     ("target", ["--aux-layer-ids", "2,3,4"], "--aux-layer-ids applies to EAGLE drafts"),
     ("target", ["--engine", "speculators"], "speculators is a draft format"),
     ("target", ["--dequantize", "int8"], "--dequantize int8"),
