@@ -314,12 +314,11 @@ def serve(
         return
     if dry_run:
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom")
-    from eagle3.convert import parse_size
     from eagle3.serve import launcher
 
     eopts = launcher.EngineOptions(
         num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
-        kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+        kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code)
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

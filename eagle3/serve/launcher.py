@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,18 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     trust_remote_code: bool = False
+
+
+def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
+    """``"4GiB"``, ``"512MB"``, ``"1000000"`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise UsageError(f"{flag} {text!r}: expected a size such as 4GiB or 512MB")
+    base = 1024 if m.group(3) else 1000
+    n = int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
+    if n <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return n
 
 
 def load_tokenizer(target: Path, trust_remote_code: bool = False) -> Any | None:

@@ -1,6 +1,6 @@
-"""A live ``eagle3 serve`` of the tiny Kimi-K2.5 target + EAGLE-3 draft (the real runtime) on
-loopback: the ``openai`` client, and lm-eval's ``local-completions`` scoring GSM8K the same as
-eagle3's own validator, document by document.
+"""A live ``eagle3 serve TARGET --draft DRAFT`` (the CLI, in a subprocess) of the tiny Kimi-K2.5
+target + EAGLE-3 draft on loopback: the ``openai`` client, and lm-eval's ``local-completions``
+scoring GSM8K the same as eagle3's own validator, document by document; Ctrl-C stops it cleanly.
 
 0-shot prompts: the reference CPU kernels make 5-shot prefills too slow for the test budget (the
 5-shot prompts are compared with lm-eval's in tests/validate/test_gsm8k.py).
@@ -9,43 +9,75 @@ eagle3's own validator, document by document.
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from eagle3.cli import main
-from eagle3.serve.launcher import EngineOptions, ServerThread, build_app, build_llm
 from tests.validate import lmeval
 
 LIMIT, MAX_TOKENS = 20, 16
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
-def kimi_server(tiny_dir: Path) -> Iterator[tuple[str, Any]]:
-    llm = build_llm(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", EngineOptions(num_speculative_tokens=3))
-    with ServerThread(build_app(llm, "kimi-k2.5", root=str(tiny_dir / "kimi-k2.5"))) as url:
-        yield url, llm
+def kimi_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"),
+                                 "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--port", str(port),
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield url, (proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def test_openai_client(kimi_server: Any) -> None:
-    url, llm = kimi_server
+    url, _ = kimi_server
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
-    c = client.completions.create(model="kimi-k2.5", prompt="Question: What is 2 + 3?\nAnswer:", max_tokens=6,
-                                  temperature=0)
-    direct = llm.generate(["Question: What is 2 + 3?\nAnswer:"], _greedy(6))[0]
-    assert c.choices[0].text == direct.text and c.usage.completion_tokens == len(direct.token_ids)
+    assert [m.id for m in client.models.list()] == ["kimi-k2.5"]
+    prompt = "Question: What is 2 + 3?\nAnswer:"
+    c = client.completions.create(model="kimi-k2.5", prompt=prompt, max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model="kimi-k2.5", prompt=prompt, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    assert chunks[-1].usage.completion_tokens == c.usage.completion_tokens > 0
     chat = client.chat.completions.create(model="kimi-k2.5", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens > 3
-
-
-def _greedy(n: int) -> Any:
-    from eagle3.runtime.sampling import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=n)
+    metrics = httpx.get(url + "/metrics", trust_env=False).text
+    assert "eagle3:spec_decode_num_drafts_total" in metrics
 
 
 def test_lm_eval_local_completions_scores_equal_eagle3s(kimi_server: Any, tiny_dir: Path, tmp_path: Path,
@@ -74,3 +106,11 @@ def test_lm_eval_local_completions_scores_equal_eagle3s(kimi_server: Any, tiny_d
         assert by_filter[(i, "strict-match")]["resps"][0][0] == sample["completion"]
         assert by_filter[(i, "strict-match")]["filtered_resps"][0] == sample["strict"]
         assert by_filter[(i, "flexible-extract")]["filtered_resps"][0] == sample["flexible"]
+
+
+def test_ctrl_c_stops_the_server(kimi_server: Any) -> None:
+    url, (proc, log) = kimi_server
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130  # graceful shutdown, then the conventional Ctrl-C status
+    text = log.read_text()
+    assert "Traceback" not in text and "serving kimi-k2.5 on http://127.0.0.1" in text
