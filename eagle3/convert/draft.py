@@ -302,6 +302,9 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
     head = reader.info(present[keys.DRAFT_LM_HEAD])
     head_shape = _logical_2d(head)
     draft_vocab = head_shape[0] if head_shape else (info.config_draft_vocab_size or info.draft_vocab_size)
+    if draft_vocab is None:
+        raise FormatError(f"{head.file}: lm_head.weight is packed {list(head.shape)} and the config has no "
+                          f"draft_vocab_size: the draft vocabulary is unknown")
     if head_shape is not None and head_shape[1] != hidden:
         raise ShapeError(f"{head.file}: tensor 'lm_head.weight' has {head_shape[1]} columns but hidden_size is "
                          f"{hidden}")
@@ -317,11 +320,12 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         if d2.shape[0] != draft_vocab:
             raise ShapeError(f"{d2.file}: tensor 'd2t' has {d2.shape[0]} entries but the draft vocabulary "
                              f"(lm_head rows) is {draft_vocab}")
-        vm = info.vocab_map
-        if vm.d2t_in_range is False:
-            raise FormatError(f"{d2.file}: tensor 'd2t' maps draft ids outside the target vocabulary [0, {vocab}) "
-                              f"(d2t must hold offsets: target = draft + d2t[draft])")
-        if vm.d2t_increasing is False:
+        targets = reader.get(d2t_src).to(torch.int64) + torch.arange(d2.shape[0], dtype=torch.int64)  # ~1 MB
+        if vocab is not None and len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+            raise FormatError(f"{d2.file}: tensor 'd2t' maps draft ids to target ids {int(targets.min())}.."
+                              f"{int(targets.max())}, outside the target vocabulary [0, {vocab}) (d2t must hold "
+                              f"offsets: target = draft + d2t[draft])")
+        if len(targets) > 1 and not bool((targets[1:] > targets[:-1]).all()):
             report.warn("d2t targets are not strictly increasing (absolute ids stored as offsets?)")
     if vocab is not None and draft_vocab != vocab and d2t_src is None:
         raise FormatError(f"{reader.path}: lm_head has {draft_vocab} rows but the target vocabulary is {vocab} and "
