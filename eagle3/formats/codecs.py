@@ -418,6 +418,8 @@ def w4a8_dequantize(packed: torch.Tensor, weight_scale: torch.Tensor, weight_sca
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+# byte -> (value of its low nibble, value of its high nibble): decodes packed FP4 a byte at a time.
+_FP4_PAIR_LUT = torch.stack([_E2M1_LUT[torch.arange(256) & 0xF], _E2M1_LUT[torch.arange(256) >> 4]], -1)
 
 
 def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
@@ -445,15 +447,16 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     that rounds to zero is +0 (code 0, never 8), as Quark's ``fake_quantize_to_low_precision_fp``.
     ``x`` is already divided by its block scale.
 
-    Branch-free: on [0,2) the grid step is 0.5, on [2,4) 1, on [4,6] 2, so ``round(a/step)*step``
-    (exact: power-of-two steps, round-half-even) is the nearest grid value with ties to the even
-    mantissa; the code index follows from the rounded value."""
-    a = x.float().abs().clamp(max=6.0)
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    r = torch.round(a / step) * step
-    idx = torch.where(r < 2.0, r * 2.0, torch.where(r < 4.0, r + 2.0, r * 0.5 + 4.0)).to(torch.uint8)
-    sign = (x < 0) & (idx != 0)
-    return idx | (sign.to(torch.uint8) << 3)
+    Branch-free: on [0,2) the grid step is 0.5, on [2,4) 1, on [4,6] 2, i.e. 2**(e-1) with
+    e = clamp(floor(log2|x|), 0, 2) read from the float's exponent bits; ``round(x / step)`` (exact:
+    power-of-two step, round-half-even) counts grid steps, and the code index is that count plus
+    2e. A negative count implies a nonzero magnitude, so -0 never gets the sign bit. In-place ops
+    on one fp32 buffer: ~4x faster than a ``torch.where`` formulation, same bits."""
+    xc = x.float().clamp(-6.0, 6.0)
+    e = (xc.view(torch.int32) >> 23).bitwise_and_(0xFF).sub_(127).clamp_(0, 2)
+    xc.mul_(torch.bitwise_left_shift(128 - e, 23).view(torch.float32)).round_()  # x / 2**(e-1), rounded
+    neg = xc < 0
+    return xc.abs_().add_(e.mul_(2)).add_(neg, alpha=8).to(torch.uint8)
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -508,7 +511,12 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
 def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                      group_size: int = 32) -> torch.Tensor:
     """uint8 packed [..., K/2] + uint8 E8M0 [..., K/32] -> dense [..., K] (fp32 product, cast)."""
-    vals = fp4_decode(fp4_unpack(packed))
+    if packed.dtype != torch.uint8:
+        raise ShapeError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
+    # One embedding lookup per byte gives both values (low nibble first): no unpack, ~2x faster
+    # than decoding unpacked codes through an index.
+    lut = _FP4_PAIR_LUT.to(packed.device)
+    vals = torch.nn.functional.embedding(packed.to(torch.int32), lut).reshape(*packed.shape[:-1], -1)
     k = vals.shape[-1]
     if scale.shape[-1] * group_size != k or scale.shape[:-1] != packed.shape[:-1]:
         raise ShapeError(f"MXFP4 weight_scale {list(scale.shape)} does not match weight {list(packed.shape)} "
