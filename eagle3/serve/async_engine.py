@@ -171,7 +171,10 @@ class AsyncEngine:
             self._wake.clear()  # before the check: an add between check and wait sets it again
             if not self.llm.has_unfinished():
                 if self.metrics is not None:
-                    self.metrics.update_gauges(self.llm)
+                    try:
+                        self.metrics.update_gauges(self.llm)
+                    except Exception:
+                        logger.exception("updating the metrics failed")
                 self._wake.wait(_IDLE_WAIT_S)
                 continue
             try:
@@ -181,11 +184,14 @@ class AsyncEngine:
                 self.error = err
                 self._fail_all(err)
                 continue
-            if self.metrics is not None:
-                self.metrics.engine_steps.inc()
-                self.metrics.observe_engine(self.llm)
             for out in outputs:
                 self._dispatch(out.request_id, out)
+            if self.metrics is not None:
+                try:
+                    self.metrics.engine_steps.inc()
+                    self.metrics.observe_engine(self.llm)
+                except Exception:  # metrics must never stop the engine thread
+                    logger.exception("updating the metrics failed")
 
     def _dispatch(self, rid: str, item: Any) -> None:
         with self._lock:

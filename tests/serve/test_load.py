@@ -110,3 +110,23 @@ def test_disconnect_during_non_streaming_request_frees_blocks(toy_server: tuple[
     # and the engine still answers
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 3}, trust_env=False)
     assert r.status_code == 200
+
+
+def test_engine_failure_fails_only_the_requests_in_flight(tiny_tokenizer: Any) -> None:
+    from eagle3.serve.launcher import ServerThread, build_app
+    from tests.serve.fakes import ScriptedLLM
+
+    class Flaky(ScriptedLLM):
+        def step(self) -> Any:
+            if any(len(r) == 1 for r in self.requests_seen[-1:]) and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("kernel exploded")
+            return super().step()
+
+    llm = Flaky(tiny_tokenizer, lambda prompt: " fine, thanks")
+    with ServerThread(build_app(llm, "flaky")) as url, httpx.Client(base_url=url, trust_env=False) as c:
+        r = c.post("/v1/completions", json={"prompt": [7], "max_tokens": 5})
+        assert r.status_code == 500 and "kernel exploded" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"prompt": "How are you?", "max_tokens": 5})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == " fine, thanks"
+        assert c.get("/health").status_code == 200
