@@ -343,21 +343,31 @@ class _ShardBuilder:
         self._f = out
         self._reserved = reserve
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().to("cpu").contiguous()
-        n = t.numel() * t.element_size()
+    def _entry(self, name: str, tag: str, shape: list[int], n: int) -> None:
         if (self._reserved is None and self.out_path is not None and self.entries
                 and self.nbytes + n >= self.DIRECT_WRITE_BYTES):
             self._go_direct(n)
-        self.entries[name] = {
-            "dtype": tag_from_dtype(t.dtype),
-            "shape": list(t.shape),
-            "data_offsets": [self.nbytes, self.nbytes + n],
-        }
+        self.entries[name] = {"dtype": tag, "shape": shape, "data_offsets": [self.nbytes, self.nbytes + n]}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        self._entry(name, tag_from_dtype(t.dtype), list(t.shape), n)
         if n:
             # A uint8 view of the storage: no copy for contiguous tensors of any dtype.
             self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self.nbytes += n
+
+    def add_raw(self, name: str, info: TensorInfo) -> None:
+        self._entry(name, info.dtype, list(info.shape), info.nbytes)
+        if info.nbytes:
+            try:
+                with open(info.file, "rb") as src:
+                    src.seek(info.offset)
+                    _copy_file(src, self._f, info.nbytes)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
+        self.nbytes += info.nbytes
 
     def _header(self, metadata: dict[str, str]) -> bytes:
         header = {"__metadata__": metadata, **self.entries}
@@ -458,12 +468,29 @@ class CheckpointWriter:
         if name in self._names:
             raise CheckpointError(f"tensor {name!r} written twice")
         self._names.add(name)
-        n = tensor.numel() * tensor.element_size()
+        self._room(tensor.numel() * tensor.element_size())
+        assert self._cur is not None
+        self._cur.add(name, tensor)
+
+    def add_raw(self, name: str, info: TensorInfo) -> None:
+        """Write the tensor ``info`` describes (from a :class:`CheckpointReader`) under ``name``,
+        copying its bytes file to file (in the kernel where the platform allows it): a tensor that
+        is only renamed never passes through Python memory."""
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        if name in self._names:
+            raise CheckpointError(f"tensor {name!r} written twice")
+        self._names.add(name)
+        self._room(info.nbytes)
+        assert self._cur is not None
+        self._cur.add_raw(name, info)
+
+    def _room(self, n: int) -> None:
+        """Make the current shard able to take ``n`` more bytes (a new shard past the cap)."""
         if self._cur is not None and self._cur.entries and self._cur.nbytes + n > self.max_shard_bytes:
             self._finish_current()
         if self._cur is None:
             self._cur = self._new_shard()
-        self._cur.add(name, tensor)
 
     def close(self) -> list[Path]:
         """Finish the last shard, give shards their final names, write the index."""

@@ -244,3 +244,32 @@ def test_large_shard_single_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert hlen >= 1 << 20  # written in place: the reservation (spaces) is the header
     else:
         assert 1 << 20 < hlen < 1 << 22  # header of the right size, data moved behind it
+
+
+def test_add_raw_copies_file_to_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_raw: tensors renamed without passing through memory, mixed with add(), across shards and
+    across the switch to in-place writing; read back by the safetensors library."""
+    from eagle3.checkpoint import _ShardBuilder
+
+    monkeypatch.setattr(_ShardBuilder, "DIRECT_WRITE_BYTES", 2048)
+    src = tmp_path / "src"
+    with CheckpointWriter(src, max_shard_bytes=5000) as w:
+        for i, dt in enumerate((torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.int64)):
+            w.add(f"t{i}", torch.randn(1000).mul(10).to(dt))
+    reader = CheckpointReader(src)
+    extra = torch.arange(300, dtype=torch.int64)
+    out = tmp_path / "out"
+    with CheckpointWriter(out, max_shard_bytes=10_000) as w:
+        for i, info in enumerate(reader.infos()):
+            w.add_raw("renamed." + info.name, info)
+            if i == 1:
+                w.add("extra", extra)
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(st.load_file(f))
+    assert torch.equal(got.pop("extra"), extra)
+    assert set(got) == {"renamed." + n for n in reader.names()}
+    for n in reader.names():
+        a, c = got["renamed." + n], reader.get(n)
+        assert a.dtype == c.dtype and torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+    assert len(list(out.glob("*.safetensors"))) > 1
