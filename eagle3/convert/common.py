@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter, write_json
+from eagle3.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter, TensorInfo, write_json
 
 REPORT_FILE = "convert_report.json"
 REPORT_VERSION = 1
@@ -26,12 +26,15 @@ REPORT_VERSION = 1
 @dataclass
 class Item:
     """One output tensor: its name, the source shard it belongs to (output shards follow the
-    source's layout), its size in bytes (for the progress bar) and how to produce it."""
+    source's layout), its size in bytes (for the progress bar) and where it comes from: ``raw``, a
+    source tensor whose bytes are copied unchanged (file to file, never through Python memory), or
+    ``make``, a function that computes it (dequantization, dtype casts, generated tensors)."""
 
     name: str
     shard: str
     nbytes: int
-    make: Callable[[], torch.Tensor]
+    make: Callable[[], torch.Tensor] | None = None
+    raw: TensorInfo | None = None
 
 
 @dataclass
@@ -165,12 +168,16 @@ def write_items(items: Iterable[Item], out_dir: Path, total_bytes: int, report: 
                     if shard_task is not None:
                         prog.remove_task(shard_task)
                     shard_task = prog.add_task(f"shard {Path(cur).name}", total=max(shard_sizes[cur], 1))
-                t = it.make()
-                w.add(it.name, t)
-                n = t.numel() * t.element_size()
-                report.bytes_out += n
+                if it.raw is not None:
+                    w.add_raw(it.name, it.raw)
+                    report.bytes_out += it.raw.nbytes
+                else:
+                    assert it.make is not None
+                    t = it.make()
+                    w.add(it.name, t)
+                    report.bytes_out += t.numel() * t.element_size()
+                    del t
                 report.tensors_out += 1
-                del t
                 prog.update(overall, advance=it.nbytes, description=f"tensors {i + 1}/{len(items)}")
                 prog.update(shard_task, advance=it.nbytes)
             files = w.close()

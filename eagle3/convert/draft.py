@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -484,11 +483,11 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
             if out != s:
                 report.renames.append({"from": s, "to": out})
             ti = reader.info(s)
-            make: Callable[[], torch.Tensor] = partial(reader.get, s)
             if roles[c] == "d2t" and ti.dtype != "I64":
-                make = partial(_as_int64, reader, s)
                 report.transformed.append({"name": out, "how": f"{ti.dtype} -> int64 offsets"})
-            items.append(Item(out, str(f), ti.nbytes, make))
+                items.append(Item(out, str(f), ti.numel * 8, make=partial(_as_int64, reader, s)))
+            else:
+                items.append(Item(out, str(f), ti.nbytes, raw=ti))  # bytes unchanged
     if profile.t2d == "regenerate" and d2t_src is not None and vocab is not None:
         t2d_src = present.get(keys.T2D)
 
@@ -501,7 +500,7 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
             return mask
 
         last_shard = items[-1].shard if items else "generated"
-        items.append(Item(keys.T2D, last_shard, int(vocab), make_t2d))
+        items.append(Item(keys.T2D, last_shard, int(vocab), make=make_t2d))
         report.generated.append({"name": keys.T2D, "reason": "regenerated from d2t (t2d[d + d2t[d]] = True): the "
                                                              "speculators loader sizes the target vocab from it"})
     return out_cfg, items, report, reader

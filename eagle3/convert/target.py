@@ -254,12 +254,12 @@ def plan_target(src: Path, opts: TargetOptions, summary: detect.CheckpointSummar
                     make = partial(_dequant_fp8_block, reader, mod, block, dq_dtype)
                     how = f"FP8 block {block[0]}x{block[1]} -> {opts.dequantize}"
                 report.transformed.append({"name": out, "how": how})
-                items.append(Item(out, str(f), numel * dq_dtype.itemsize, make))
+                items.append(Item(out, str(f), numel * dq_dtype.itemsize, make=make))
                 continue
             out = rename(s)
             if out != s:
                 report.renames.append({"from": s, "to": out})
-            items.append(Item(out, str(f), ti.nbytes, partial(reader.get, s)))
+            items.append(Item(out, str(f), ti.nbytes, raw=ti))  # bytes unchanged: copied file to file
     if n_mm:
         report.drop("vision_tower.* / mm_projector.*", f"--text-only: {n_mm} vision tower and projector tensors")
     report.output_format = {
