@@ -293,17 +293,25 @@ def _fp8_scale(amax: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Ten
     return s.masked_fill(s == 0, _F32_EPS)
 
 
-def fp8_per_tensor_quantize(w: torch.Tensor, scale_dtype: torch.dtype | None = torch.float32
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_per_tensor_scale(amax: torch.Tensor, scale_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """The per-tensor FP8 scale Quark derives from a weight's ``amax`` (0-d, in the weight's dtype),
+    for callers that quantize a weight a row chunk at a time (pass it as ``scale=`` below)."""
+    return _fp8_scale(amax, scale_dtype)
+
+
+def fp8_per_tensor_quantize(w: torch.Tensor, scale_dtype: torch.dtype | None = torch.float32,
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quark ``FP8E4M3PerTensorSpec`` (min_max, static) of a weight: returns (float8_e4m3fn, 0-d scale).
 
     ``scale = amax / 448`` in ``scale_dtype`` (default fp32 = ``scale_type="float32"``, also what
     file-to-file forces; ``None`` = w's dtype). ``q = fp8(clamp(w / scale, +-448))`` where the
     quotient has *w's* dtype: for a bf16 weight it is rounded to bf16 before the FP8 cast, as in
-    Quark (``bf16_tensor / fp32_0d_tensor`` stays bf16 under torch's promotion rules)."""
+    Quark (``bf16_tensor / fp32_0d_tensor`` stays bf16 under torch's promotion rules).
+    ``scale``: the whole weight's :func:`fp8_per_tensor_scale` when ``w`` is a row slice of it."""
     if not w.is_floating_point():
         raise ShapeError(f"FP8 quantization expects a float tensor, got {w.dtype}")
-    scale = _fp8_scale(w.abs().amax(), scale_dtype)
+    if scale is None:
+        scale = _fp8_scale(w.abs().amax(), scale_dtype)
     return _fp8_cast(w / scale), scale
 
 
@@ -379,8 +387,8 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dtype | None = torch.float32
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dtype | None = torch.float32,
+                  weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W4A8 weights of ``amd/Kimi-K2.5-W4A8`` (Quark ``ProgressiveSpec`` = the ``int4_fp8`` scheme:
     FP8-E4M3 per-tensor, then INT4 per-channel; kimi_quant_formats.md 3.4):
 
@@ -394,10 +402,12 @@ def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dty
 
     Returns (``weight`` int32 [N, ceil(K/8)], ``weight_scale`` fp32 0-d = s1, ``weight_scale_2``
     fp32 [N] = s2). To match AMD's artifact, pass the *fp32* dequant of the Moonshot INT4 source
-    (``ct_int4_dequantize(..., dtype=torch.float32)``)."""
+    (``ct_int4_dequantize(..., dtype=torch.float32)``). Stage 2 is per row, so a row slice of W
+    quantizes to the same bits given the whole weight's s1 as ``weight_scale``
+    (:func:`fp8_per_tensor_scale` of its amax)."""
     if w.dim() != 2:
         raise ShapeError(f"W4A8 quantization expects a 2-D weight, got shape {list(w.shape)}")
-    x8, s1 = fp8_per_tensor_quantize(w, torch.float32)
+    x8, s1 = fp8_per_tensor_quantize(w, torch.float32, weight_scale)
     q, s2 = quark_int4_quantize(x8.to(stage2_dtype or w.dtype))
     return quark_int4_pack(q, reorder), s1, s2.float()
 
