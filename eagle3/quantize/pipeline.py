@@ -58,7 +58,7 @@ from eagle3.quantize.sources import (
 
 ENGINES = ("native", "quark")
 STATE_DIR = ".eagle3-quantize"
-_MAX_SHARD = 1 << 62  # one output file per source shard: never split
+_SHARD_SLACK = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +81,7 @@ class ShardJob:
     verify: bool
     bound: float
     work_bytes: int
+    out_bytes: int  # planned tensor bytes of the output shard (exact: shapes are known up front)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
     for f, names in reader.shards().items():
         steps: list[tuple[str, str]] = []
         mods: list[Module] = []
-        work = 0
+        work = out_bytes = 0
         for name in names:
             m = by_primary.get(name)
             if m is not None:
@@ -124,16 +125,19 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                     steps.append(("quant", m.name))
                     outs = native.expected_shapes(recipe.weight, m.shape, recipe.export.zero_point)
                     weight_map.update({f"{m.name}.{s}": f.name for s in outs})
+                    out_bytes += sum(math.prod(shape) * dt.itemsize for shape, dt in outs.values())
                     work += size * (2 if verify else 1)
                     mods.append(m)
                 elif m.kind == DENSE:
                     steps.append(("copy", name))
                     weight_map[name] = f.name
                     work += size
+                    out_bytes += size
                 else:
                     steps.append(("dense", m.name))
                     weight_map[f"{m.name}.weight"] = f.name
                     work += size
+                    out_bytes += m.numel * 2  # bf16
                     mods.append(m)
             elif name in consumed:
                 continue  # read by name by the module that owns it, wherever its primary lives
@@ -141,9 +145,10 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                 steps.append(("copy", name))
                 weight_map[name] = f.name
                 work += reader.info(name).nbytes
+                out_bytes += reader.info(name).nbytes
         jobs.append(ShardJob(src=str(src_dir), tmp=str(tmp), file=f.name, steps=tuple(steps), modules=tuple(mods),
                              spec=recipe.weight, zero_point=recipe.export.zero_point, engine=engine, verify=verify,
-                             bound=recipe.weight.max_rel_error, work_bytes=work))
+                             bound=recipe.weight.max_rel_error, work_bytes=work, out_bytes=out_bytes))
     unquantized = sorted(m for m in modules if m not in qset)
     return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes)
 
@@ -176,8 +181,11 @@ class ShardResult:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(threads: int, queue: Any) -> None:
-    torch.set_num_threads(max(1, threads))
+def _init_worker(queue: Any) -> None:
+    # One intra-op thread per worker, parallelism comes from processes: the codecs run on small row
+    # chunks, where OpenMP fork/join costs more than it gains (torch.round on 8K elements takes
+    # ~2 us on one thread and ~13 ms on two threads of a busy 2-core machine).
+    torch.set_num_threads(1)
     _worker["queue"] = queue
 
 
@@ -216,7 +224,9 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> S
     tmp = Path(job.tmp)
     work = tmp / STATE_DIR / f"work-{job.file}"
     shutil.rmtree(work, ignore_errors=True)
-    writer = CheckpointWriter(work, max_shard_bytes=_MAX_SHARD)
+    # One output file per source shard: the cap is the planned size (plus slack), which also lets
+    # the writer reserve a right-sized header and write the shard once.
+    writer = CheckpointWriter(work, max_shard_bytes=job.out_bytes + _SHARD_SLACK)
     n_out = 0
     out_bytes = 0
 
@@ -228,8 +238,11 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> S
 
     for kind, name in job.steps:
         if kind == "copy":
-            add(name, reader.get(name))
-            progress(reader.info(name).nbytes)
+            info = reader.info(name)
+            writer.add_raw(name, info)  # file to file in the kernel: never through Python memory
+            n_out += 1
+            out_bytes += info.nbytes
+            progress(info.nbytes)
             continue
         m = mods[name]
         size = sum(reader.info(t).nbytes for t in m.consumed)
@@ -242,6 +255,8 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> S
         progress(size)
     files = writer.close()
     final = tmp / job.file
+    if len(files) > 1:  # the plan sized the shard exactly; more files would be a bug, not bad input
+        raise RuntimeError(f"{job.file}: output split into {len(files)} files (planned {job.out_bytes} bytes)")
     if files:
         files[0].rename(final)
     shutil.rmtree(work, ignore_errors=True)
@@ -419,17 +434,20 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
     todo = sorted(todo, key=lambda j: -j.work_bytes)
     try:
         if n == 1:
-            _init_worker(os.cpu_count() or 1, None)
-            for job in todo:
-                record(run_shard(job, bar.advance))
+            threads = torch.get_num_threads()
+            _init_worker(None)
+            try:
+                for job in todo:
+                    record(run_shard(job, bar.advance))
+            finally:
+                torch.set_num_threads(threads)  # the caller's setting, when used as a library
             return results
         ctx = get_context("spawn")  # fork after torch has started its thread pools can deadlock
         queue = ctx.Queue()
-        threads = max(1, (os.cpu_count() or 1) // n)
         drain = threading.Thread(target=_drain, args=(queue, bar), daemon=True)
         drain.start()
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(threads, queue)) as ex:
+                                 initargs=(queue,)) as ex:
             pending: set[Future[ShardResult]] = {ex.submit(run_shard, j) for j in todo}
             try:
                 while pending:

@@ -34,13 +34,14 @@ class ErrorAccumulator:
     nonfinite: int = 0
 
     def add(self, decoded: torch.Tensor, ref: torch.Tensor) -> None:
-        ref = ref.float()
-        diff = decoded - ref
-        self.nonfinite += int((~torch.isfinite(decoded)).sum())
-        self.sq_err += float(torch.linalg.vector_norm(diff, dtype=torch.float64) ** 2)
-        self.sq_ref += float(torch.linalg.vector_norm(ref, dtype=torch.float64) ** 2)
+        diff = decoded.sub_(ref)  # decoded is a fresh fp32 buffer: reuse it
+        err = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+        if not math.isfinite(err):  # an inf/nan anywhere in the decode (or the source) shows up here
+            self.nonfinite += 1
+        self.sq_err += err * err
+        self.sq_ref += float(torch.linalg.vector_norm(ref, dtype=torch.float64)) ** 2
         if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+            self.max_abs = max(self.max_abs, float(diff.abs_().max()))
 
 
 @dataclass
