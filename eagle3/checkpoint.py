@@ -344,8 +344,7 @@ class _ShardBuilder:
         self._reserved = reserve
 
     def _entry(self, name: str, tag: str, shape: list[int], n: int) -> None:
-        if (self._reserved is None and self.out_path is not None and self.entries
-                and self.nbytes + n >= self.DIRECT_WRITE_BYTES):
+        if self._reserved is None and self.out_path is not None and self.nbytes + n >= self.DIRECT_WRITE_BYTES:
             self._go_direct(n)
         self.entries[name] = {"dtype": tag, "shape": shape, "data_offsets": [self.nbytes, self.nbytes + n]}
 
