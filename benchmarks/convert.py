@@ -169,8 +169,8 @@ def main() -> None:
             rows.append({"run": label, "seconds": seconds, "wall": wall, "bytes_in": _dir_bytes(src_dir),
                          "bytes_out": written, "mb_s": written / seconds / 1e6, "peak_rss": rss,
                          "largest_tensor": _largest_tensor(out_dir)})
-            print(f"{label:40s} {seconds:7.2f} s  {written / seconds / 1e6:8.1f} MB/s written  "
-                  f"peak RSS {rss / 2**20:7.0f} MiB", flush=True)
+            print(f"{label:46s} {seconds:7.2f} s ({wall:6.2f} s wall incl. start-up and manifest)  "
+                  f"{written / seconds / 1e6:8.1f} MB/s written  peak RSS {rss / 2**20:6.0f} MiB", flush=True)
             if not args.keep:
                 shutil.rmtree(out_dir, ignore_errors=True)
 
@@ -193,7 +193,7 @@ def main() -> None:
             ref = copy_d if "draft" in r["run"] else copy_t
             r["vs_copy"] = r["mb_s"] / ref
             over = r["peak_rss"] - base_rss
-            print(f"{r['run']:40s} {r['vs_copy']:5.2f}x copy throughput; RSS above imports "
+            print(f"{r['run']:46s} {r['vs_copy']:5.2f}x copy throughput; RSS above imports "
                   f"{over / 2**20:6.0f} MiB = {over / r['largest_tensor']:4.1f}x the largest tensor "
                   f"({r['largest_tensor'] / 2**20:.0f} MiB)")
         report = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
