@@ -459,7 +459,8 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         "defaulted_in_source": list(info.defaulted),
     })
     report.output_format = {"engine": profile.engine, "architecture": profile.arch(variant),
-                            "layer_prefix": profile.prefix(variant).rstrip("."), "config_style": profile.config_style}
+                            "layer_prefix": profile.prefix(variant).rstrip("."), "config_style": profile.config_style,
+                            "engine_reads": list(profile.reads), "notes": list(profile.notes)}
 
     # -- tensor plan ------------------------------------------------------------------------------
     items: list[Item] = []
