@@ -80,8 +80,9 @@ class ShardJob:
     engine: str
     verify: bool
     bound: float
-    work_bytes: int
+    work_bytes: int  # progress units: source bytes (quantized ones twice when verified)
     out_bytes: int  # planned tensor bytes of the output shard (exact: shapes are known up front)
+    cost: float  # scheduling estimate: quantized elements dominate, copies are kernel-side
 
 
 @dataclass
@@ -117,6 +118,7 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
         steps: list[tuple[str, str]] = []
         mods: list[Module] = []
         work = out_bytes = 0
+        cost = 0.0
         for name in names:
             m = by_primary.get(name)
             if m is not None:
@@ -127,6 +129,7 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                     weight_map.update({f"{m.name}.{s}": f.name for s in outs})
                     out_bytes += sum(math.prod(shape) * dt.itemsize for shape, dt in outs.values())
                     work += size * (2 if verify else 1)
+                    cost += m.numel * (2 if verify else 1)
                     mods.append(m)
                 elif m.kind == DENSE:
                     steps.append(("copy", name))
@@ -138,6 +141,7 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                     weight_map[f"{m.name}.weight"] = f.name
                     work += size
                     out_bytes += m.numel * 2  # bf16
+                    cost += m.numel
                     mods.append(m)
             elif name in consumed:
                 continue  # read by name by the module that owns it, wherever its primary lives
@@ -148,7 +152,8 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                 out_bytes += reader.info(name).nbytes
         jobs.append(ShardJob(src=str(src_dir), tmp=str(tmp), file=f.name, steps=tuple(steps), modules=tuple(mods),
                              spec=recipe.weight, zero_point=recipe.export.zero_point, engine=engine, verify=verify,
-                             bound=recipe.weight.max_rel_error, work_bytes=work, out_bytes=out_bytes))
+                             bound=recipe.weight.max_rel_error, work_bytes=work, out_bytes=out_bytes,
+                             cost=cost + out_bytes / 16))
     unquantized = sorted(m for m in modules if m not in qset)
     return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes)
 
@@ -430,8 +435,8 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
         write_json(state / f"done-{r.file}.json", r.to_json())
         results[r.file] = r
 
-    # Largest shards first: the pool then ends with small ones and the cores stay busy.
-    todo = sorted(todo, key=lambda j: -j.work_bytes)
+    # Costliest shards first: the pool then ends with small ones and the cores stay busy.
+    todo = sorted(todo, key=lambda j: -j.cost)
     try:
         if n == 1:
             threads = torch.get_num_threads()

@@ -322,3 +322,12 @@ def test_cli_prints_the_summary_table(tiny_dir: Path, tmp_path: Path, capsys: py
     assert "mean rel err" in out and "quantized 7 modules" in out and "quantization_report.json" in out
     code, err = _run_cli(main_args, capsys)
     assert code == 2 and "already exists" in err
+
+
+def test_moonshot_int4_source_needs_no_compressed_tensors(tiny_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quark 0.13's file-to-file path fails with NameError without compressed-tensors installed;
+    eagle3 reads the Moonshot INT4 layout with its own codecs."""
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # `import compressed_tensors` now fails
+    res = quantize(tiny_dir / "kimi-k2-thinking", tmp_path / "o", "w4a8", workers=1)
+    assert res.source_kind == "ct-int4" and res.quantized == 144 and not res.failed
