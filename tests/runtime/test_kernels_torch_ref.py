@@ -213,6 +213,82 @@ def test_paged_attention_matches_naive_float64(hkv: int, g: int, d: int, dv: int
     assert torch.equal(BE.attention(q[3:4], k_cache, v_cache, meta1, scale), out[3:4])
 
 
+@pytest.mark.parametrize("r,d,dv", [(4, 48, 32), (4, 32, 32), (16, 64, 64), (64, 576, 512)])
+def test_attention_tile_products_are_row_invariant(r: int, d: int, dv: int) -> None:
+    """What both attention schedules rest on, checked on this machine's BLAS: a row of the
+    fixed-shape score GEMM ``[R, D] x [D, KEY_TILE]`` (keys as a transposed view, contiguous or
+    broadcast with stride 0) and of the value GEMM ``[R, KEY_TILE] x [KEY_TILE, dv]`` (values a
+    strided prefix of the keys, as MLA reads them) depends on that row only - not on its position
+    in the tile, the other rows or the batch size - and so does a row sum of length KEY_TILE."""
+    g = _gen(11)
+    n = 9
+    q = torch.randn(n, r, d, generator=g)
+    keys = torch.randn(n, KEY_TILE, d, generator=g)
+    s = torch.bmm(q, keys.transpose(1, 2))
+    p = torch.rand(n, r, KEY_TILE, generator=g)
+    pv = torch.bmm(p, keys[..., :dv])
+    den = p.sum(-1)
+    for b, row, at in ((0, 0, r - 1), (4, r - 1, 0), (8, r // 2, r // 3)):
+        alone = torch.zeros(1, r, d)
+        alone[0, at] = q[b, row]
+        assert torch.equal(torch.bmm(alone, keys[b: b + 1].transpose(1, 2))[0, at], s[b, row])
+        three = torch.zeros(3, r, d)
+        three[1, at] = q[b, row]
+        assert torch.equal(torch.bmm(three, keys[b].t().expand(3, d, KEY_TILE))[1, at], s[b, row])
+        pa = torch.zeros(2, r, KEY_TILE)
+        pa[1, at] = p[b, row]
+        assert torch.equal(torch.bmm(pa, keys[b, :, :dv].expand(2, KEY_TILE, dv))[1, at], pv[b, row])
+        assert torch.equal(pa.sum(-1)[1, at], den[b, row])
+    assert torch.equal(torch.bmm(q[:2], keys[:2].transpose(1, 2)), s[:2])
+
+
+def _single_token_meta(meta: AttnMetadata, b: int, row: int) -> AttnMetadata:
+    """The query row ``row`` (of sequence ``b``) alone in a forward, as a decode step runs it."""
+    p = meta.positions[row: row + 1]
+    return AttnMetadata(p, torch.tensor([0, 1], dtype=torch.int32), (p + 1).to(torch.int32),
+                        meta.slot_mapping[row: row + 1], meta.block_tables[b: b + 1], meta.block_size)
+
+
+@pytest.mark.parametrize("hkv,g,d,dv,shared", [(1, 4, 48, 32, True), (4, 1, 32, 32, False), (2, 3, 16, 8, False),
+                                               (1, 16, 64, 48, True)])
+def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: int, dv: int, shared: bool) -> None:
+    """Long prefill chunks (per-sequence schedule), a short chunk and a decode row (gathered
+    units), in one forward, in memory-bounded groups or not: every row is bit-identical to the
+    same query decoded alone."""
+    import eagle3.runtime.kernels.torch_ref as tr
+
+    lens_new, lens_ctx = [300, 40, 7, 1], [0, 100, 150, 250]
+    meta, _ = _paged(lens_new, lens_ctx, block=4, slots_total=1024, seed=12)
+    gen = _gen(13)
+    if shared:  # MLA: values are the first dv dims of the cached latent
+        lat = torch.randn(1024, d, generator=gen).to(torch.bfloat16)
+        k_cache, v_cache = lat[:, None, :], lat[:, None, :dv]
+    else:
+        kv = torch.randn(1024, 2, hkv, d, generator=gen).to(torch.bfloat16)
+        k_cache, v_cache = kv[:, 0], kv[:, 1, :, :dv]
+    q = torch.randn(sum(lens_new), hkv, g, d, generator=gen).to(torch.bfloat16)
+    plan = tr.plan_attention(meta)
+    qt = tr.query_tile_tokens(g)
+    out = BE.attention(q, k_cache, v_cache, meta, 0.2, plan)
+    sched = next(iter(plan._schedules.values()))
+    assert [c.t1 - c.t0 for c in sched.seqs] == [300, 40] and len(sched.units) == 1
+    assert sum(lens_new) > 4 * KEY_TILE and qt * g >= tr.ATTN_MIN_ROWS
+    cu = meta.cu_seqlens_q.tolist()
+    for b in range(len(lens_new)):
+        for row in sorted({cu[b], cu[b + 1] - 1, (cu[b] + cu[b + 1]) // 2}):
+            one = BE.attention(q[row: row + 1], k_cache, v_cache, _single_token_meta(meta, b, row), 0.2)
+            assert torch.equal(one, out[row: row + 1]), (b, row)
+    monkeypatch.setattr(tr, "ATTN_CHUNK_FLOATS", 20_000)  # many small groups in both schedules
+    small = tr.plan_attention(meta)
+    assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, small), out)
+    sched = next(iter(small._schedules.values()))
+    assert len(sched.seqs[0].groups) > 2 and len(sched.units) > 1
+    monkeypatch.setattr(tr, "SEQ_PATH_MIN_TOKENS", 10**9)  # everything through gathered units
+    gathered = tr.plan_attention(meta)
+    assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, gathered), out)
+    assert not next(iter(gathered._schedules.values())).seqs
+
+
 def test_write_cache_skips_negative_slots() -> None:
     cache = torch.zeros(8, 3)
     BE.write_cache(cache, torch.tensor([2, -1, 5]), torch.ones(3, 3) * torch.tensor([[1.0], [2.0], [3.0]]))
