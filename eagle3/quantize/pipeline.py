@@ -275,10 +275,11 @@ def verify_shard(job: ShardJob, reader: CheckpointReader, out_file: Path,
     compare with the source weight (recomputed from the source files), row chunk by row chunk."""
     out = CheckpointReader(out_file)
     rows: list[report.TensorReport] = []
+    mods = {x.name: x for x in job.modules}
     for kind, name in job.steps:
         if kind != "quant":
             continue
-        m = next(x for x in job.modules if x.name == name)
+        m = mods[name]
         expect = native.expected_shapes(job.spec, m.shape, job.zero_point)
         tensors = {}
         for suffix, (shape, dtype) in expect.items():
@@ -484,6 +485,7 @@ class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self._p = None
         if enabled:
+            from rich.console import Console
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,
@@ -492,8 +494,10 @@ class _Progress:
                 TransferSpeedColumn,
             )
 
+            # stderr: stdout stays clean for the summary (or --json).
             self._p = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                               TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+                               TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
+                               console=Console(stderr=True))
             self._p.start()
             self._task = self._p.add_task("quantize", total=total)
         self._lock = threading.Lock()
