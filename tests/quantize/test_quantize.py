@@ -331,3 +331,19 @@ def test_moonshot_int4_source_needs_no_compressed_tensors(tiny_dir: Path, tmp_pa
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # `import compressed_tensors` now fails
     res = quantize(tiny_dir / "kimi-k2-thinking", tmp_path / "o", "w4a8", workers=1)
     assert res.source_kind == "ct-int4" and res.quantized == 144 and not res.failed
+
+
+def test_int4_modules_outside_the_scope_are_written_dense_bf16(tiny_dir: Path, tmp_path: Path) -> None:
+    f = tmp_path / "e0.yaml"
+    f.write_text("name: e0\nweight: {format: mxfp4}\nactivation: {format: mxfp4}\n"
+                 "scope: {include: ['*.experts.0.*']}\n")
+    res = quantize(tiny_dir / "kimi-k2-thinking", tmp_path / "o", str(f), workers=1)
+    assert res.quantized == 6 * 3  # expert 0 of the six MoE layers
+    src, out = CheckpointReader(tiny_dir / "kimi-k2-thinking"), CheckpointReader(tmp_path / "o")
+    mod = "model.layers.1.mlp.experts.1.up_proj"
+    n, k = src.get(f"{mod}.weight_shape").tolist()
+    want = codecs.ct_int4_dequantize(src.get(f"{mod}.weight_packed"), src.get(f"{mod}.weight_scale"), (n, k))
+    assert torch.equal(out.get(f"{mod}.weight"), want) and want.dtype == torch.bfloat16
+    assert f"{mod}.weight_packed" not in out and f"{mod}.weight_shape" not in out
+    assert mod in read_json(tmp_path / "o" / "config.json")["quantization_config"]["exclude"]
+    assert detect.detect(tmp_path / "o").quant.modules["quark-mxfp4"] == 18
