@@ -14,7 +14,11 @@ One engine step (``step()``):
 6. finished sequences free their blocks, the others release the blocks past their committed length.
 
 Threading: ``add_request`` and ``abort`` only push onto a queue that ``step()`` drains, so a
-server may call them from any thread while one background thread loops on ``step()``.
+server may call them from any thread while one background thread loops on ``step()``. A step's
+outputs go to whichever thread called ``step()``; ``generate()`` therefore does not rely on its own
+``step()`` calls seeing its results: every step, whoever runs it, files the final outputs of
+``generate()``'s requests where ``generate()`` finds them (a server's engine thread stepping the
+same LLM would otherwise swallow them and leave ``generate()`` looping forever).
 """
 
 from __future__ import annotations
@@ -141,8 +145,12 @@ class LLM:
         self.num_preemptions = 0
         self._ids = itertools.count()
         self._inbox: deque[tuple[str, Any]] = deque()
+        self._inbox_lock = threading.Lock()  # makes add_request's duplicate-id check atomic
         self._step_lock = threading.Lock()
         self._seqs: dict[str, Sequence] = {}
+        # generate()'s requests, and their final outputs filed by whichever thread stepped them
+        self._collect: set[str] = set()
+        self._results: dict[str, RequestOutput] = {}
 
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:
@@ -243,10 +251,13 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise UsageError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs or any(op == "add" and arg.request_id == rid for op, arg in list(self._inbox)):
-            raise UsageError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params, make_generator(params.seed, self.device), max(self.k, 1), prompt=text)
-        self._inbox.append(("add", seq))
+        # Check and queue under one lock: two threads adding the same id must not both pass the
+        # check, or step() would have to drop one and its caller would wait for it forever.
+        with self._inbox_lock:
+            if rid in self._seqs or any(op == "add" and arg.request_id == rid for op, arg in list(self._inbox)):
+                raise UsageError(f"request id {rid!r} is already in use")
+            self._inbox.append(("add", seq))
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -260,12 +271,11 @@ class LLM:
     def _drain_inbox(self) -> list[Sequence]:
         aborted = []
         while self._inbox:
-            op, arg = self._inbox.popleft()
+            with self._inbox_lock:  # the id check in add_request sees either the inbox or _seqs
+                op, arg = self._inbox.popleft()
+                if op == "add":
+                    self._seqs[arg.request_id] = arg
             if op == "add":
-                if arg.request_id in self._seqs:  # lost a race with another add_request()
-                    logger.error("dropping a second request with id %r", arg.request_id)
-                    continue
-                self._seqs[arg.request_id] = arg
                 self.scheduler.add(arg)
             else:
                 seq = self.scheduler.abort(arg)
@@ -277,34 +287,43 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that produced tokens or finished."""
         with self._step_lock:
-            done = self._drain_inbox()
-            out = self.scheduler.schedule()
-            if not out:
-                if self.scheduler.running or self.scheduler.waiting:
-                    raise RuntimeError("scheduler made no progress with unfinished requests")
-                return [self._output(s) for s in done]
-            self.num_steps += 1
-            self.num_preemptions += len(out.preempted)
-            res = self.runner.run_target(out.scheduled)
-            items: list[ProposeItem] = []
-            for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
-                committed = self.scheduler.commit(item, emitted)
-                if item.samples:
-                    self.stats.observe(len(item.draft_ids), len(emitted) - 1)
-                seq = item.seq
-                if self.proposer is not None and not seq.is_finished:
-                    num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
-                    items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
-                                             max(num_drafts, 0)))
-            if self.proposer is not None:
-                self.proposer.propose(items, self.target.vocab_size)
-            done += self.scheduler.finish_step(out)
-            progressed = [it.seq for it in out.scheduled if it.seq.num_returned_tokens < it.seq.num_output_tokens
-                          or it.seq.is_finished]
-            outputs = [self._output(s) for s in dict.fromkeys(progressed + done)]
+            outputs = self._step()
+            for o in outputs:
+                if o.finished and o.request_id in self._collect:
+                    self._results[o.request_id] = o
+            return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        done = self._drain_inbox()
+        out = self.scheduler.schedule()
+        if not out:
             for s in done:
                 self._seqs.pop(s.request_id, None)
-            return outputs
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with unfinished requests")
+            return [self._output(s) for s in done]
+        self.num_steps += 1
+        self.num_preemptions += len(out.preempted)
+        res = self.runner.run_target(out.scheduled)
+        items: list[ProposeItem] = []
+        for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
+            committed = self.scheduler.commit(item, emitted)
+            if item.samples:
+                self.stats.observe(len(item.draft_ids), len(emitted) - 1)
+            seq = item.seq
+            if self.proposer is not None and not seq.is_finished:
+                num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
+                items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
+                                         max(num_drafts, 0)))
+        if self.proposer is not None:
+            self.proposer.propose(items, self.target.vocab_size)
+        done += self.scheduler.finish_step(out)
+        progressed = [it.seq for it in out.scheduled if it.seq.num_returned_tokens < it.seq.num_output_tokens
+                      or it.seq.is_finished]
+        outputs = [self._output(s) for s in dict.fromkeys(progressed + done)]
+        for s in done:
+            self._seqs.pop(s.request_id, None)
+        return outputs
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -359,15 +378,31 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise UsageError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(plist, params, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(rids):
-            for o in self.step():
-                if o.finished:
-                    final[o.request_id] = o
+        rids: list[str] = []
+        try:
+            for p, sp in zip(plist, params, strict=True):
+                rid = f"req-{next(self._ids)}"
+                self._collect.add(rid)  # before the add: another thread may finish it at once
+                try:
+                    self.add_request(p, sp, request_id=rid)
+                except BaseException:
+                    self._collect.discard(rid)
+                    raise
+                rids.append(rid)
+            # Step until every result is filed; another thread stepping this LLM (a server's engine
+            # thread) may be the one that finishes them, which step() records all the same.
+            while not all(r in self._results for r in rids):
+                self.step()
+            final = [self._results[r] for r in rids]
+        finally:
+            for r in rids:
+                if r not in self._results:
+                    self.abort(r)  # an add or a step failed: leave nothing behind in the engine
+                self._collect.discard(r)
+                self._results.pop(r, None)
         if self.config.log_stats and self.draft is not None:
             print(self.stats.line(), file=sys.stderr)
-        return [final[r] for r in rids]
+        return final
 
     # -- gauges for a server's /metrics ------------------------------------------------------
     @property
