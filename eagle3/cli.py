@@ -255,7 +255,8 @@ def serve(
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
     num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = 3,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
-    port: Annotated[int | None, typer.Option(help="Port (default 8000; --validate: a free ephemeral port).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = False,
@@ -336,10 +337,11 @@ def serve(
                                              echo=lambda s: typer.echo(s, err=True))
         _exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
         return
+    sock = launcher.listen_socket(host, 8000 if port is None else port)  # before the (long) load
     llm = launcher.build_llm(target, draft, eopts)
     api = launcher.build_app(llm, name, api_key=api_key, root=str(target))
-    typer.echo(f"eagle3: serving {name} on http://{host}:{8000 if port is None else port}/v1", err=True)
-    launcher.serve_forever(api, host, 8000 if port is None else port, log_level)
+    launcher.serve_forever(api, host, 8000 if port is None else port, log_level, sock=sock, ready_file=ready_file,
+                           on_ready=lambda url: typer.echo(f"eagle3: serving {name} on {url}/v1", err=True))
 
 
 @app.command("validate")

@@ -7,6 +7,10 @@ and receives the per-step outputs on an ``asyncio.Queue`` fed with
 ``loop.call_soon_threadsafe``. Leaving the generator early (client disconnect, stop string,
 error) aborts the request, which frees its sequence and KV blocks at the next step.
 
+No request waits on a thread that is gone: when the engine thread ends (shutdown, or an error
+outside ``step()`` that kills it) every request still registered is failed at once (503 / 500),
+a request that arrives after that is refused (503), and ``/health`` answers 503.
+
 Stop *strings* are handled here, on the detokenized text, the way vLLM's output processor does
 it: the engine knows token ids only. While streaming, the last ``max(len(stop)) - 1`` characters
 are held back so that a stop string split across steps is never sent.
@@ -115,6 +119,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._closed = False  # set (under _lock) when the engine thread ends: no more requests
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # last step failure (the loop keeps running)
 
@@ -139,7 +144,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._closed
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -156,6 +161,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._stopping = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="eagle3-engine", daemon=True)
         self._thread.start()
 
@@ -167,6 +173,21 @@ class AsyncEngine:
             self._thread = None
 
     def _run(self) -> None:
+        reason: APIError = APIError("the server is shutting down", 503, type_="service_unavailable")
+        try:
+            self._loop()
+        except BaseException as err:  # the thread dies: say so, and fail everyone waiting on it
+            logger.critical("the engine thread died; failing every request", exc_info=True)
+            self.error = err
+            reason = APIError(f"the engine thread died: {type(err).__name__}: {err}", 500, type_="server_error")
+        finally:
+            with self._lock:
+                self._closed = True
+                rids = list(self._streams)
+            for rid in rids:
+                self._dispatch(rid, reason)
+
+    def _loop(self) -> None:
         while not self._stopping:
             self._wake.clear()  # before the check: an add between check and wait sets it again
             if not self.llm.has_unfinished():
@@ -223,6 +244,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
+            # checked under the lock the engine thread takes when it ends, so a request is
+            # either refused here or failed by that thread: never left waiting on nobody
+            if self._closed:
+                raise APIError("the engine is not running", 503)
             self._streams[rid] = (loop, queue)
         tracker = OutputTracker(stops, include_stop, self.decode)
         added = False
@@ -235,6 +260,8 @@ class AsyncEngine:
             self._wake.set()
             while True:
                 item = await queue.get()
+                if isinstance(item, APIError):  # one instance for many requests: raise a copy
+                    raise APIError(item.message, item.status_code, type_=item.type)
                 if isinstance(item, BaseException):
                     raise APIError(f"engine error: {item}", 500, type_="server_error")
                 delta = tracker.feed(item)

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -104,20 +107,79 @@ def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: st
     return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics)
 
 
-def _uvicorn_server(app: Any, host: str, port: int, log_level: str) -> Any:
+def _uvicorn_server(app: Any, host: str, port: int, log_level: str,
+                    on_started: Callable[[], None] | None = None) -> Any:
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_started is not None:  # lifespan done, socket listening
+                on_started()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=log_level == "debug")
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
-def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server in the foreground until Ctrl-C / SIGTERM."""
-    server = _uvicorn_server(app, host, port, log_level)
-    server.run()
+def base_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port`` 0: one the OS picks, never in use).
+
+    The CLI binds before loading the model: a taken port fails at once with one line, and from
+    then on the port is this process's, so nothing can take it while the model loads (picking a
+    "free" port and binding it later races with every other process on the machine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is fine
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"--port {port}: cannot listen on {host}:{port}: {err.strerror or err}") from err
+    return sock
+
+
+def write_ready_file(path: Path, url: str) -> None:
+    """``{"url": ..., "pid": ...}`` written atomically, so a reader never sees half of it; the pid
+    lets whoever started the server check that the URL is its own process's."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)
+
+
+def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", *,
+                  sock: socket.socket | None = None, ready_file: Path | None = None,
+                  on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the server in the foreground until Ctrl-C / SIGTERM.
+
+    ``sock``: an already bound socket (:func:`listen_socket`; ``host`` / ``port`` are then only
+    for messages). Once the engine thread runs and the socket listens, ``on_ready(url)`` is
+    called with the real URL (``port`` 0 included) and ``ready_file`` is written (and removed
+    again when the server stops)."""
+    sock = sock if sock is not None else listen_socket(host, port)
+    url = base_url(host, sock.getsockname()[1])
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)  # never let a reader find a previous run's file
+
+    def started() -> None:
+        if ready_file is not None:
+            write_ready_file(ready_file, url)
+        if on_ready is not None:
+            on_ready(url)
+
+    server = _uvicorn_server(app, host, port, log_level, started)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
     if not server.started:
-        raise UsageError(f"the server could not start on {host}:{port} (port in use?)")
+        raise UsageError(f"the server could not start on {url}")
 
 
 class ServerThread:
@@ -141,9 +203,7 @@ class ServerThread:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise UsageError(f"the HTTP server did not start on {self.host} (port in use?)")
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        self.url = f"http://{host}:{port}"
+        self.url = base_url(self.host, self.server.servers[0].sockets[0].getsockname()[1])
         return self.url
 
     def __exit__(self, *exc: object) -> None:

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,49 +19,27 @@ import openai
 import pytest
 
 from eagle3.cli import main
+from tests.serve.servers import serve_cli
 from tests.validate import lmeval
 
 LIMIT, MAX_TOKENS = 20, 12
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# A hang fails in minutes, not at the suite's 10-minute limit (the first test also pays for the
+# server's start-up: the fixture counts towards it).
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def kimi_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"),
-                                 "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--port", str(port),
-                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield url, (proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    """``eagle3 serve`` of the tiny Kimi target + draft on an OS-chosen port (--port 0 --ready-file)."""
+    with serve_cli([str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+                    "--log-level", "warning"], tmp_path_factory.mktemp("serve")) as server:
+        yield server.url, server
 
 
 def test_openai_client(kimi_server: Any) -> None:
     url, _ = kimi_server
-    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == ["kimi-k2.5"]
     prompt = "Question: What is 2 + 3?\nAnswer:"
     c = client.completions.create(model="kimi-k2.5", prompt=prompt, max_tokens=6, temperature=0)
@@ -111,8 +85,9 @@ def test_lm_eval_local_completions_scores_equal_eagle3s(kimi_server: Any, tiny_d
 
 
 def test_ctrl_c_stops_the_server(kimi_server: Any) -> None:
-    url, (proc, log) = kimi_server
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 130  # graceful shutdown, then the conventional Ctrl-C status
-    text = log.read_text()
-    assert "Traceback" not in text and "serving kimi-k2.5 on http://127.0.0.1" in text
+    url, server = kimi_server
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(30) == 130  # graceful shutdown, then the conventional Ctrl-C status
+    text = server.log.read_text()
+    assert "Traceback" not in text and f"serving kimi-k2.5 on {url}/v1" in text  # the real port
+    assert not server.ready.exists()  # "ready" no longer: the file goes with the server
