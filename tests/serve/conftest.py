@@ -7,8 +7,12 @@ from typing import Any
 
 import pytest
 
-from eagle3.serve.launcher import ServerThread, build_app
 from tests.serve.fakes import load_tiny_tokenizer, toy_llm
+from tests.serve.servers import add_default_timeout, serve_llm
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    add_default_timeout(item)  # (called for the tests below this directory only)
 
 
 @pytest.fixture(scope="session")
@@ -20,5 +24,5 @@ def tiny_tokenizer(tiny_dir: Any) -> Any:
 def toy_server(tiny_tokenizer: Any) -> Iterator[tuple[str, Any]]:
     """(base URL, LLM): the real engine over toy models with a noisy EAGLE draft, k = 3."""
     llm = toy_llm(tiny_tokenizer)
-    with ServerThread(build_app(llm, "toy")) as url:
+    with serve_llm(llm, "toy") as url:
         yield url, llm

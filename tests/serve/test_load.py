@@ -113,8 +113,8 @@ def test_disconnect_during_non_streaming_request_frees_blocks(toy_server: tuple[
 
 
 def test_engine_failure_fails_only_the_requests_in_flight(tiny_tokenizer: Any) -> None:
-    from eagle3.serve.launcher import ServerThread, build_app
     from tests.serve.fakes import ScriptedLLM
+    from tests.serve.servers import serve_llm
 
     class Flaky(ScriptedLLM):
         def step(self) -> Any:
@@ -124,7 +124,7 @@ def test_engine_failure_fails_only_the_requests_in_flight(tiny_tokenizer: Any) -
             return super().step()
 
     llm = Flaky(tiny_tokenizer, lambda prompt: " fine, thanks")
-    with ServerThread(build_app(llm, "flaky")) as url, httpx.Client(base_url=url, trust_env=False) as c:
+    with serve_llm(llm, "flaky") as url, httpx.Client(base_url=url, trust_env=False) as c:
         r = c.post("/v1/completions", json={"prompt": [7], "max_tokens": 5})
         assert r.status_code == 500 and "kernel exploded" in r.json()["error"]["message"]
         ok = c.post("/v1/completions", json={"prompt": "How are you?", "max_tokens": 5})

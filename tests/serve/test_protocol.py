@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from eagle3.serve.launcher import ServerThread, build_app
 from eagle3.testing.toy_models import ToyTarget, toy_reference_greedy
 from tests.serve.fakes import toy_llm
+from tests.serve.servers import serve_llm
 
 PROMPT = "Question: Natalia sold clips to 48 of her friends. How many clips did she sell?\nAnswer:"
 
@@ -274,8 +274,8 @@ def test_context_length_message(client: httpx.Client) -> None:
 
 
 def test_api_key(tiny_tokenizer: Any) -> None:
-    app = build_app(toy_llm(tiny_tokenizer, None), "toy", api_key="s3cret")
-    with ServerThread(app) as url, httpx.Client(base_url=url, trust_env=False) as c:
+    with (serve_llm(toy_llm(tiny_tokenizer, None), "toy", api_key="s3cret") as url,
+          httpx.Client(base_url=url, trust_env=False) as c):
         body = {"prompt": "hi", "max_tokens": 2}
         assert c.post("/v1/completions", json=body).status_code == 401
         r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})

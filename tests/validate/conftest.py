@@ -7,8 +7,12 @@ from typing import Any
 
 import pytest
 
-from eagle3.serve.launcher import ServerThread, build_app
 from tests.serve.fakes import load_tiny_tokenizer, toy_llm
+from tests.serve.servers import add_default_timeout, serve_llm
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    add_default_timeout(item)  # (called for the tests below this directory only)
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +21,7 @@ def tiny_tokenizer(tiny_dir: Any) -> Any:
 
 
 def _serve(llm: Any, name: str) -> Iterator[tuple[str, Any]]:
-    with ServerThread(build_app(llm, name)) as url:
+    with serve_llm(llm, name) as url:
         yield url, llm
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from eagle3.cli import main
-from eagle3.serve.launcher import ServerThread, build_app
 from eagle3.validate import gsm8k
 from tests.serve.fakes import ScriptedLLM, gsm8k_oracle, load_tiny_tokenizer
+from tests.serve.servers import serve_llm
 from tests.validate import lmeval
 
 LIMIT = 20
@@ -29,7 +29,7 @@ def oracle_server(tiny_dir: Path) -> Iterator[tuple[str, ScriptedLLM]]:
     _, test = gsm8k.load_dataset(lmeval.need_gsm8k())
     gold = {d.question.strip(): d.answer.split("####")[-1].strip() for d in test}
     llm = ScriptedLLM(load_tiny_tokenizer(tiny_dir), gsm8k_oracle(gold), tokens_per_step=4)
-    with ServerThread(build_app(llm, "tiny-oracle")) as url:
+    with serve_llm(llm, "tiny-oracle") as url:
         yield url, llm
 
 
