@@ -354,8 +354,16 @@ def _load_done(state: Path, tmp: Path, jobs: list[ShardJob]) -> dict[str, ShardR
     return done
 
 
-def _auto_workers(n_jobs: int) -> int:
-    return max(1, min(os.cpu_count() or 1, n_jobs))
+def _auto_workers(jobs: list[ShardJob]) -> int:
+    """One worker per core and per shard, but no more than the available memory holds: a worker
+    needs about its interpreter (~0.5 GiB with torch) plus twice the largest tensor it reads."""
+    n = min(os.cpu_count() or 1, len(jobs))
+    largest = max((m.numel * 4 for j in jobs for m in j.modules), default=0)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: trust the core count
+        return max(1, n)
+    return max(1, min(n, avail // (2**29 + 2 * largest)))
 
 
 def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: str | Recipe,
@@ -427,7 +435,7 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
     results: dict[str, ShardResult] = {}
     if not todo:
         return results
-    n = workers or _auto_workers(len(todo))
+    n = workers or _auto_workers(todo)
     n = min(n, len(todo))
     total = sum(j.work_bytes for j in todo)
     bar = _Progress(total, enabled=progress)
