@@ -143,10 +143,12 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if nb == 1:
         out = torch.bmm(xp, w)[:, :m]
         return out if out.dtype == x.dtype else out.to(x.dtype)
-    # [B, nb, R, K] x [B, nb, K, N]: the weight is repeated per tile (a copy only for prefill).
-    ww = w.unsqueeze(1).expand(b, nb, k, n).reshape(b * nb, k, n)
-    out = torch.bmm(xp.reshape(b * nb, ROW_TILE, k), ww)
-    return out.view(b, nb * ROW_TILE, n)[:, :m].to(x.dtype)
+    # Per batch entry, its weight broadcast over the row tiles (stride 0): repeating the weight
+    # per tile for one big bmm copied E experts x T/16 tiles of weights in a prefill step.
+    out = xp.new_empty(b, nb * ROW_TILE, n)
+    for i in range(b):
+        torch.bmm(xp[i].reshape(nb, ROW_TILE, k), w[i].expand(nb, k, n), out=out[i].view(nb, ROW_TILE, n))
+    return out[:, :m].to(x.dtype)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -693,11 +695,13 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                 mm = m[a - lo:]
                 torch.maximum(mm, s.amax(-1), out=mm)
                 scores.append((a, s))
-            acc = qs.new_zeros(hi - lo, r, dv + 1)
-            for j, (a, s) in enumerate(scores):
+            num = qs.new_zeros(hi - lo, r, dv)
+            den = qs.new_zeros(hi - lo, r)
+            for j, (a, s) in enumerate(scores):  # the same fp32 sums as the gathered units' acc
                 p = _exp_shifted(s, m[a - lo:, :, None])
-                acc[a - lo:] += _partials(p, vals[h, j].expand(hi - a, kt, dv))
-            o[h, lo:hi] = acc[..., :dv] / acc[..., dv:]
+                num[a - lo:] += torch.bmm(p, vals[h, j].expand(hi - a, kt, dv))
+                den[a - lo:] += p.sum(-1)
+            o[h, lo:hi] = num / den[..., None]
     out[c.t0: c.t1] = o.view(hkv, nq, qt, g, dv).permute(1, 2, 0, 3, 4).reshape(nq * qt, hkv, g, dv)[:n]
 
 
