@@ -2,8 +2,7 @@
 target + EAGLE-3 draft on loopback: the ``openai`` client, and lm-eval's ``local-completions``
 scoring GSM8K the same as eagle3's own validator, document by document; Ctrl-C stops it cleanly.
 
-0-shot prompts: the reference CPU kernels make 5-shot prefills too slow for the test budget (the
-5-shot prompts are compared with lm-eval's in tests/validate/test_gsm8k.py).
+5-shot prompts, lm-eval's gsm8k default (~1,600 tokens each with the tiny tokenizer).
 """
 
 from __future__ import annotations
@@ -60,17 +59,19 @@ def test_lm_eval_local_completions_scores_equal_eagle3s(kimi_server: Any, tiny_d
     data = lmeval.need_gsm8k()
     report = tmp_path / "ours.json"
     with pytest.raises(SystemExit) as e:
-        main(["validate", "--base-url", url, "--limit", str(LIMIT), "--num-fewshot", "0", "--max-tokens",
-              str(MAX_TOKENS), "--concurrency", "4", "--dataset", str(data), "--report", str(report)])
+        main(["validate", "--base-url", url, "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS),
+              "--concurrency", "4", "--dataset", str(data), "--report", str(report)])
     out = capsys.readouterr()
     assert e.value.code == 0, out.out + out.err
     ours = json.loads(report.read_text())
-    assert ours["speculative"]["num_drafts"] > 0
+    assert ours["speculative"]["num_drafts"] > 0 and ours["num_fewshot"] == 5
     # num_concurrent=4: the runtime's reference kernels are batch invariant, so batching lm-eval's
     # requests together does not change their greedy output
-    theirs = lmeval.run(tmp_path, model="local-completions", limit=LIMIT, num_fewshot=0, model_args=(
+    # (max_length lifts lm-eval's default left-truncation of prompts to 2048 - max_gen_toks tokens)
+    theirs = lmeval.run(tmp_path, model="local-completions", limit=LIMIT, model_args=(
         f"base_url={url}/v1/completions,model=kimi-k2.5,tokenizer_backend=huggingface,"
-        f"tokenizer={tiny_dir / 'kimi-k2.5'},max_gen_toks={MAX_TOKENS},num_concurrent=4,max_retries=1"))
+        f"tokenizer={tiny_dir / 'kimi-k2.5'},max_gen_toks={MAX_TOKENS},max_length=8192,num_concurrent=4,"
+        "max_retries=1"))
     res = theirs["results"]
     assert ours["accuracy"]["strict-match"]["exact_match"] == pytest.approx(res["exact_match,strict-match"])
     assert ours["accuracy"]["flexible-extract"]["exact_match"] == pytest.approx(res["exact_match,flexible-extract"])
