@@ -236,6 +236,9 @@ def main() -> None:
     if args.scope:
         e3 += ["--scope", args.scope]
     results["eagle3"] = measure(e3, env)
+    # Quark verifies nothing; the same run without eagle3's read-back verification, for that comparison.
+    results["eagle3 --no-verify"] = measure([*e3[:5], str(runs / "eagle3-nv"), *e3[6:], "--no-verify"], env)
+    shutil.rmtree(runs / "eagle3-nv")
     if not args.skip_quark:
         results["quark"] = measure([py, "-c", QUARK, str(src), str(runs / "quark"), args.recipe, args.scope], env)
         times = json.loads(results["quark"]["stdout"].strip().splitlines()[-1])
@@ -249,6 +252,7 @@ def main() -> None:
                                   "experts": args.experts, "vocab": args.vocab, "runs": results}
     if "quark" in results:
         summary["speedup_vs_quark"] = results["quark"]["wall_s"] / results["eagle3"]["wall_s"]
+        summary["speedup_vs_quark_no_verify"] = results["quark"]["wall_s"] / results["eagle3 --no-verify"]["wall_s"]
         summary["speedup_vs_quark_incl_import"] = (results["quark"]["wall_s"] + results["quark"]["import_s"]) / \
             results["eagle3"]["wall_s"]
         summary["tensors"] = compare(runs / "eagle3", runs / "quark")
@@ -256,14 +260,15 @@ def main() -> None:
     summary["eagle3_peak_rss_minus_largest_shard_GiB"] = (results["eagle3"]["peak_rss_bytes"] - largest_shard) / 2**30
 
     gib = 2**30
-    print(f"{'run':12s} {'wall s':>8s} {'MB/s':>8s} {'peak RSS GiB':>13s}")
+    print(f"{'run':20s} {'wall s':>8s} {'MB/s':>8s} {'peak RSS GiB':>13s}")
     for name, r in results.items():
-        print(f"{name:12s} {r['wall_s']:8.1f} {r['throughput_MBps']:8.1f} {r['peak_rss_bytes'] / gib:13.2f}"
+        print(f"{name:20s} {r['wall_s']:8.1f} {r['throughput_MBps']:8.1f} {r['peak_rss_bytes'] / gib:13.2f}"
               + (f"   (+ {r['import_s']:.1f} s import)" if "import_s" in r else ""))
     if "quark" in results:
         t = summary["tensors"]
         print(f"eagle3 / Quark throughput: {summary['speedup_vs_quark']:.2f}x "
-              f"({summary['speedup_vs_quark_incl_import']:.2f}x counting Quark's import); tensors identical: "
+              f"({summary['speedup_vs_quark_incl_import']:.2f}x counting Quark's import, "
+              f"{summary['speedup_vs_quark_no_verify']:.2f}x without eagle3's verification); tensors identical: "
               f"{t['identical']}/{t['common_tensors']}" + (f", DIFFERENT: {t['different']}" if t["different"] else ""))
     print(f"eagle3 time / read+write time: {summary['eagle3_vs_read_write_time']:.2f}x; eagle3 peak RSS = largest "
           f"shard + {summary['eagle3_peak_rss_minus_largest_shard_GiB']:.2f} GiB")

@@ -214,14 +214,32 @@ def _reader(src: str) -> CheckpointReader:
     return r
 
 
+def _queue_progress(n: int) -> None:
+    q = _worker.get("queue")
+    if q is not None:
+        q.put(n)
+
+
 def run_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> ShardResult:
     """Quantize one source shard into ``OUT.partial/<same file name>``, then verify it from disk."""
-    if progress is None:
-        q = _worker.get("queue")
+    progress = progress or _queue_progress
+    res = write_shard(job, progress)
+    res.rows = check_shard(job, progress)
+    return res
 
-        def progress(n: int) -> None:
-            if q is not None:
-                q.put(n)
+
+def check_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> list[report.TensorReport]:
+    """The verification pass of a written shard (a job of its own in the pool: verifying the
+    largest shard need not wait behind its own quantization on the same core)."""
+    final = Path(job.tmp) / job.file
+    if not job.verify or not any(k == "quant" for k, _ in job.steps) or not final.is_file():
+        return []
+    return verify_shard(job, _reader(job.src), final, progress or _queue_progress)
+
+
+def write_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> ShardResult:
+    """Quantize one source shard into ``OUT.partial/<same file name>`` (no verification)."""
+    progress = progress or _queue_progress
     t0 = time.perf_counter()
     reader = _reader(job.src)
     engine = _engine(job.engine)
@@ -265,8 +283,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] | None = None) -> S
     if files:
         files[0].rename(final)
     shutil.rmtree(work, ignore_errors=True)
-    rows = verify_shard(job, reader, final, progress) if (job.verify and files) else []
-    return ShardResult(job.file, out_bytes, n_out, time.perf_counter() - t0, rows)
+    return ShardResult(job.file, out_bytes, n_out, time.perf_counter() - t0, [])
 
 
 def verify_shard(job: ShardJob, reader: CheckpointReader, out_file: Path,
@@ -462,12 +479,27 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
         drain.start()
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
                                  initargs=(queue,)) as ex:
-            pending: set[Future[ShardResult]] = {ex.submit(run_shard, j) for j in todo}
+            # Writing jobs first (costliest first); each shard's verification is queued as its own
+            # job when the shard is written, so that the work spreads over the cores.
+            kind: dict[Future[Any], tuple[str, ShardJob]] = {ex.submit(write_shard, j): ("write", j) for j in todo}
+            written: dict[str, ShardResult] = {}
+            pending: set[Future[Any]] = set(kind)
             try:
                 while pending:
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        record(fut.result())
+                        what, job = kind.pop(fut)
+                        if what == "write" and job.verify:
+                            written[job.file] = fut.result()
+                            nxt = ex.submit(check_shard, job)
+                            kind[nxt] = ("check", job)
+                            pending.add(nxt)
+                        elif what == "write":
+                            record(fut.result())
+                        else:
+                            r = written.pop(job.file)
+                            r.rows = fut.result()
+                            record(r)
             except BaseException:
                 for fut in pending:
                     fut.cancel()
