@@ -16,7 +16,11 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks; None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for target + draft caches; None: a default
     max_num_seqs: int = 64  # running sequences per step
-    max_num_batched_tokens: int = 2048  # query tokens per target forward (drafts included)
+    # Query tokens per target forward (drafts included). 2048 holds a whole 5-shot GSM8K prompt
+    # (~1,600 tokens); measured on the tiny target + draft (8 such prompts, CPU): 512 -> 4.3 s,
+    # 1024 -> 3.6 s, 2048 -> 3.4 s, 8192 -> 3.3 s, so larger chunks only lengthen the steps that
+    # decoding sequences share with a prefill.
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the target's max_position_embeddings
     draft_sampling: str = "sample"  # "sample": drafts drawn from q; "greedy": argmax drafts
     seed: int = 0  # engine generator, used by requests without their own seed
