@@ -426,7 +426,7 @@ def bench(
     opts.check()
     tok = None
     if tokenizer is not None or target is not None:
-        from eagle3.serve.launcher import load_tokenizer
+        from eagle3.runtime.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer or target, trust_remote_code)
     if target is not None:

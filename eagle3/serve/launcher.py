@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.errors import UsageError
+from eagle3.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("eagle3.serve")
 _START_TIMEOUT_S = 60.0
@@ -48,35 +49,6 @@ def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
     if n <= 0:
         raise UsageError(f"{flag} {text!r}: must be positive")
     return n
-
-
-def load_tokenizer(target: Path, trust_remote_code: bool = False) -> Any | None:
-    """The target's tokenizer, or None when the directory has none (token-id prompts only).
-
-    Falls back to ``PreTrainedTokenizerFast`` on ``tokenizer.json`` when AutoTokenizer cannot map
-    the config's tokenizer class (e.g. Kimi-K2-Thinking's config with transformers 5). Code
-    shipped with the model only runs with ``trust_remote_code``."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    target = Path(target)
-    if not target.is_dir():
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
-    except Exception as err:
-        if (target / "tokenizer.json").is_file():
-            try:
-                return PreTrainedTokenizerFast.from_pretrained(str(target))
-            except Exception:  # fall through to the explanation below
-                pass
-        cfg = target / "tokenizer_config.json"
-        if not trust_remote_code and cfg.is_file() and "auto_map" in cfg.read_text():
-            raise UsageError(f"{target}: the tokenizer is defined by code shipped with the model; pass "
-                             f"--trust-remote-code to run it") from err
-        if any((target / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise UsageError(f"{target}: cannot load the tokenizer: {type(err).__name__}: {err}") from err
-        logger.warning("%s has no tokenizer; the server accepts token-id prompts only", target)
-        return None
 
 
 def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions) -> Any:

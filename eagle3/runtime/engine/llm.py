@@ -46,6 +46,7 @@ from eagle3.runtime.interfaces import DraftModel, TargetModel
 from eagle3.runtime.sampling import SamplingParams, make_generator
 from eagle3.runtime.spec.proposer import EagleProposer, ProposeItem
 from eagle3.runtime.spec.stats import SpecStats
+from eagle3.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("eagle3.runtime")
 
@@ -171,18 +172,11 @@ class LLM:
         if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
             return tokenizer
         if tokenizer == "auto":
-            if self.target_path is None:
-                return None
-            tokenizer = self.target_path
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
-            if Path(tokenizer) == self.target_path:  # "auto": a target without a tokenizer is fine
-                logger.warning("no tokenizer loaded from %s (%s); token-id prompts only", tokenizer, err)
-                return None
-            raise UsageError(f"cannot load a tokenizer from {tokenizer}: {err}") from err
+            return None if self.target_path is None else load_tokenizer(self.target_path, trust_remote_code)
+        tok = load_tokenizer(tokenizer, trust_remote_code)
+        if tok is None:
+            raise UsageError(f"{tokenizer}: no tokenizer there")
+        return tok
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids: generation_config.json (HF's own reader), the target spec, the tokenizer."""
