@@ -3,9 +3,9 @@
 Batch invariance by construction. A token's result must be bit-identical whether it is decoded
 alone, verified with k drafts, or prefilled with 500 others. BLAS kernels pick different code
 paths (and K-reduction orders) for different matrix shapes: measured on the CPU here, fp32
-``x[:M] @ W.T`` differs from ``(x @ W.T)[:M]`` for M < 12 except 4 and 8. So every
-floating-point reduction below runs with a shape that depends only on the model, never on the
-batch:
+``x[:M] @ W.T`` differs from ``(x @ W.T)[:M]`` for M < 12 except 4 and 8 (two threads; M < 4
+with one). So every floating-point reduction below runs with a shape that depends only on the
+model, never on the batch:
 
 * GEMMs (:func:`mm_rows`, :func:`bmm_rows`) run on tiles of exactly ``ROW_TILE`` rows (zero
   padded) as one ``bmm`` over the tiles; every tile is the same-shaped GEMM, whose row results
