@@ -167,7 +167,37 @@ def quark_int4_pack(q: torch.Tensor, reorder: bool = True) -> torch.Tensor:
     export default, ``pack_method: "reorder"``); ``reorder=False`` is natural order (``"order"``).
     No transpose here: per-group callers pack ``q.T`` (see :func:`quark_int4_per_group_quantize`)."""
     _check_codes(q, "quark_int4_pack")
+    if q.dtype in (torch.int8, torch.uint8) and q.shape[-1] % 8 == 0 and q.dim() > 0:
+        return _pack_bytes_by_8(q, reorder)
     return _pack_nibbles(q.to(torch.int32) & 0xF, _SHIFTS_REORDER if reorder else _SHIFTS_NATURAL)
+
+
+_LO_NIBBLES = 0x0F0F0F0F0F0F0F0F
+_EVERY_2ND_BYTE_NIBBLE = 0x000F000F000F000F
+
+
+def _pack_bytes_by_8(q: torch.Tensor, reorder: bool) -> torch.Tensor:
+    """:func:`quark_int4_pack` of int8 codes [..., 8W] by bit moves inside int64 words: each group of
+    8 codes is read as one little-endian int64 (code e in byte e) and its low nibbles are gathered to
+    their slots with shifts and masks over 1/8 as many elements as the codes, instead of widening
+    every code to int32, shifting and summing (~3x faster, same bits)."""
+    x = q.contiguous().view(torch.int64).bitwise_and(_LO_NIBBLES)
+    if reorder:
+        # slots 0-3 hold elements 0,2,4,6 (even bytes), slots 4-7 elements 1,3,5,7 (odd bytes):
+        # compress each half's four nibbles (16 bits apart) into 16 bits, odd half above.
+        ev = x.bitwise_and(_EVERY_2ND_BYTE_NIBBLE)
+        od = (x >> 8).bitwise_and_(_EVERY_2ND_BYTE_NIBBLE)
+        for t in (ev, od):
+            t.bitwise_or_(t >> 12).bitwise_and_(0x000000FF000000FF)
+            t.bitwise_or_(t >> 24)  # bits 0..15 are the packed half (bits 32+ are ignored below)
+        w = ev.bitwise_or_(od.bitwise_left_shift_(16))
+    else:
+        w = x.bitwise_or_(x >> 4).bitwise_and_(0x00FF00FF00FF00FF)
+        w.bitwise_or_(w >> 8).bitwise_and_(0x0000FFFF0000FFFF)
+        w.bitwise_or_(w >> 16)
+    # The low (little-endian) half of each int64; copied into a fresh buffer because .contiguous()
+    # keeps the stride-2 view when the last dim is 1, which callers could not .view() as bytes.
+    return torch.empty(w.shape, dtype=torch.int32, device=w.device).copy_(w.view(torch.int32)[..., 0::2])
 
 
 def quark_int4_unpack(packed: torch.Tensor, reorder: bool = True, k: int | None = None) -> torch.Tensor:
@@ -280,6 +310,17 @@ def quark_int4_per_group_dequantize(packed: torch.Tensor, scale: torch.Tensor, r
 # ---------------------------------------------------------------------------------------------
 # FP8 E4M3
 # ---------------------------------------------------------------------------------------------
+
+
+# byte -> its float8_e4m3fn value in fp32 (0x7F / 0xFF are NaN, as torch's cast gives).
+_FP8_E4M3_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _fp8_e4m3_to_float32(x8: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> fp32, the same bits as ``x8.to(torch.float32)``: a 256-entry table lookup,
+    ~4x faster than torch's element-wise FP8 cast on CPU (the W4A8 stage-2 hot spot)."""
+    idx = x8.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return _FP8_E4M3_LUT.to(x8.device).index_select(0, idx).reshape(x8.shape)
 
 
 def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
@@ -408,7 +449,8 @@ def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dty
     if w.dim() != 2:
         raise ShapeError(f"W4A8 quantization expects a 2-D weight, got shape {list(w.shape)}")
     x8, s1 = fp8_per_tensor_quantize(w, torch.float32, weight_scale)
-    q, s2 = quark_int4_quantize(x8.to(stage2_dtype or w.dtype))
+    dt = stage2_dtype or w.dtype
+    q, s2 = quark_int4_quantize(_fp8_e4m3_to_float32(x8) if dt == torch.float32 else x8.to(dt))
     return quark_int4_pack(q, reorder), s1, s2.float()
 
 
@@ -436,6 +478,12 @@ def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (0..15) [..., K] -> uint8 [..., K/2], element 2i in the low nibble."""
     if codes.shape[-1] % 2:
         raise ShapeError(f"FP4 packing needs an even last dim, got {list(codes.shape)}")
+    if codes.dtype == torch.int32 and codes.is_contiguous():
+        # Read each (low, high) int32 pair as one little-endian int64 ``lo + hi * 2**32``: then
+        # ``lo | hi << 4`` is ``(w | w >> 28) & 0xFF``, three passes over contiguous words instead
+        # of strided uint8 slices (the encoder below hands its int32 codes straight here).
+        w = codes.view(torch.int64)
+        return (w >> 28).bitwise_or_(w).bitwise_and_(0xFF).to(torch.uint8)
     c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 2)
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
@@ -462,11 +510,22 @@ def fp4_encode(x: torch.Tensor) -> torch.Tensor:
     power-of-two step, round-half-even) counts grid steps, and the code index is that count plus
     2e. A negative count implies a nonzero magnitude, so -0 never gets the sign bit. In-place ops
     on one fp32 buffer: ~4x faster than a ``torch.where`` formulation, same bits."""
-    xc = x.float().clamp(-6.0, 6.0)
-    e = (xc.view(torch.int32) >> 23).bitwise_and_(0xFF).sub_(127).clamp_(0, 2)
-    xc.mul_(torch.bitwise_left_shift(128 - e, 23).view(torch.float32)).round_()  # x / 2**(e-1), rounded
-    neg = xc < 0
-    return xc.abs_().add_(e.mul_(2)).add_(neg, alpha=8).to(torch.uint8)
+    return _fp4_encode_owned(x.float().clamp(-6.0, 6.0)).to(torch.uint8)
+
+
+def _fp4_encode_owned(xc: torch.Tensor) -> torch.Tensor:
+    """:func:`fp4_encode` of an fp32 buffer the caller owns (it is overwritten) -> int32 codes.
+
+    All int32/fp32 in-place work: bool masks and float -> uint8 casts cost 5-10x a plain int op on
+    CPU, so the sign is taken from the fp32 sign bit (``(bits >> 28) & 8`` is 8 for a negative x)
+    and kept only for a nonzero magnitude m (0..7): ``m + 7`` has bit 3 set exactly when m > 0."""
+    xc = xc.clamp_(-6.0, 6.0)
+    xi = xc.view(torch.int32)
+    sign = (xi >> 28).bitwise_and_(8)
+    e = (xi >> 23).bitwise_and_(0xFF).sub_(127).clamp_(0, 2)
+    xc.mul_(torch.bitwise_left_shift(128 - e, 23).view(torch.float32)).round_().abs_()  # |x| / 2**(e-1), rounded
+    m = xc.to(torch.int32).add_(e.bitwise_left_shift_(1))
+    return m.bitwise_or_(sign.bitwise_and_(m + 7))
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -513,7 +572,7 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
     x = w.float().reshape(*w.shape[:-1], k // group_size, group_size)
     e = mxfp4_scale_even(x.abs().amax(-1, keepdim=True))
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
-    codes = fp4_encode(x / scale).reshape(w.shape)
+    codes = _fp4_encode_owned(x / scale).reshape(w.shape)
     # Stored byte = to_e8m0_uint8(scale): exact for powers of two, except 2**-127 -> byte 1.
     return fp4_pack(codes), (e.clamp(min=-126) + 127).to(torch.uint8).reshape(*w.shape[:-1], -1)
 
