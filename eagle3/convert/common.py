@@ -186,6 +186,23 @@ def write_items(items: Iterable[Item], out_dir: Path, total_bytes: int, report: 
     return files
 
 
+def write_output(out: Path, out_cfg: dict[str, Any], items: list[Item], report: Report, src_dir: Path,
+                 opts: Any, t0: float) -> Report:
+    """Write a planned conversion atomically: shards, config, side files, report, manifest.
+    ``opts`` is a DraftOptions or TargetOptions (overwrite, max_shard_bytes, progress,
+    trust_remote_code)."""
+    from eagle3.checkpoint import atomic_output, copy_side_files
+
+    report.output = str(out)
+    with atomic_output(out, overwrite=opts.overwrite) as tmp:
+        write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress)
+        write_json(tmp / "config.json", out_cfg)
+        report.side_files = copy_side_files(src_dir, tmp, trust_remote_code=opts.trust_remote_code)
+        report.seconds = time.perf_counter() - t0
+        write_report(tmp, report)
+    return report
+
+
 def write_report(out_dir: Path, report: Report) -> None:
     write_json(Path(out_dir) / REPORT_FILE, report.to_json())
 

@@ -29,12 +29,9 @@ import torch
 from eagle3.checkpoint import (
     DEFAULT_SHARD_BYTES,
     CheckpointReader,
-    atomic_output,
-    copy_side_files,
     read_json,
-    write_json,
 )
-from eagle3.convert.common import Item, Report, write_items, write_report
+from eagle3.convert.common import Item, Report, write_output
 from eagle3.errors import FormatError, ShapeError, UsageError
 from eagle3.formats import detect, keys, profiles
 from eagle3.formats.profiles import DraftProfile, DraftSpec
@@ -515,11 +512,4 @@ def convert_draft(src: str | Path, out: str | Path, opts: DraftOptions,
     src = Path(src)
     out = Path(out)
     out_cfg, items, report, reader = plan_draft(src, opts, summary)
-    report.output = str(out)
-    with atomic_output(out, overwrite=opts.overwrite) as tmp:
-        write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress)
-        write_json(tmp / detect.CONFIG_FILE, out_cfg)
-        report.side_files = copy_side_files(reader.path, tmp, trust_remote_code=opts.trust_remote_code)
-        report.seconds = time.perf_counter() - t0
-        write_report(tmp, report)
-    return report
+    return write_output(Path(out), out_cfg, items, report, reader.path, opts, t0)

@@ -37,11 +37,8 @@ from eagle3.checkpoint import (
     DEFAULT_SHARD_BYTES,
     CheckpointReader,
     TensorInfo,
-    atomic_output,
-    copy_side_files,
-    write_json,
 )
-from eagle3.convert.common import Item, Report, write_items, write_report
+from eagle3.convert.common import Item, Report, write_output
 from eagle3.errors import FormatError, UsageError
 from eagle3.formats import codecs, detect, keys
 
@@ -277,11 +274,4 @@ def convert_target(src: str | Path, out: str | Path, opts: TargetOptions,
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     out_cfg, items, report, reader = plan_target(src, opts, summary)
-    report.output = str(out)
-    with atomic_output(out, overwrite=opts.overwrite) as tmp:
-        write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress)
-        write_json(tmp / detect.CONFIG_FILE, out_cfg)
-        report.side_files = copy_side_files(reader.path, tmp, trust_remote_code=opts.trust_remote_code)
-        report.seconds = time.perf_counter() - t0
-        write_report(tmp, report)
-    return report
+    return write_output(Path(out), out_cfg, items, report, reader.path, opts, t0)

@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
-from typer.testing import CliRunner
 
-from eagle3.cli import app
 from eagle3.testing import tiny
 from tests.convert import engine_rules
+from tests.convert.helpers import cli, load_all
 from tests.formats import builders as b
 
 ENGINES = ("vllm", "sglang", "atom", "speculators", "eagle3")
@@ -29,25 +27,6 @@ ENGINES = ("vllm", "sglang", "atom", "speculators", "eagle3")
 IMPOSSIBLE = {("kimi-k2.5-eagle3-d2t", "atom"), ("speculators-eagle3", "atom"), ("kimi-k2.6-eagle3.1-mla", "speculators")}
 PAIRS = [(f, e) for f in tiny.DRAFTS for e in ENGINES if (f, e) not in IMPOSSIBLE]
 PHYSICAL_AUX = list(tiny.AUX_LAYER_IDS)  # (2, 3, 4) input convention = outputs of layers 1, 2, 3
-
-runner = CliRunner()
-
-
-def cli(*args: str) -> Any:
-    res = runner.invoke(app, ["convert", *args, "--quiet"])
-    if res.exit_code != 0:
-        raise AssertionError(f"convert {args} failed: {res.output}\n{res.exception!r}")
-    return res
-
-
-def load_all(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for n in st.keys():
-                out[n] = st.get_tensor(n)
-    return out
-
 
 def same_bits(a: torch.Tensor, b_: torch.Tensor) -> bool:
     return a.dtype == b_.dtype and a.shape == b_.shape and torch.equal(

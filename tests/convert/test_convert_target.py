@@ -11,31 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-from typer.testing import CliRunner
 
-from eagle3.cli import app
 from eagle3.formats import codecs
 from eagle3.testing import tiny
+from tests.convert.helpers import cli, load_all
 from tests.formats import builders as b
-
-runner = CliRunner()
-
-
-def cli(*args: str) -> Any:
-    res = runner.invoke(app, ["convert", *args, "--quiet"])
-    if res.exit_code != 0:
-        raise AssertionError(f"convert {args} failed: {res.output}\n{res.exception!r}")
-    return res
-
-
-def load_all(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for n in st.keys():
-                out[n] = st.get_tensor(n)
-    return out
 
 
 def cfg_of(d: Path) -> dict[str, Any]:
