@@ -39,6 +39,7 @@ from typing import Any
 from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import DownloadError, UsageError
 from eagle3.formats.files import INDEX_FILE, REMOTE_CODE_PATTERNS, download_patterns
+from eagle3.units import human_bytes
 
 __all__ = ["DownloadResult", "FileEntry", "download", "header_view", "is_local", "print_result", "resolve"]
 
@@ -212,17 +213,6 @@ def free_bytes(path: str | os.PathLike[str]) -> tuple[Path, int]:
     """Free bytes on the filesystem that will hold ``path`` (which may not exist yet)."""
     where = _existing_ancestor(Path(path))
     return where, shutil.disk_usage(where).free
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    raise AssertionError("unreachable")
 
 
 def _preflight(repo: str, plan: list[Any], target: Path, to_local_dir: bool) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from eagle3.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter, TensorInfo, write_json
+from eagle3.units import human_bytes
 
 REPORT_FILE = "convert_report.json"
 REPORT_VERSION = 1
@@ -98,7 +99,7 @@ class Report:
         lines = [f"converted {self.kind} {self.source} -> {self.output}"
                  + (f" (engine {self.engine})" if self.engine else "")]
         lines.append(f"  tensors: {self.tensors_in} in, {self.tensors_out} out in {self.shards_out} shard(s), "
-                     f"{_fmt_bytes(self.bytes_out)} written in {self.seconds:.1f} s")
+                     f"{human_bytes(self.bytes_out)} written in {self.seconds:.1f} s")
         if self.renames:
             lines.append(f"  renamed: {len(self.renames)} tensor(s), e.g. {self.renames[0]['from']} -> "
                          f"{self.renames[0]['to']}")
@@ -117,15 +118,6 @@ class Report:
             lines.append(f"  warning: {w}")
         lines.append(f"  report: {Path(self.output) / REPORT_FILE}")
         return lines
-
-
-def _fmt_bytes(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return f"{n} B"
 
 
 def _progress(enabled: bool) -> Any:

@@ -34,6 +34,7 @@ from eagle3.checkpoint import CheckpointReader, TensorInfo, read_json
 from eagle3.errors import CheckpointError, FormatError
 from eagle3.formats import keys
 from eagle3.formats.files import INDEX_FILE
+from eagle3.units import human_bytes
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -1018,15 +1019,6 @@ def _vocab_map(reader: CheckpointReader, draft_vocab: int | None, vocab: int | N
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt_bytes(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return f"{n} B"
-
-
 def summary_rows(s: CheckpointSummary) -> list[tuple[str, str, str]]:
     """(section, key, value) rows of the human-readable summary (also handy in logs)."""
     rows: list[tuple[str, str, str]] = []
@@ -1089,7 +1081,7 @@ def summary_rows(s: CheckpointSummary) -> list[tuple[str, str, str]]:
             add("draft", "speculators", ", ".join(f"{k} {v}" for k, v in r.speculators.items()))
     ts = s.tensors
     add("tensors", "count", ts.count)
-    add("tensors", "total", _fmt_bytes(ts.total_bytes))
+    add("tensors", "total", human_bytes(ts.total_bytes))
     add("tensors", "dtypes", ", ".join(f"{k} {v}" for k, v in ts.dtypes.items()))
     add("tensors", "shards", f"{len(ts.shards)}{' (indexed)' if ts.indexed else ''}")
     for w in s.warnings:
