@@ -34,3 +34,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "tiny"
     make_tiny(out, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_dir: Path) -> object:
+    """The tiny Kimi-K2.5 target's fast tokenizer (vocab 1024, Kimi-style special ids)."""
+    from tests.serve.fakes import load_tiny_tokenizer
+
+    return load_tiny_tokenizer(tiny_dir)

@@ -7,17 +7,12 @@ from typing import Any
 
 import pytest
 
-from tests.serve.fakes import load_tiny_tokenizer, toy_llm
+from tests.serve.fakes import toy_llm
 from tests.serve.servers import add_default_timeout, serve_llm
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     add_default_timeout(item)  # (called for the tests below this directory only)
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_dir: Any) -> Any:
-    return load_tiny_tokenizer(tiny_dir)
 
 
 @pytest.fixture(scope="module")
