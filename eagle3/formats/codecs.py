@@ -472,6 +472,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
 # byte -> (value of its low nibble, value of its high nibble): decodes packed FP4 a byte at a time.
 _FP4_PAIR_LUT = torch.stack([_E2M1_LUT[torch.arange(256) & 0xF], _E2M1_LUT[torch.arange(256) >> 4]], -1)
+_FP4_PAIR_LUT_I64 = _FP4_PAIR_LUT.contiguous().view(torch.int64).reshape(256)
 
 
 def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
@@ -582,13 +583,14 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     """uint8 packed [..., K/2] + uint8 E8M0 [..., K/32] -> dense [..., K] (fp32 product, cast)."""
     if packed.dtype != torch.uint8:
         raise ShapeError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
-    # One embedding lookup per byte gives both values (low nibble first): no unpack, ~2x faster
-    # than decoding unpacked codes through an index.
-    lut = _FP4_PAIR_LUT.to(packed.device)
-    vals = torch.nn.functional.embedding(packed.to(torch.int32), lut).reshape(*packed.shape[:-1], -1)
+    # One table lookup per byte gives both values (low nibble first): no unpack. The pair is read
+    # as one int64 so the lookup is a flat index_select, ~2.5x faster than an embedding of pairs.
+    lut = _FP4_PAIR_LUT_I64.to(packed.device)
+    vals = lut.index_select(0, packed.reshape(-1).to(torch.int32)).view(torch.float32)
+    vals = vals.reshape(*packed.shape[:-1], -1)
     k = vals.shape[-1]
     if scale.shape[-1] * group_size != k or scale.shape[:-1] != packed.shape[:-1]:
         raise ShapeError(f"MXFP4 weight_scale {list(scale.shape)} does not match weight {list(packed.shape)} "
                          f"(needs [..., {k // group_size}])")
     s = e8m0_to_float(scale).unsqueeze(-1)
-    return (vals.reshape(*vals.shape[:-1], -1, group_size) * s).reshape(vals.shape).to(dtype)
+    return vals.view(*vals.shape[:-1], -1, group_size).mul_(s).reshape(vals.shape).to(dtype)  # vals is fresh
