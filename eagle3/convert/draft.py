@@ -446,13 +446,7 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         report.warn(f"{profile.engine}'s Llama draft ignores rope_scaling and uses rope_theta only")
     report.config.update({
         "architectures": out_cfg["architectures"],
-        "draft_vocab_size": spec.draft_vocab_size,
-        "target_hidden_size": spec.target_hidden_size,
-        "num_aux_hidden_states": spec.num_aux,
-        "fc_norm": spec.fc_norm,
-        "norm_output": spec.norm_output,
-        "norm_before_fc": spec.norm_before_fc,
-        "norm_before_residual": spec.norm_before_residual,
+        **profiles.eagle_flags(spec),
         "defaulted_in_source": list(info.defaulted),
     })
     report.output_format = {"engine": profile.engine, "architecture": profile.arch(variant),

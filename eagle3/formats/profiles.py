@@ -268,13 +268,9 @@ class DraftSpec:
         return int(self.layer["hidden_size"])
 
 
-def render_config(profile: DraftProfile, spec: DraftSpec) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``config.json`` of ``spec`` in ``profile``'s layout; returns (config, aux facts for the report)."""
-    ids, conv, warn = profile_aux_ids(profile, spec.aux_input_ids)
-    aux = {"written": ids, "convention": conv, "input_ids": list(spec.aux_input_ids), "warning": warn}
-    eagle_config = {**copy.deepcopy(spec.eagle_config_extra), "eagle_aux_hidden_state_layer_ids": list(ids),
-                    "use_aux_hidden_state": spec.use_aux_hidden_state}
-    flags = {
+def eagle_flags(spec: DraftSpec) -> dict[str, Any]:
+    """The EAGLE-3/3.1 config fields every profile writes explicitly (engines default them differently)."""
+    return {
         "draft_vocab_size": spec.draft_vocab_size,
         "target_hidden_size": spec.target_hidden_size,
         "num_aux_hidden_states": spec.num_aux,
@@ -282,6 +278,17 @@ def render_config(profile: DraftProfile, spec: DraftSpec) -> tuple[dict[str, Any
         "norm_output": spec.norm_output,
         "norm_before_fc": spec.norm_before_fc,
         "norm_before_residual": spec.norm_before_residual,
+    }
+
+
+def render_config(profile: DraftProfile, spec: DraftSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config.json`` of ``spec`` in ``profile``'s layout; returns (config, aux facts for the report)."""
+    ids, conv, warn = profile_aux_ids(profile, spec.aux_input_ids)
+    aux = {"written": ids, "convention": conv, "input_ids": list(spec.aux_input_ids), "warning": warn}
+    eagle_config = {**copy.deepcopy(spec.eagle_config_extra), "eagle_aux_hidden_state_layer_ids": list(ids),
+                    "use_aux_hidden_state": spec.use_aux_hidden_state}
+    flags = {
+        **eagle_flags(spec),
         "eagle_aux_hidden_state_layer_ids": list(ids),
         "eagle_config": eagle_config,
     }

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -811,66 +811,58 @@ def _write_kimi_k2_thinking(d: Path, seed: int, tokenizer: Any) -> None:
     _write_tokenizer(d, tokenizer, "<|im_end|>", [IM_END_ID, EOS_ID, EOT_ID])
 
 
+def _write_draft(d: Path, config: dict[str, Any], common: dict[str, torch.Tensor],
+                 layer: Iterable[tuple[str, torch.Tensor]], *, embed: torch.Tensor | None = None,
+                 fc_norms: Sequence[torch.Tensor] = (), lm_head_shard: bool = False,
+                 vocab_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The draft layout every format shares: [embed_tokens], fc, [fc_norm.i], the decoder layer,
+    norm, lm_head (in its own shard with ``lm_head_shard``, as lightseek ships it), [d2t, t2d]."""
+    with CheckpointWriter(d) as w:
+        if embed is not None:
+            w.add("embed_tokens.weight", embed)
+        w.add("fc.weight", common["fc.weight"])
+        for i, t in enumerate(fc_norms):
+            w.add(f"fc_norm.{i}.weight", t)
+        for name, t in layer:
+            w.add(name, t)
+        w.add("norm.weight", common["norm.weight"])
+        if lm_head_shard:
+            w.start_shard()
+        w.add("lm_head.weight", common["lm_head.weight"])
+        if vocab_map is not None:
+            w.add("d2t", vocab_map[0])
+            w.add("t2d", vocab_map[1])
+    write_json(d / "config.json", config)
+
+
 def _write_eagle3(d: Path, seed: int, tokenizer: Any) -> None:
     g = _generator(seed, "draft/kimi-k2.5-eagle3")
     common = _draft_common(g, VOCAB_SIZE)
-    # lightseek layout: shard 1 = everything but lm_head, shard 2 = lm_head.
-    with CheckpointWriter(d) as w:
-        w.add("embed_tokens.weight", target_embedding(seed))
-        w.add("fc.weight", common["fc.weight"])
-        for name, t in _llama_midlayer(g, "midlayer."):
-            w.add(name, t)
-        w.add("norm.weight", common["norm.weight"])
-        w.start_shard()
-        w.add("lm_head.weight", common["lm_head.weight"])
-    write_json(d / "config.json", eagle3_config())
+    _write_draft(d, eagle3_config(), common, _llama_midlayer(g, "midlayer."), embed=target_embedding(seed),
+                 lm_head_shard=True)
 
 
 def _write_eagle3_d2t(d: Path, seed: int, tokenizer: Any) -> None:
     g = _generator(seed, "draft/kimi-k2.5-eagle3-d2t")
     common = _draft_common(g, DRAFT_VOCAB_SIZE)
-    d2t, t2d = d2t_t2d(draft_vocab_ids(tokenizer))
-    with CheckpointWriter(d) as w:  # SpecForge to_sglang drops embed_tokens (the target's is used)
-        w.add("fc.weight", common["fc.weight"])
-        for name, t in _llama_midlayer(g, "midlayer."):
-            w.add(name, t)
-        w.add("norm.weight", common["norm.weight"])
-        w.add("lm_head.weight", common["lm_head.weight"])
-        w.add("d2t", d2t)
-        w.add("t2d", t2d)
-    write_json(d / "config.json", eagle3_d2t_config())
+    # SpecForge to_sglang drops embed_tokens (the target's is used).
+    _write_draft(d, eagle3_d2t_config(), common, _llama_midlayer(g, "midlayer."),
+                 vocab_map=d2t_t2d(draft_vocab_ids(tokenizer)))
 
 
 def _write_eagle31_mla(d: Path, seed: int, tokenizer: Any) -> None:
     g = _generator(seed, "draft/kimi-k2.6-eagle3.1-mla")
     common = _draft_common(g, VOCAB_SIZE)
-    with CheckpointWriter(d) as w:
-        w.add("embed_tokens.weight", target_embedding(seed))
-        w.add("fc.weight", common["fc.weight"])
-        for i in range(len(AUX_LAYER_IDS)):
-            w.add(f"fc_norm.{i}.weight", _norm(g, TEXT_DIMS["hidden_size"]))
-        for name, t in _mla_midlayer(g, "layers.0."):
-            w.add(name, t)
-        w.add("norm.weight", common["norm.weight"])
-        w.start_shard()
-        w.add("lm_head.weight", common["lm_head.weight"])
-    write_json(d / "config.json", eagle31_mla_config())
+    fc_norms = [_norm(g, TEXT_DIMS["hidden_size"]) for _ in AUX_LAYER_IDS]  # drawn before the layer
+    _write_draft(d, eagle31_mla_config(), common, _mla_midlayer(g, "layers.0."), embed=target_embedding(seed),
+                 fc_norms=fc_norms, lm_head_shard=True)
 
 
 def _write_speculators(d: Path, seed: int, tokenizer: Any) -> None:
     g = _generator(seed, "draft/speculators-eagle3")
     common = _draft_common(g, DRAFT_VOCAB_SIZE)
-    d2t, t2d = d2t_t2d(draft_vocab_ids(tokenizer))
-    with CheckpointWriter(d) as w:
-        w.add("embed_tokens.weight", target_embedding(seed))
-        w.add("fc.weight", common["fc.weight"])
-        for name, t in _llama_midlayer(g, "layers.0."):
-            w.add(name, t)
-        w.add("norm.weight", common["norm.weight"])
-        w.add("lm_head.weight", common["lm_head.weight"])
-        w.add("d2t", d2t)
-        w.add("t2d", t2d)
-    write_json(d / "config.json", speculators_config())
+    _write_draft(d, speculators_config(), common, _llama_midlayer(g, "layers.0."), embed=target_embedding(seed),
+                 vocab_map=d2t_t2d(draft_vocab_ids(tokenizer)))
 
 
 _WRITERS: dict[str, Callable[[Path, int, Any], None]] = {
