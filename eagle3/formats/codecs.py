@@ -181,7 +181,9 @@ def _pack_bytes_by_8(q: torch.Tensor, reorder: bool) -> torch.Tensor:
     8 codes is read as one little-endian int64 (code e in byte e) and its low nibbles are gathered to
     their slots with shifts and masks over 1/8 as many elements as the codes, instead of widening
     every code to int32, shifting and summing (~3x faster, same bits)."""
-    x = q.contiguous().view(torch.int64).bitwise_and(_LO_NIBBLES)
+    # Flatten first: a size-1 dim may carry any stride even in a "contiguous" tensor (e.g. a
+    # transposed [8, 1]), and .view() to a wider dtype refuses such strides.
+    x = q.reshape(-1).view(torch.int64).bitwise_and(_LO_NIBBLES).reshape(*q.shape[:-1], q.shape[-1] // 8)
     if reorder:
         # slots 0-3 hold elements 0,2,4,6 (even bytes), slots 4-7 elements 1,3,5,7 (odd bytes):
         # compress each half's four nibbles (16 bits apart) into 16 bits, odd half above.
@@ -219,7 +221,7 @@ def _unpack_words_to_int8(packed: torch.Tensor, reorder: bool) -> torch.Tensor:
     """Inverse of :func:`_pack_bytes_by_8`: each int32 word's 8 nibbles are spread into the 8 bytes
     of an int64 (element e in byte e) with shifts and masks, then sign-extended per byte; the codes
     come out as int8 [..., 8W] without widening them to int32 (~3x faster, same values)."""
-    u = packed.to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    u = packed.reshape(-1).to(torch.int64).bitwise_and_(0xFFFFFFFF)  # 1-D: .view() below needs plain strides
     if reorder:
         ev = u.bitwise_and(0xFFFF)  # slots 0-3: elements 0,2,4,6
         od = (u >> 16)  # slots 4-7: elements 1,3,5,7

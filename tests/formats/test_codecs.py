@@ -562,3 +562,20 @@ def test_decoders_on_gpu_match_cpu():
     for reorder in (True, False):
         assert torch.equal(C.quark_int4_pack(q.to(dev), reorder).cpu(), C.quark_int4_pack(q, reorder))
     assert torch.equal(C.ct_int4_pack(q.to(dev)).cpu(), C.ct_int4_pack(q))
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8), (16, 3), (2, 3, 8)])
+def test_quark_int4_fast_paths_accept_any_strides(shape: tuple[int, ...]) -> None:
+    """Regression: a transposed [8, 1] is "contiguous" with stride 1 on its size-1 dim, which the
+    int64 bit-move paths must not .view() directly (it raised in a CI run)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    for codes in (q.transpose(0, 1), q):
+        for reorder in (True, False):
+            if codes.shape[-1] % 8:
+                continue
+            packed = C.quark_int4_pack(codes, reorder)
+            ref = C._pack_nibbles(codes.to(torch.int32) & 0xF, C._SHIFTS_REORDER if reorder else C._SHIFTS_NATURAL)
+            assert torch.equal(packed, ref)
+            assert torch.equal(C.quark_int4_unpack(packed.t().contiguous().t() if packed.dim() == 2 else packed,
+                                                   reorder), codes)
