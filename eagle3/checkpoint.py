@@ -523,6 +523,144 @@ class CheckpointWriter:
             self.close()
 
 
+# ----------------------------------------------------------------------------------------------
+# Planned shards: every tensor's place is known before any data is written
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str  # safetensors tag
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class ShardLayout:
+    """The byte layout of one safetensors file whose tensors (names, dtypes, shapes, order) are
+    known up front, e.g. planned from the source headers. The header is then final before any data
+    exists and every tensor has a fixed offset, so tensors can be written in any order and from
+    several threads at once (:class:`ShardFile`). The bytes equal what :class:`CheckpointWriter`
+    writes for the same tensors in the same order (compact JSON header padded to 8 bytes)."""
+
+    def __init__(self, entries: Iterable[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        spans: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        pos = 0
+        for name, tag, shape in entries:
+            if name in header:
+                raise CheckpointError(f"tensor {name!r} planned twice")
+            n = dtype_from_tag(tag).itemsize
+            for d in shape:
+                n *= int(d)
+            header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [pos, pos + n]}
+            spans.append((name, tag, tuple(int(d) for d in shape), pos, n))
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.header = struct.pack("<Q", len(raw)) + raw
+        base = len(self.header)
+        self.tensors = {name: PlannedTensor(name, tag, shape, base + off, n) for name, tag, shape, off, n in spans}
+        self.data_bytes = pos
+        self.size = base + pos
+
+
+class ShardFile:
+    """A planned shard written in place: the header first, the file sized to its final length, then
+    each tensor with positional writes (``pwrite`` / ``copy_file_range`` at explicit offsets, no
+    shared file position), so worker threads can fill different tensors concurrently. A tensor
+    whose dtype or shape differs from the plan is refused with the file and tensor named."""
+
+    def __init__(self, path: Path, layout: ShardLayout) -> None:
+        self.path = Path(path)
+        self.layout = layout
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(self._fd, memoryview(layout.header), 0)
+            os.ftruncate(self._fd, layout.size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _slot(self, name: str, tag: str, shape: tuple[int, ...]) -> PlannedTensor:
+        slot = self.layout.tensors.get(name)
+        if slot is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the planned layout")
+        if slot.dtype != tag or slot.shape != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {tag}{list(shape)}, "
+                                  f"planned as {slot.dtype}{list(slot.shape)}")
+        return slot
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        slot = self._slot(name, tag_from_dtype(t.dtype), tuple(t.shape))
+        if slot.nbytes:
+            _pwrite_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), slot.offset)
+
+    def copy_raw(self, name: str, info: TensorInfo) -> None:
+        """Copy a source tensor's bytes into its slot, in the kernel where the platform allows it."""
+        slot = self._slot(name, info.dtype, info.shape)
+        try:
+            src = os.open(info.file, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
+        try:
+            done = 0
+            try:
+                while done < slot.nbytes:
+                    k = os.copy_file_range(src, self._fd, slot.nbytes - done, info.offset + done, slot.offset + done)
+                    if k == 0:
+                        break
+                    done += k
+            except (AttributeError, OSError):  # no copy_file_range here (or across these filesystems)
+                pass
+            buf = memoryview(bytearray(min(16 << 20, slot.nbytes - done)))
+            while done < slot.nbytes:
+                n = min(len(buf), slot.nbytes - done)
+                if _pread_into(src, buf[:n], info.offset + done) != n:
+                    raise CheckpointError(f"{info.file}: truncated shard while reading tensor {info.name!r}")
+                _pwrite_all(self._fd, buf[:n], slot.offset + done)
+                done += n
+        finally:
+            os.close(src)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read a tensor back from the file (what a loader will see)."""
+        slot = self.layout.tensors[name]
+        buf = bytearray(slot.nbytes)
+        got = _pread_into(self._fd, memoryview(buf), slot.offset)
+        if got != slot.nbytes:
+            raise CheckpointError(f"{self.path}: short read of tensor {name!r} ({got} of {slot.nbytes} bytes)")
+        dt = dtype_from_tag(slot.dtype)
+        if not slot.nbytes:
+            return torch.empty(slot.shape, dtype=dt)
+        return torch.frombuffer(buf, dtype=dt).reshape(slot.shape)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset`` (one read returns at most ~2 GiB on Linux); bytes read."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def copy_side_files(src_dir: Path, dst_dir: Path, trust_remote_code: bool = False,
                     skip: Iterable[str] = ("config.json",)) -> list[str]:
     """Copy tokenizer, chat template and generation config (and ``*.py`` only with
@@ -555,11 +693,12 @@ def check_output(out: str | os.PathLike[str], overwrite: bool) -> Path:
 
 @contextlib.contextmanager
 def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: bool = False,
-                  manifest: bool = True) -> Iterator[Path]:
+                  manifest: bool = True, known_digests: dict[str, str] | None = None) -> Iterator[Path]:
     """Yield ``<out>.partial``; on success write the manifest and rename it to ``<out>``.
 
     On an error the partial directory is removed (nothing half-written is left behind), except
-    with ``resume=True``, where it is kept so that a rerun can skip finished work."""
+    with ``resume=True``, where it is kept so that a rerun can skip finished work.
+    ``known_digests`` (filled by the caller inside the block) spares re-hashing files it hashed."""
     dst = check_output(out, overwrite)
     tmp = partial_path(dst)
     if tmp.exists() and not resume:
@@ -568,7 +707,7 @@ def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: 
     try:
         yield tmp
         if manifest:
-            write_manifest(tmp)
+            write_manifest(tmp, known=known_digests)
     except BaseException:
         if not resume:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -598,13 +737,15 @@ def _manifest_files(d: Path) -> list[Path]:
     )
 
 
-def write_manifest(d: Path, workers: int = 2) -> Path:
+def write_manifest(d: Path, workers: int = 2, known: dict[str, str] | None = None) -> Path:
     """``manifest.json``: sha256 and size of every file in ``d`` (hashing runs in threads:
-    hashlib releases the GIL)."""
+    hashlib releases the GIL). ``known`` maps relative paths to digests the caller computed of
+    files it finished writing (e.g. while other work was still running); the rest are hashed here."""
     d = Path(d)
     files = _manifest_files(d)
+    known = known or {}
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        digests = list(ex.map(sha256_file, files))
+        digests = list(ex.map(lambda f: known.get(str(f.relative_to(d))) or sha256_file(f), files))
     from eagle3 import __version__
 
     data = {

@@ -273,3 +273,50 @@ def test_add_raw_copies_file_to_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         a, c = got["renamed." + n], reader.get(n)
         assert a.dtype == c.dtype and torch.equal(a.view(torch.uint8), c.view(torch.uint8))
     assert len(list(out.glob("*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_planned_shard_written_out_of_order_from_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         kernel_copy: bool) -> None:
+    """ShardLayout/ShardFile: the header is final up front, tensors (and raw copies) land at their
+    planned offsets in any order from several threads; the file is byte-identical to what
+    CheckpointWriter writes for the same tensors in the same order, and safetensors reads it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3.checkpoint import ShardFile, ShardLayout, tag_from_dtype
+
+    if not kernel_copy:  # a platform or filesystem pair without copy_file_range: the pread/pwrite path
+        def no_copy(*_a: object, **_k: object) -> int:
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr("os.copy_file_range", no_copy)
+    src = tmp_path / "src"
+    with CheckpointWriter(src) as w:
+        w.add("raw.a", torch.randn(64, 33))
+        w.add("raw.b", torch.arange(1000, dtype=torch.int64))
+    reader = CheckpointReader(src)
+    tensors = _tensors(1)
+    order = [("raw.a", None), *[(n, t) for n, t in tensors.items()], ("raw.b", None)]
+    entries = [(n, reader.info(n).dtype, reader.info(n).shape) if t is None else (n, tag_from_dtype(t.dtype),
+                                                                                   tuple(t.shape)) for n, t in order]
+    layout = ShardLayout(entries)
+    f = ShardFile(tmp_path / "planned.safetensors", layout)
+
+    def put(item: tuple[str, torch.Tensor | None]) -> None:
+        name, t = item
+        f.copy_raw(name, reader.info(name)) if t is None else f.write(name, t)
+
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(put, reversed(order)))
+    with pytest.raises(CheckpointError, match=r"planned.safetensors: tensor 'raw.b' is I32\[1000\], planned as I64"):
+        f.write("raw.b", torch.zeros(1000, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match="'nope' is not in the planned layout"):
+        f.write("nope", torch.zeros(1))
+    assert torch.equal(f.read("raw.b"), reader.get("raw.b"))
+    f.close()
+    ref = tmp_path / "ref"
+    with CheckpointWriter(ref) as w:
+        for name, t in order:
+            w.add(name, reader.get(name) if t is None else t)
+    assert (tmp_path / "planned.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    got = st.load_file(tmp_path / "planned.safetensors")
+    assert torch.equal(got["raw.a"], reader.get("raw.a")) and got["t0.bfloat16"].dtype == torch.bfloat16

@@ -13,7 +13,7 @@ The same module decodes (dequantizes) exported tensors for the verification pass
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,60 +61,80 @@ def check_shape(spec: WeightSpec, shape: tuple[int, int], name: str) -> None:
                          f"{n} is not divisible by 8")
 
 
+Observer = Callable[[int, int, dict[str, torch.Tensor], torch.Tensor], None]
+
+
 class NativeEngine:
     """Quantize a weight into Quark's export tensors with eagle3's codecs."""
 
     name = "native"
 
-    def quantize(self, src: RowSource, spec: WeightSpec, zero_point: bool = False) -> dict[str, torch.Tensor]:
-        """-> {parameter suffix: tensor}, e.g. {"weight": int32, "weight_scale": f32, ...}."""
+    def quantize(self, src: RowSource, spec: WeightSpec, zero_point: bool = False,
+                 observe: Observer | None = None) -> dict[str, torch.Tensor]:
+        """-> {parameter suffix: tensor}, e.g. {"weight": int32, "weight_scale": f32, ...}.
+
+        ``observe(r0, r1, out, rows)`` is called after each row chunk is quantized, with the
+        output tensors (rows r0:r1 already filled) and the source rows they came from: the
+        verification pass measures the error there, while the source chunk is still at hand."""
         n, k = src.shape
         f32 = torch.float32
         rows = chunk_rows(n, k, src.row_align)
         out: dict[str, torch.Tensor] = {}
+        s1: torch.Tensor | None = None
         if spec.format == "fp8_int4" or (spec.format == "fp8" and spec.qscheme == "per_tensor"):
             # The FP8 stage's per-tensor scale needs the whole weight's amax: one pass for it, then
             # row chunks with that scale (stage 2 of W4A8 is per row).
             s1 = codecs.fp8_per_tensor_scale(_amax(src, rows), f32)
-            if spec.format == "fp8":
-                w = out[keys.WEIGHT] = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-                for r0, r1 in _chunks(n, rows):
-                    w[r0:r1] = codecs.fp8_per_tensor_quantize(src.rows(r0, r1), f32, s1)[0]
-                out[keys.SCALE] = s1
-                return out
-            w = out[keys.WEIGHT] = torch.empty(n, (k + 7) // 8, dtype=torch.int32)
-            s2 = out[keys.SCALE_2] = torch.empty(n, dtype=f32)
-            for r0, r1 in _chunks(n, rows):
-                w[r0:r1], _, s2[r0:r1] = codecs.w4a8_quantize(src.rows(r0, r1), True, f32, s1)
+        if spec.format == "fp8" and s1 is not None:
+            w = out[keys.WEIGHT] = torch.empty(n, k, dtype=torch.float8_e4m3fn)
             out[keys.SCALE] = s1
-            return {keys.WEIGHT: w, keys.SCALE: s1, keys.SCALE_2: s2}
-        if spec.format == "mxfp4":
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                w[r0:r1] = codecs.fp8_per_tensor_quantize(x, f32, s1)[0]
+        elif spec.format == "fp8_int4":
+            assert s1 is not None
+            w = out[keys.WEIGHT] = torch.empty(n, (k + 7) // 8, dtype=torch.int32)
+            out[keys.SCALE] = s1
+            s2 = out[keys.SCALE_2] = torch.empty(n, dtype=f32)
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                w[r0:r1], _, s2[r0:r1] = codecs.w4a8_quantize(x, True, f32, s1)
+        elif spec.format == "mxfp4":
             w = out[keys.WEIGHT] = torch.empty(n, k // 2, dtype=torch.uint8)
             s = out[keys.SCALE] = torch.empty(n, k // 32, dtype=torch.uint8)
-            for r0, r1 in _chunks(n, rows):
-                w[r0:r1], s[r0:r1] = codecs.mxfp4_quantize(src.rows(r0, r1))
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                w[r0:r1], s[r0:r1] = codecs.mxfp4_quantize(x)
         elif spec.format == "fp8":
             w = out[keys.WEIGHT] = torch.empty(n, k, dtype=torch.float8_e4m3fn)
             s = out[keys.SCALE] = torch.empty(n, dtype=f32)
-            for r0, r1 in _chunks(n, rows):
-                w[r0:r1], s[r0:r1] = codecs.fp8_per_channel_quantize(src.rows(r0, r1), f32)
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                w[r0:r1], s[r0:r1] = codecs.fp8_per_channel_quantize(x, f32)
         elif spec.format == "int4" and spec.qscheme == "per_channel":
             w = out[keys.WEIGHT] = torch.empty(n, (k + 7) // 8, dtype=torch.int32)
             s = out[keys.SCALE] = torch.empty(n, dtype=f32)
-            for r0, r1 in _chunks(n, rows):
-                w[r0:r1], s[r0:r1] = codecs.quark_int4_per_channel_quantize(src.rows(r0, r1), True, f32)
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                w[r0:r1], s[r0:r1] = codecs.quark_int4_per_channel_quantize(x, True, f32)
         elif spec.format == "int4" and spec.qscheme == "per_group":
             g = int(spec.group_size or 0)
             # Export layout is transposed: weight [K, N/8], scale [K/g, N]; row chunks of W are
             # column chunks of both (chunk rows are multiples of 8, so words never straddle chunks).
             w = out[keys.WEIGHT] = torch.empty(k, (n + 7) // 8, dtype=torch.int32)
             s = out[keys.SCALE] = torch.empty(k // g, n, dtype=f32)
-            for r0, r1 in _chunks(n, rows):
-                pw, ps = codecs.quark_int4_per_group_quantize(src.rows(r0, r1), g, True, f32)
+
+            def step(x: torch.Tensor, r0: int, r1: int) -> None:
+                pw, ps = codecs.quark_int4_per_group_quantize(x, g, True, f32)
                 w[:, r0 // 8: r0 // 8 + pw.shape[1]] = pw
                 s[:, r0:r1] = ps
         else:
             raise ValueError(f"unsupported weight spec {spec}")
+        for r0, r1 in _chunks(n, rows):
+            x = src.rows(r0, r1)
+            step(x, r0, r1)
+            if observe is not None:
+                observe(r0, r1, out, x)
         if zero_point:
             out[keys.ZERO_POINT] = codecs.quark_int4_zero_point_like(out[keys.SCALE])
         return out

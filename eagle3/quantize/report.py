@@ -26,7 +26,9 @@ REPORT_PNG = "quantization_report.png"
 
 @dataclass
 class ErrorAccumulator:
-    """Running sums over row chunks (float64: a 132M-element weight would lose digits in fp32)."""
+    """Running sums over row chunks. Each chunk's sums are fp32 BLAS dot products (~5x cheaper than
+    float64 norms; relative error ~1e-6 on a 512K-element chunk), the totals over chunks are
+    Python floats (float64), so a 132M-element weight loses no digits across chunks."""
 
     sq_err: float = 0.0
     sq_ref: float = 0.0
@@ -34,14 +36,23 @@ class ErrorAccumulator:
     nonfinite: int = 0
 
     def add(self, decoded: torch.Tensor, ref: torch.Tensor) -> None:
-        diff = decoded.sub_(ref)  # decoded is a fresh fp32 buffer: reuse it
-        err = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+        diff = decoded.sub_(ref).reshape(-1)  # decoded is a fresh fp32 buffer: reuse it
+        r = ref.reshape(-1)
+        r = r if r.dtype == torch.float32 else r.float()
+        err, ref2 = _sq(diff), _sq(r)
         if not math.isfinite(err):  # an inf/nan anywhere in the decode (or the source) shows up here
             self.nonfinite += 1
-        self.sq_err += err * err
-        self.sq_ref += float(torch.linalg.vector_norm(ref, dtype=torch.float64)) ** 2
+        self.sq_err += err
+        self.sq_ref += ref2
         if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs_().max()))
+            lo, hi = diff.aminmax()
+            self.max_abs = max(self.max_abs, -float(lo), float(hi))
+
+
+def _sq(x: torch.Tensor) -> float:
+    """Sum of squares; in float64 only when the fp32 sum overflows (|x| beyond ~1e17)."""
+    v = float(torch.dot(x, x))
+    return v if math.isfinite(v) else float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
 
 @dataclass
@@ -106,13 +117,14 @@ def summarize(rows: list[TensorReport]) -> dict[str, Any]:
 
 
 def write_report(out_dir: Path, rows: list[TensorReport], meta: dict[str, Any]) -> list[Path]:
-    """Write the JSON report (always) and the PNG plot (when matplotlib is installed)."""
+    """Write the JSON report (always) and the PNG plot (when there are rows and matplotlib is installed)."""
     rows = sorted(rows, key=lambda r: (r.layer if r.layer is not None else -1, r.module))
     data = {**meta, "summary": summarize(rows),
             "tensors": [{**asdict(r), "snr_db": _finite(r.snr_db)} for r in rows]}
     written = [out_dir / REPORT_JSON]
     write_json(written[0], data)
-    png = plot(rows, out_dir / REPORT_PNG, title=f"{meta.get('recipe', '')} ({meta.get('scope', '')})")
+    # Nothing to plot without verification rows (--no-verify): the JSON says "verified": false.
+    png = plot(rows, out_dir / REPORT_PNG, title=f"{meta.get('recipe', '')} ({meta.get('scope', '')})") if rows else None
     if png is not None:
         written.append(png)
     return written

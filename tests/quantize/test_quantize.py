@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -280,26 +281,26 @@ def test_fp8_block_source_is_dequantized_in_fp32(tiny_dir: Path, tmp_path: Path,
 def test_resume_skips_finished_shards(tiny_dir: Path, native_runs: dict[str, Path], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    real = pipeline.run_shard
+    real = pipeline.finish_shard
     calls: list[str] = []
 
-    def interrupted(job, progress=None):  # type: ignore[no-untyped-def]
+    def interrupted(shard):  # type: ignore[no-untyped-def]
         if calls:
             raise KeyboardInterrupt
-        calls.append(job.file)
-        return real(job, progress)
+        calls.append(shard.job.file)
+        return real(shard)
 
-    monkeypatch.setattr(pipeline, "run_shard", interrupted)
+    monkeypatch.setattr(pipeline, "finish_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
         quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=1)
     partial = out.with_name("out.partial")
     assert not out.exists() and (partial / calls[0]).is_file()
 
-    def counting(job, progress=None):  # type: ignore[no-untyped-def]
-        calls.append(job.file)
-        return real(job, progress)
+    def counting(shard):  # type: ignore[no-untyped-def]
+        calls.append(shard.job.file)
+        return real(shard)
 
-    monkeypatch.setattr(pipeline, "run_shard", counting)
+    monkeypatch.setattr(pipeline, "finish_shard", counting)
     res = quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=1, resume=True)
     assert res.shards_resumed == 1 and len(calls) == 3 and calls[0] not in calls[1:]
     assert not partial.exists()
@@ -347,3 +348,29 @@ def test_int4_modules_outside_the_scope_are_written_dense_bf16(tiny_dir: Path, t
     assert f"{mod}.weight_packed" not in out and f"{mod}.weight_shape" not in out
     assert mod in read_json(tmp_path / "o" / "config.json")["quantization_config"]["exclude"]
     assert detect.detect(tmp_path / "o").quant.modules["quark-mxfp4"] == 18
+
+
+def test_verification_reads_back_what_was_written(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor that lands on disk different from what was quantized and measured (here: one bit
+    flipped by a faulty write) fails the run with one line naming the file and tensor."""
+    from eagle3.checkpoint import ShardFile
+
+    real = ShardFile.write
+
+    def faulty(self, name, tensor):  # type: ignore[no-untyped-def]
+        real(self, name, tensor)
+        if name == "midlayer.self_attn.k_proj.weight":
+            slot = self.layout.tensors[name]
+            b = os.pread(self._fd, 1, slot.offset + 5)
+            os.pwrite(self._fd, bytes([b[0] ^ 0x10]), slot.offset + 5)
+
+    monkeypatch.setattr(ShardFile, "write", faulty)
+    out = tmp_path / "o"
+    code, err = _run_cli(["quantize", str(tiny_dir / "kimi-k2.5-eagle3"), str(out), "--recipe", "int4-draft"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "midlayer.self_attn.k_proj.weight reads back different" in lines[0] and ".part" in lines[0]
+    assert not out.exists() and not out.with_name("o.partial").exists()
+    # Without verification the same fault goes unnoticed: the check is what catches it.
+    assert quantize(tiny_dir / "kimi-k2.5-eagle3", tmp_path / "nv", "int4-draft", verify=False).quantized == 7
