@@ -579,3 +579,91 @@ def test_quark_int4_fast_paths_accept_any_strides(shape: tuple[int, ...]) -> Non
             assert torch.equal(packed, ref)
             assert torch.equal(C.quark_int4_unpack(packed.t().contiguous().t() if packed.dim() == 2 else packed,
                                                    reorder), codes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast quantizer paths == the plain element-wise formulations, bit for bit, on edge cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _edge_weight(k: int = 256) -> torch.Tensor:
+    """Rows that stress the table-lookup paths: E2M1 midpoints and grid values at block scales
+    2**-127 .. 2**125 (amax 6 * 2**p), the same nudged by one ulp either way, INT4 ties, +-0 and
+    all-zero blocks, fp32 subnormals (1e-42, 1e-40, 1e-45), values near fp32 max (e = 127, whose
+    reciprocal 2**-127 is subnormal), and plain normals from 1e-3 to 1e3."""
+    g = torch.Generator().manual_seed(7)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    grid = torch.tensor(C.E2M1_VALUES)
+    ties = torch.cat([mids, grid, -mids, -grid]).repeat(k // 30 + 1)[:k]
+    ties[0] = 6.0
+    rows = [ties * 2.0**p for p in (-140, -130, -127, -126, -100, -3, 0, 7, 100, 125)]
+    rows += [torch.nextafter(ties, torch.full_like(ties, d)) for d in (1e30, -1e30)]
+    rows += [(_INT4_TIES * 2.0**5).repeat(k // 8) * 2.0**p for p in (-5, 0, 9)]
+    rows += [torch.randn(k, generator=g) * s for s in (1e-3, 0.02, 1.0, 1e3, 1e-40, 1e37)]
+    edge = torch.randn(6, k, generator=g) * 0.02
+    edge[0] = 0.0
+    edge[1] = -0.0
+    edge[2, :32] = 0.0
+    edge[2, 32:64] = -0.0
+    edge[2, 64:96] = 1e-42
+    edge[2, 96:128] = -1e-40
+    edge[3, :64] = torch.tensor([1.4e-45, -2.8e-45] * 32)
+    edge[3, 64:96] = 1e-38
+    edge[4, :32] = 3.4e38
+    edge[4, 32:64] = -2.6e38
+    edge[4, 64] = 1.7e38
+    edge[5, 7] = 500.0  # a saturating outlier
+    return torch.cat([torch.stack(rows), edge])
+
+
+def _mxfp4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Divide by the ldexp block scale, encode with fp4_encode, pack: what Quark computes."""
+    x = w.float().reshape(*w.shape[:-1], -1, 32)
+    e = C.mxfp4_scale_even(x.abs().amax(-1, keepdim=True))
+    codes = C.fp4_encode(x / torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)).reshape(w.shape)
+    return C.fp4_pack(codes), (e.clamp(min=-126) + 127).to(torch.uint8).reshape(*w.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mxfp4_fast_path_matches_reference_on_edge_cases(dtype):
+    w = _edge_weight().to(dtype)
+    keep = w.clone()
+    packed, scale = C.mxfp4_quantize(w)
+    ref_packed, ref_scale = _mxfp4_reference(w)
+    assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale)
+    assert _bits_equal(w, keep)  # the caller reuses its chunk to measure the error
+    assert torch.equal(C.mxfp4_quantize(w.t().contiguous().t())[0], packed)  # any strides
+    assert scale.min() >= 1 and scale.max() == 254  # the e = 127 block (amax ~3.4e38) is in there
+
+
+def test_mxfp4_table_is_fp4_encode_on_every_class():
+    """Every fp32 whose bits share (sign, exponent, 2 mantissa bits, sticky rest) encodes alike: check
+    each table entry on its lowest, a middle and its highest member (the full 2**32 sweep was run
+    offline)."""
+    i = torch.arange(4096, dtype=torch.int32)
+    base = (i >> 1) << 21  # sign, exponent, 2 mantissa bits; an odd index has some lower bit set
+    for low in (1, 0x100000, 0x1FFFFF):  # lowest, middle and highest member of an odd class
+        y = (base | torch.where((i & 1) == 1, low, 0).to(torch.int32)).view(torch.float32)
+        keep = ~torch.isnan(y)
+        want = C.fp4_encode(y)[keep].to(torch.int32)
+        got = C._FP4_X17_LUT.to(torch.int32)[keep]
+        assert torch.equal(got & 0xF, want) and torch.equal(got >> 4, want)
+
+
+def _w4a8_reference(w: torch.Tensor, s1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2 element-wise on the fp32 values of the FP8 stage (Quark file-to-file)."""
+    x8 = C._fp8_cast(w / s1)
+    q, s2 = C.quark_int4_quantize(x8.to(torch.float32))
+    return C.quark_int4_pack(q, True), s2.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_w4a8_table_stage2_matches_elementwise_on_edge_cases(dtype):
+    w = _edge_weight().to(dtype)
+    w = w[torch.isfinite(w).all(1)]  # inf (bf16 of 3.4e38) -> NaN scales: no defined output
+    keep = w.clone()
+    for s1 in (None, C.fp8_per_tensor_scale(torch.tensor(0.05)), C.fp8_per_tensor_scale(torch.tensor(1e-30))):
+        packed, got_s1, s2 = C.w4a8_quantize(w, True, torch.float32, s1)
+        ref_packed, ref_s2 = _w4a8_reference(w, got_s1)
+        assert torch.equal(packed, ref_packed) and _bits_equal(s2, ref_s2)
+        assert _bits_equal(w, keep)
