@@ -253,19 +253,20 @@ class CheckpointReader:
         info = self.info(name)
         if info.offset < 0:
             raise CheckpointError(f"{info.file}: tensor {name!r} is not downloaded (header-only view)")
-        buf = bytearray(info.nbytes)
+        dt = info.torch_dtype
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dt)
+        # Read straight into the tensor's storage: no zero-filled bytearray first (a fresh buffer's
+        # first touch is the costly part of a read from the page cache).
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
-            with open(info.file, "rb") as f:
-                f.seek(info.offset)
-                n = f.readinto(buf)
+            with open(info.file, "rb", buffering=0) as f:
+                n = _pread_into(f.fileno(), memoryview(buf.numpy()), info.offset)
         except OSError as e:
             raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e.strerror or e})") from None
         if n != info.nbytes:
             raise CheckpointError(f"{info.file}: truncated shard while reading tensor {name!r}")
-        dt = info.torch_dtype
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=dt)
-        return torch.frombuffer(buf, dtype=dt).reshape(info.shape)
+        return buf.view(dt).reshape(info.shape)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names() if names is None else names:
@@ -724,9 +725,10 @@ def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
+    buf = memoryview(bytearray(chunk))  # one buffer reused: no fresh 8 MB object per read
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])
     return h.hexdigest()
 
 

@@ -201,6 +201,22 @@ def convert(
 # ---------------------------------------------------------------------------------------------
 
 
+def _retain_freed_memory() -> None:
+    """glibc only: keep freed memory in the process instead of handing it back to the OS at once.
+    The quantizer allocates and frees multi-MB temporaries for every row chunk; by default glibc
+    maps/unmaps (or trims) them each time and every reuse pays fresh page faults (~0.5 s per GB on
+    this project's VMs: ~7% of a quantize run). Process-wide, so only the CLI's own short-lived
+    process sets it, never the library."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: trim the heap top only past 1 GiB free
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum; larger blocks are still mmapped
+    except (OSError, AttributeError):  # not glibc (musl, macOS): the defaults are fine
+        pass
+
+
 @app.command()
 def quantize(
     src: Annotated[str, typer.Argument(help="Target or draft: checkpoint directory or Hub repo id.")],
@@ -228,6 +244,7 @@ def quantize(
     """
     from eagle3.quantize import pipeline
 
+    _retain_freed_memory()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty())

@@ -141,8 +141,20 @@ def ct_int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[i
     # same bits as the libraries' bf16/fp16 multiply, and fp32 arithmetic is several times faster
     # than bf16 arithmetic on CPU.
     compute = torch.promote_types(torch.promote_types(scale.dtype, out_dtype), torch.float32)
-    q = _unpack_nibbles_natural_u8(packed)[:, :k].to(compute).sub_(8).reshape(n, -1, g)
+    if compute == torch.float32 and sys.byteorder == "little" and packed.dtype == torch.int32:
+        # One table lookup per byte gives both of its codes as fp32 ``q - 8`` (read as one int64):
+        # unpack, convert and offset in one pass, ~2x faster than the nibble unpack below.
+        b = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+        q = _CT_PAIR_LUT_I64.to(packed.device).index_select(0, b).view(torch.float32).view(n, -1)
+        q = (q if q.shape[1] == k else q[:, :k].contiguous()).reshape(n, -1, g)
+    else:
+        q = _unpack_nibbles_natural_u8(packed)[:, :k].to(compute).sub_(8).reshape(n, -1, g)
     return q.mul_(scale.to(compute).unsqueeze(-1)).reshape(n, k).to(out_dtype)
+
+
+# byte -> (low nibble - 8, high nibble - 8) as an fp32 pair, read as one little-endian int64.
+_CT_PAIR_LUT_I64 = (torch.stack([(torch.arange(256) & 0xF) - 8, (torch.arange(256) >> 4) - 8], -1)
+                    .float().contiguous().view(torch.int64).reshape(256))
 
 
 def ct_int4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -597,11 +609,15 @@ def _fp4_x17_lut() -> torch.Tensor:
 _FP4_X17_LUT = _fp4_x17_lut()
 
 
+# E8M0 byte -> float32 2**(e-127) (byte 0 is the subnormal 2**-127, 255 is NaN): a table lookup is
+# ~5x cheaper than ldexp + where on the scale tensors of a verification pass.
+_E8M0_LUT = torch.where(torch.arange(256) == 255, float("nan"),
+                        torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 127)).float()
+
+
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     """E8M0 uint8 -> float32 ``2**(e-127)``; 255 is NaN."""
-    e = e.to(torch.int32)
-    out = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127)
-    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+    return _E8M0_LUT.to(e.device).index_select(0, e.reshape(-1).to(torch.int32)).reshape(e.shape)
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:

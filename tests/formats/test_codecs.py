@@ -207,6 +207,10 @@ def test_ct_int4_dequantize_dtype_semantics():
     assert torch.equal(C.ct_int4_dequantize(packed, scale, (4, 64)), exact.to(torch.bfloat16))
     assert torch.equal(C.ct_int4_dequantize(packed, scale.float(), torch.tensor([4, 64]), torch.bfloat16),
                        exact.to(torch.bfloat16))
+    # A ragged K (not a multiple of 8: the last word is padded) through the table-lookup fp32 path.
+    q, scale = _codes(3, 60, 2), torch.rand(3, 2, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = C.ct_int4_dequantize(C.ct_int4_pack(q), scale, (3, 60), torch.float32)
+    assert got.is_contiguous() and torch.equal(got, q.float() * scale.float().repeat_interleave(30, dim=1))
 
 
 def _fp8_block_dequant_loop(w: torch.Tensor, s: torch.Tensor, bn: int = 128, bk: int = 128) -> torch.Tensor:
