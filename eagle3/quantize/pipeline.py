@@ -452,6 +452,8 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
     bar = _Progress(sum(j.work_bytes for j in todo), enabled=progress)
     reader = CheckpointReader(todo[0].src)
     engine = make_engine(todo[0].engine)
+    if todo[0].verify:
+        report.preload_plotting()
     threads = torch.get_num_threads()
     # One intra-op thread per worker: the codecs run on small row chunks, where OpenMP fork/join
     # costs more than it gains (torch.round on 8K elements: ~2 us on one thread, ~13 ms on two
