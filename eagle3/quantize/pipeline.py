@@ -473,27 +473,38 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
         for k, name in sh.steps():
             kind[ex.submit(run_step, sh, k, name, bar.advance)] = ("step", sh)
 
+    def record(r: ShardResult, sh: OpenShard) -> None:
+        write_json(state / f"done-{r.file}.json", r.to_json())
+        results[r.file] = r
+        live.remove(sh)
+
     try:
         while queue or kind:
             while queue and len(live) < max_live:
                 open_next()
             done, _ = wait(set(kind), return_when=FIRST_COMPLETED)
-            for fut in done:
+            failed = [f for f in done if f.exception() is not None]
+            for fut in done - set(failed):
                 what, sh = kind.pop(fut)
                 r = fut.result()
                 if what == "finish":
-                    write_json(state / f"done-{r.file}.json", r.to_json())
-                    results[r.file] = r
-                    live.remove(sh)
+                    record(r, sh)
                     continue
                 if r is not None:
                     sh.rows[r.module] = r
                 sh.left -= 1
                 if sh.left == 0:
                     kind[ex.submit(finish_shard, sh)] = ("finish", sh)
+            if failed:
+                failed[0].result()
     except BaseException:
         for fut in kind:
             fut.cancel()
+        ex.shutdown(wait=True, cancel_futures=True)
+        # A shard whose finish completed while the failure surfaced is recorded: never redone.
+        for fut, (what, sh) in kind.items():
+            if what == "finish" and fut.done() and not fut.cancelled() and fut.exception() is None:
+                record(fut.result(), sh)
         raise
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

@@ -278,8 +278,9 @@ def test_fp8_block_source_is_dequantized_in_fp32(tiny_dir: Path, tmp_path: Path,
     assert torch.equal(fc, codecs.fp8_block_dequantize(s.get("fc.weight"), s.get("fc.weight_scale_inv")))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_resume_skips_finished_shards(tiny_dir: Path, native_runs: dict[str, Path], tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                      monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
     out = tmp_path / "out"
     real = pipeline.finish_shard
     calls: list[str] = []
@@ -292,7 +293,7 @@ def test_resume_skips_finished_shards(tiny_dir: Path, native_runs: dict[str, Pat
 
     monkeypatch.setattr(pipeline, "finish_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=1)
+        quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=workers)
     partial = out.with_name("out.partial")
     assert not out.exists() and (partial / calls[0]).is_file()
 
@@ -301,7 +302,7 @@ def test_resume_skips_finished_shards(tiny_dir: Path, native_runs: dict[str, Pat
         return real(shard)
 
     monkeypatch.setattr(pipeline, "finish_shard", counting)
-    res = quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=1, resume=True)
+    res = quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=workers, resume=True)
     assert res.shards_resumed == 1 and len(calls) == 3 and calls[0] not in calls[1:]
     assert not partial.exists()
     assert _tree_digest(out) == _tree_digest(native_runs[case_id(("kimi-k2.5", "w4a8", None))])
