@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -370,9 +371,7 @@ class _ShardBuilder:
         self.nbytes += info.nbytes
 
     def _header(self, metadata: dict[str, str]) -> bytes:
-        header = {"__metadata__": metadata, **self.entries}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        return raw + b" " * (-len(raw) % 8)  # safetensors aligns data to 8 bytes with space padding
+        return _header_json(metadata, self.entries)
 
     def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
         raw = self._header(metadata)
@@ -399,31 +398,43 @@ class _ShardBuilder:
         self.data_path.unlink()
 
 
+def _header_json(metadata: dict[str, str], entries: dict[str, dict[str, Any]]) -> bytes:
+    """The safetensors header JSON (compact), padded with spaces so that the data starts 8-aligned."""
+    raw = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
 def _copy_file(src: Any, dst: Any, n: int) -> None:
-    """Copy ``n`` bytes from the current position of ``src`` to that of ``dst``, in the kernel
-    where the platform allows it."""
-    dst.flush()  # copy_file_range works on the fd offsets: buffered bytes must be out first
+    """Copy ``n`` bytes from the current position of ``src`` to that of ``dst`` (file objects)."""
+    dst.flush()  # the copy works on the fds: buffered bytes must be out first
     start, out = src.tell(), dst.tell()
-    os.lseek(src.fileno(), start, os.SEEK_SET)
-    os.lseek(dst.fileno(), out, os.SEEK_SET)
+    _copy_range(src.fileno(), start, dst.fileno(), out, n,
+                f"{getattr(src, 'name', src)}: ended early while copying {n} bytes")
+    src.seek(start + n)
+    dst.seek(out + n)
+
+
+def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, short: str) -> None:
+    """Copy ``n`` bytes between two fds at explicit offsets (no file position is used, so threads
+    may copy into one file at once): in the kernel where the platform allows it, else through a
+    buffer. ``short`` is the error when the source ends early."""
     done = 0
     try:
         while done < n:
-            k = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
+            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
             if k == 0:
                 break
             done += k
-    except (AttributeError, OSError):
+    except (AttributeError, OSError):  # no copy_file_range here (or across these filesystems)
         pass
-    # Re-sync the buffered file objects with what the kernel copied, then finish in user space.
-    src.seek(start + done)
-    dst.seek(out + done)
-    while done < n:
-        chunk = src.read(min(16 * 1024 * 1024, n - done))
-        if not chunk:
-            raise CheckpointError(f"{getattr(src, 'name', src)}: ended {n - done} bytes early while copying")
-        dst.write(chunk)
-        done += len(chunk)
+    if done < n:
+        buf = memoryview(bytearray(min(16 << 20, n - done)))
+        while done < n:
+            k = min(len(buf), n - done)
+            if _pread_into(src, buf[:k], src_off + done) != k:
+                raise CheckpointError(short)
+            _pwrite_all(dst, buf[:k], dst_off + done)
+            done += k
 
 
 class CheckpointWriter:
@@ -547,23 +558,20 @@ class ShardLayout:
 
     def __init__(self, entries: Iterable[tuple[str, str, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        spans: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        header: dict[str, dict[str, Any]] = {}
         pos = 0
         for name, tag, shape in entries:
             if name in header:
                 raise CheckpointError(f"tensor {name!r} planned twice")
-            n = dtype_from_tag(tag).itemsize
-            for d in shape:
-                n *= int(d)
-            header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [pos, pos + n]}
-            spans.append((name, tag, tuple(int(d) for d in shape), pos, n))
+            shape = tuple(int(d) for d in shape)
+            n = math.prod(shape) * dtype_from_tag(tag).itemsize
+            header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, pos + n]}
             pos += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        raw = _header_json({"format": "pt", **(metadata or {})}, header)
         self.header = struct.pack("<Q", len(raw)) + raw
         base = len(self.header)
-        self.tensors = {name: PlannedTensor(name, tag, shape, base + off, n) for name, tag, shape, off, n in spans}
+        self.tensors = {name: PlannedTensor(name, e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
+                                            e["data_offsets"][1] - e["data_offsets"][0]) for name, e in header.items()}
         self.data_bytes = pos
         self.size = base + pos
 
@@ -608,22 +616,8 @@ class ShardFile:
         except OSError as e:
             raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
         try:
-            done = 0
-            try:
-                while done < slot.nbytes:
-                    k = os.copy_file_range(src, self._fd, slot.nbytes - done, info.offset + done, slot.offset + done)
-                    if k == 0:
-                        break
-                    done += k
-            except (AttributeError, OSError):  # no copy_file_range here (or across these filesystems)
-                pass
-            buf = memoryview(bytearray(min(16 << 20, slot.nbytes - done)))
-            while done < slot.nbytes:
-                n = min(len(buf), slot.nbytes - done)
-                if _pread_into(src, buf[:n], info.offset + done) != n:
-                    raise CheckpointError(f"{info.file}: truncated shard while reading tensor {info.name!r}")
-                _pwrite_all(self._fd, buf[:n], slot.offset + done)
-                done += n
+            _copy_range(src, info.offset, self._fd, slot.offset, slot.nbytes,
+                        f"{info.file}: truncated shard while reading tensor {info.name!r}")
         finally:
             os.close(src)
 

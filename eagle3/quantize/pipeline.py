@@ -102,7 +102,6 @@ class ShardJob:
     verify: bool
     bound: float
     work_bytes: int  # progress units: source bytes
-    out_bytes: int  # tensor bytes of the output shard (exact: shapes are known up front)
 
 
 @dataclass
@@ -160,11 +159,9 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
                 entries.append((name, info.dtype, info.shape))
                 work += info.nbytes
         weight_map.update({e[0]: f.name for e in entries})
-        out_bytes = ShardLayout(entries).data_bytes
         jobs.append(ShardJob(src=str(src_dir), tmp=str(tmp), file=f.name, steps=tuple(steps), modules=tuple(mods),
                              entries=tuple(entries), spec=recipe.weight, zero_point=recipe.export.zero_point,
-                             engine=engine, verify=verify, bound=recipe.weight.max_rel_error, work_bytes=work,
-                             out_bytes=out_bytes))
+                             engine=engine, verify=verify, bound=recipe.weight.max_rel_error, work_bytes=work))
     unquantized = sorted(m for m in modules if m not in qset)
     return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes)
 

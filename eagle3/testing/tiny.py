@@ -194,6 +194,14 @@ def quantization_config(ignore: list[str]) -> dict[str, Any]:
     }
 
 
+def _mla_fields() -> dict[str, int]:
+    """The MLA attention shape, shared by the target's text stack and the MLA draft."""
+    d = TEXT_DIMS
+    return {"num_attention_heads": d["num_attention_heads"], "num_key_value_heads": d["num_attention_heads"],
+            **{k: d[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                 "v_head_dim")}}
+
+
 def text_config(rope_scaling: dict[str, Any], ignore: list[str], eos_token_id: int) -> dict[str, Any]:
     """The DeepseekV3 text stack as Moonshot writes it (``model_type: kimi_k2``)."""
     d = TEXT_DIMS
@@ -207,13 +215,7 @@ def text_config(rope_scaling: dict[str, Any], ignore: list[str], eos_token_id: i
         "num_hidden_layers": d["num_hidden_layers"],
         "first_k_dense_replace": d["first_k_dense_replace"],
         "moe_layer_freq": 1,
-        "num_attention_heads": d["num_attention_heads"],
-        "num_key_value_heads": d["num_attention_heads"],
-        "q_lora_rank": d["q_lora_rank"],
-        "kv_lora_rank": d["kv_lora_rank"],
-        "qk_nope_head_dim": d["qk_nope_head_dim"],
-        "qk_rope_head_dim": d["qk_rope_head_dim"],
-        "v_head_dim": d["v_head_dim"],
+        **_mla_fields(),
         "n_routed_experts": d["n_routed_experts"],
         "num_experts_per_tok": d["num_experts_per_tok"],
         "n_shared_experts": d["n_shared_experts"],
@@ -369,13 +371,7 @@ def eagle31_mla_config() -> dict[str, Any]:
         "hidden_size": d["hidden_size"],
         "intermediate_size": d["intermediate_size"],
         "num_hidden_layers": 1,
-        "num_attention_heads": d["num_attention_heads"],
-        "num_key_value_heads": d["num_attention_heads"],
-        "q_lora_rank": d["q_lora_rank"],
-        "kv_lora_rank": d["kv_lora_rank"],
-        "qk_nope_head_dim": d["qk_nope_head_dim"],
-        "qk_rope_head_dim": d["qk_rope_head_dim"],
-        "v_head_dim": d["v_head_dim"],
+        **_mla_fields(),
         "head_dim": d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
