@@ -284,6 +284,8 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = 64,
     seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = 0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
+    request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
     validate: Annotated[str | None, typer.Option(help="Run a validation through the HTTP API, then stop: gsm8k.")] = None,
     limit: Annotated[int | None, typer.Option(help="--validate: first N test questions.")] = None,
     num_fewshot: Annotated[int, typer.Option(help="--validate: few-shot exemplars.")] = 5,
@@ -354,9 +356,14 @@ def serve(
                                              echo=lambda s: typer.echo(s, err=True))
         _exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
         return
+    from eagle3.serve.limits import ServerLimits
+
+    if not request_timeout > 0:
+        raise UsageError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    limits = ServerLimits(launcher.parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
     sock = launcher.listen_socket(host, 8000 if port is None else port)  # before the (long) load
     llm = launcher.build_llm(target, draft, eopts)
-    api = launcher.build_app(llm, name, api_key=api_key, root=str(target))
+    api = launcher.build_app(llm, name, api_key=api_key, root=str(target), limits=limits)
     launcher.serve_forever(api, host, 8000 if port is None else port, log_level, sock=sock, ready_file=ready_file,
                            on_ready=lambda url: typer.echo(f"eagle3: serving {name} on {url}/v1", err=True))
 

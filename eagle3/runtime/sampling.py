@@ -10,12 +10,18 @@ unnormalised residual ``max(p - q, 0)`` as well.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from eagle3.errors import UsageError
+
+_INT64_MAX = (1 << 63) - 1
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
@@ -35,15 +41,36 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 and self.top_k != -1:
-            raise UsageError(f"SamplingParams.top_k must be >= 0 (or -1 for all), got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise UsageError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range (UsageError naming the field). Called at
+        construction and again by ``LLM.add_request`` (the fields are mutable): a value that
+        cannot be sampled with must be refused for its own request before it reaches a step
+        shared with other requests (an out-of-int64 ``top_k`` used to fail the whole batch)."""
+        def bad(name: str, what: str) -> UsageError:
+            return UsageError(f"SamplingParams.{name} must be {what}, got {getattr(self, name)!r}")
+
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) \
+                or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or not -1 <= self.top_k <= _INT64_MAX:
+            raise bad("top_k", f"an integer in [-1, {_INT64_MAX}] (0 or -1: all tokens)")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral)
+                                            or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise bad("seed", f"an integer in [{_SEED_MIN}, {_SEED_MAX}] (or None)")
+        try:
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        except (TypeError, ValueError) as err:
+            raise bad("stop_token_ids", "a list of token ids") from err
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "non-negative token ids")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle3.serve.async_engine import AsyncEngine, Delta, now
+from eagle3.serve.limits import BodyGuard, ServerLimits
 from eagle3.serve.metrics import CONTENT_TYPE, ServerMetrics
 from eagle3.serve.protocol import (
     APIError,
@@ -136,10 +137,12 @@ def _sse(obj: Any) -> str:
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
                root: str | None = None, metrics: ServerMetrics | None = None,
-               manage_engine: bool = True) -> FastAPI:
+               manage_engine: bool = True, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``model_name``.
 
-    ``manage_engine``: start the engine thread at startup and stop it at shutdown."""
+    ``manage_engine``: start the engine thread at startup and stop it at shutdown. ``limits``:
+    request body size and read timeouts (:mod:`eagle3.serve.limits`; also read by the launcher
+    for uvicorn's header timeout)."""
     metrics = metrics or engine.metrics or ServerMetrics(model_name, engine.num_speculative_tokens)
     engine.metrics = metrics
 
@@ -156,7 +159,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     app = FastAPI(title="eagle3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
-    if api_key:
+    app.state.limits = limits = limits or ServerLimits()
+    app.add_middleware(BodyGuard, limits=limits, on_reject=metrics.observe_error)
+    if api_key:  # added last: outermost, so an unauthenticated body is never read
         app.add_middleware(_BearerAuth, api_key=api_key, on_reject=metrics.observe_error)
 
     # -- errors ---------------------------------------------------------------------------
@@ -183,6 +188,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return error_response(500, f"internal error: {type(err).__name__}: {err}", type_="server_error")
 
     # -- helpers --------------------------------------------------------------------------
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` in a worker thread: tokenizing a multi-megabyte prompt (or rendering a long
+        chat) takes seconds, and on the event loop it would stall every other request and
+        ``/health`` for that long."""
+        return await anyio.to_thread.run_sync(fn, *args)
+
+    async def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return await off_loop(engine.encode, text, add_special_tokens)
+
     def check_model(name: str | None) -> None:
         if name is not None and name not in (model_name, root):
             raise APIError(f"The model `{name}` does not exist (this server serves `{model_name}`).", 404,
@@ -192,15 +206,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         from eagle3.errors import Eagle3Error
         from eagle3.runtime.sampling import SamplingParams
 
+        stop_ids = list(req.stop_token_ids or [])
+        check_ids(stop_ids, "stop_token_ids")
         try:
             return SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=0 if req.top_k in (None, -1) else req.top_k,
-                max_tokens=max_tokens, stop_token_ids=list(req.stop_token_ids or []),
+                max_tokens=max_tokens, stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos, seed=req.seed)
-        except Eagle3Error as err:
-            raise APIError(str(err), 400) from err
+        except Eagle3Error as err:  # the API's own checks should have caught it: name the field anyway
+            field_name = str(err).removeprefix("SamplingParams.").split(" ", 1)[0]
+            raise APIError(str(err), 400, param=field_name) from err
 
     def resolve_max_tokens(num_prompt: int, requested: int | None, what: str) -> int:
         limit = engine.context_limit
@@ -362,7 +379,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "eagle3",
-            "root": root or model_name, "parent": None, "max_model_len": engine.max_model_len}]}
+            "root": root or model_name, "parent": None, "max_model_len": engine.context_limit}]}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
@@ -370,7 +387,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         stats = getattr(engine.llm, "stats", None)
         accept = stats.mean_acceptance_length if stats is not None and engine.num_speculative_tokens else None
         return {"model_path": root or model_name, "num_speculative_tokens": engine.num_speculative_tokens,
-                "max_model_len": engine.max_model_len, "internal_states": [{"avg_spec_accept_length": accept}]}
+                "max_model_len": engine.context_limit, "internal_states": [{"avg_spec_accept_length": accept}]}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -379,17 +396,18 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             raise APIError("this server has no tokenizer", 404)
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
                 "pad_token": tok.pad_token, "unk_token": getattr(tok, "unk_token", None),
-                "chat_template": getattr(tok, "chat_template", None), "model_max_length": engine.max_model_len}
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": engine.context_limit}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         check_model(req.model)
         if req.messages is not None:
-            text = render_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt, False, {})
-            ids = engine.encode(text, False)
+            text = await render_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
+                                     False, {})
+            ids = await encode(text, False)
         else:
-            ids = engine.encode(req.prompt or "", req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+            ids = await encode(req.prompt or "", req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.context_limit, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
@@ -397,16 +415,17 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         check_ids(req.tokens, "tokens")
         if engine.tokenizer is None:
             raise APIError("this server has no tokenizer", 400)
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await off_loop(engine.tokenizer.decode, req.tokens)}
 
-    def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool,
-                    kwargs: dict[str, Any]) -> str:
+    async def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool,
+                          kwargs: dict[str, Any]) -> str:
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final, **kwargs)
+            return await off_loop(lambda: tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final, **kwargs))
         except Exception as err:  # jinja TemplateError, TypeError from bad kwargs, ValueError, ...
             raise APIError(f"the chat template failed on these messages: {type(err).__name__}: {err}", 400,
                            param="messages") from err
@@ -417,7 +436,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         preps: list[_Prepared] = []
         for i, p in enumerate(req.prompts()):
             if isinstance(p, str):
-                ids, text = engine.encode(p, req.add_special_tokens), p
+                ids, text = await encode(p, req.add_special_tokens), p
                 if not ids:
                     raise APIError("prompt is empty after tokenization", 400, param="prompt")
             else:
@@ -457,9 +476,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         check_model(req.model)
-        text = render_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
-                           req.continue_final_message, dict(req.chat_template_kwargs or {}))
-        ids = engine.encode(text, False)
+        text = await render_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
+                                 req.continue_final_message, dict(req.chat_template_kwargs or {}))
+        ids = await encode(text, False)
         if not ids:
             raise APIError("the rendered conversation is empty", 400, param="messages")
         max_tokens = resolve_max_tokens(len(ids), req.max_new_tokens(), "messages")

@@ -134,12 +134,18 @@ class AsyncEngine:
 
     @property
     def context_limit(self) -> int:
-        """Prompt + output tokens one request may use: the model's context length, or less when
-        the KV cache is smaller (the engine reserves 2k lookahead slots per request)."""
+        """Prompt + output tokens one request may use, the limit the server enforces and the one
+        ``/v1/models`` reports: the model's context length, or less when the KV cache is smaller.
+
+        A request at the limit needs ``limit + k - 1`` KV slots at most (its last verify step
+        writes up to ``k`` drafts past its committed tokens, of which it keeps at most
+        ``limit - 1``, then ``k - 1`` draft-model slots), so ``k`` slots are reserved, as
+        ``LLM`` does when it fits ``max_model_len`` to the cache. (This used to reserve ``2k``
+        here while ``/v1/models`` reported the engine's ``max_model_len``: off by ``k``.)"""
         limit = self.max_model_len
         bm = getattr(self.llm, "block_manager", None)
         if bm is not None:
-            limit = min(limit, bm.num_blocks * bm.block_size - 2 * self.num_speculative_tokens)
+            limit = min(limit, bm.num_blocks * bm.block_size - self.num_speculative_tokens)
         return limit
 
     @property
@@ -264,6 +270,10 @@ class AsyncEngine:
                     raise APIError(item.message, item.status_code, type_=item.type)
                 if isinstance(item, BaseException):
                     raise APIError(f"engine error: {item}", 500, type_="server_error")
+                if getattr(item, "error", None):  # this request (alone) failed inside a step
+                    tracker.engine_done = True
+                    raise APIError(f"the request failed inside the engine: {item.error}", 500,
+                                   type_="server_error")
                 delta = tracker.feed(item)
                 yield delta
                 if tracker.done:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -11,7 +12,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,19 +69,23 @@ def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions)
                max_model_len=opts.max_model_len, seed=opts.seed)
 
 
-def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None) -> Any:
-    """The FastAPI app over ``llm`` (the engine thread starts with the app)."""
+def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None,
+              limits: Any = None) -> Any:
+    """The FastAPI app over ``llm`` (the engine thread starts with the app); ``limits``: a
+    :class:`eagle3.serve.limits.ServerLimits` (default: its defaults)."""
     from eagle3.serve.app import create_app
     from eagle3.serve.async_engine import AsyncEngine
     from eagle3.serve.metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0))
     engine = AsyncEngine(llm, metrics)
-    return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics)
+    return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics,
+                      limits=limits)
 
 
 def _uvicorn_server(app: Any, host: str, port: int, log_level: str,
-                    on_started: Callable[[], None] | None = None) -> Any:
+                    on_started: Callable[[], None] | None = None,
+                    on_stopped: Callable[[], None] | None = None) -> Any:
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -89,8 +94,26 @@ def _uvicorn_server(app: Any, host: str, port: int, log_level: str,
             if self.started and on_started is not None:  # lifespan done, socket listening
                 on_started()
 
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises a caught SIGTERM when this context exits, with the default
+            # handler back in place: the process ends right there and no ``finally`` after
+            # ``run()`` ever runs (SIGINT becomes KeyboardInterrupt, which does unwind). So the
+            # clean-up that must happen at any exit runs inside, before the signal is re-raised.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    if on_stopped is not None:
+                        on_stopped()
+
+    from eagle3.serve.limits import DEFAULT_REQUEST_TIMEOUT_S, h11_protocol
+
+    limits = getattr(getattr(app, "state", None), "limits", None)
+    header_timeout = limits.request_timeout_s if limits is not None else DEFAULT_REQUEST_TIMEOUT_S
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=log_level == "debug")
+                            timeout_graceful_shutdown=5, access_log=log_level == "debug",
+                            http=h11_protocol(header_timeout))
     return _Server(config)
 
 
@@ -131,7 +154,7 @@ def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level
     ``sock``: an already bound socket (:func:`listen_socket`; ``host`` / ``port`` are then only
     for messages). Once the engine thread runs and the socket listens, ``on_ready(url)`` is
     called with the real URL (``port`` 0 included) and ``ready_file`` is written (and removed
-    again when the server stops)."""
+    again when the server stops: Ctrl-C, SIGTERM or an error)."""
     sock = sock if sock is not None else listen_socket(host, port)
     url = base_url(host, sock.getsockname()[1])
     if ready_file is not None:
@@ -143,7 +166,11 @@ def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level
         if on_ready is not None:
             on_ready(url)
 
-    server = _uvicorn_server(app, host, port, log_level, started)
+    def stopped() -> None:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+
+    server = _uvicorn_server(app, host, port, log_level, started, stopped)
     try:
         server.run(sockets=[sock])
     finally:

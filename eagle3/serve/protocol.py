@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+# top_k becomes an int64 tensor in the sampler: anything larger overflowed there (a 500 that failed
+# every request of the step). Values >= the vocabulary size already mean "off".
+_INT64_MAX = (1 << 63) - 1
+# Stop strings are searched in the text after every step and the longest one sets how much text a
+# stream holds back: bound both so that one request cannot make every step slow.
+_MAX_STOPS, _MAX_STOP_CHARS, _MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 PromptInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -67,18 +73,55 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM name; accepted, usage is only sent at the end
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+def _first_bad_text(value: Any) -> bool:
+    """True when ``value`` holds a string (or a dict key) that is not valid Unicode text: JSON's
+    ``"\\ud800"`` escape decodes to a lone surrogate, which no tokenizer (and no UTF-8 encoder)
+    accepts. Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Request(BaseModel):
+    """Every request body: unknown fields refused, no NaN / Infinity floats (Python's JSON parser
+    accepts those literals), and text that is valid Unicode in every field (400 naming the field,
+    not a 500 from the tokenizer)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _first_bad_text(key) or _first_bad_text(value):
+                    name = key if isinstance(key, str) and not _first_bad_text(key) else "body"
+                    raise FieldError(name, f"{name}: contains a lone UTF-16 surrogate (e.g. \\ud800); "
+                                           f"text must be valid Unicode")
+        return data
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=_INT64_MAX)
     n: StrictInt = Field(default=1, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=_INT64_MAX)]] | None = None
     include_stop_str_in_output: StrictBool = False
     seed: StrictInt | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: StrictBool = False
@@ -112,6 +155,12 @@ class _SamplingFields(BaseModel):
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if any(s == "" for s in stops):
                 raise FieldError("stop", "stop strings must be non-empty")
+            if len(stops) > _MAX_STOPS:
+                raise FieldError("stop", f"at most {_MAX_STOPS} stop strings, got {len(stops)}")
+            if any(len(s) > _MAX_STOP_CHARS for s in stops):
+                raise FieldError("stop", f"stop strings must be at most {_MAX_STOP_CHARS} characters")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
+            raise FieldError("stop_token_ids", f"at most {_MAX_STOP_TOKEN_IDS} stop_token_ids")
         return self
 
     def stop_list(self) -> list[str]:
@@ -219,10 +268,9 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """vLLM's ``POST /tokenize`` (used by lm-eval's ``tokenizer_backend=remote``)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -236,8 +284,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
 

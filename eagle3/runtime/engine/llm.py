@@ -13,6 +13,20 @@ One engine step (``step()``):
 5. the proposer runs the draft over the committed positions and proposes the next k tokens;
 6. finished sequences free their blocks, the others release the blocks past their committed length.
 
+Failure isolation: one request must never fail the others. Requests are checked when they are
+added (token ids, every sampling field), so most bad input never reaches a step. What still fails
+inside a step is attributed to sequences rather than to the step:
+
+- the batched target forward + verification (step 2-3) does not change any sequence (it writes KV
+  slots that belong to the scheduled sequences and draws random numbers), so when it raises, it
+  is simply run again for each sequence alone; the sequences that fail alone are failed
+  (``finish_reason == "error"``), the others go on with their own result. A failure that is not
+  any one sequence's (a broken model) fails each of them, and the engine stays up for new ones;
+  a transient one (out of memory in a large batch) often passes in the smaller runs.
+- committing (4), proposing (5, retried per sequence like 2-3; drafts are replaced wholesale, so
+  a half-done batched proposal leaves nothing behind) and detokenizing the output are guarded per
+  sequence.
+
 Threading: ``add_request`` and ``abort`` only push onto a queue that ``step()`` drains, so a
 server may call them from any thread while one background thread loops on ``step()``. A step's
 outputs go to whichever thread called ``step()``; ``generate()`` therefore does not rely on its own
@@ -39,9 +53,9 @@ import torch
 from eagle3.errors import UsageError
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.config import EngineConfig
-from eagle3.runtime.engine.model_runner import ModelRunner, kv_bytes_per_block
+from eagle3.runtime.engine.model_runner import ModelRunner, TargetStepOutput, kv_bytes_per_block
 from eagle3.runtime.engine.scheduler import Scheduler
-from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
 from eagle3.runtime.interfaces import DraftModel, TargetModel
 from eagle3.runtime.sampling import SamplingParams, make_generator
 from eagle3.runtime.spec.proposer import EagleProposer, ProposeItem
@@ -72,6 +86,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     new_token_ids: list[int] = field(default_factory=list)  # since the previous step() output
     new_text: str = ""
+    error: str | None = None  # with finish_reason "error": why this request failed in the engine
     spec_stats: SpecStats | None = None  # this request's acceptance counters (None without draft)
     num_preemptions: int = 0
     arrival_time: float = 0.0  # time.monotonic() clock
@@ -236,6 +251,9 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Queue a request (thread-safe); returns its id. It joins at the next ``step()``."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise UsageError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have been changed since construction
         text, ids = self._tokenize(prompt)
         vocab = self.target.vocab_size
         if not ids:
@@ -298,26 +316,110 @@ class LLM:
             return [self._output(s) for s in done]
         self.num_steps += 1
         self.num_preemptions += len(out.preempted)
-        res = self.runner.run_target(out.scheduled)
+        res = self._run_target_isolated(out.scheduled)
         items: list[ProposeItem] = []
         for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
-            committed = self.scheduler.commit(item, emitted)
+            seq = item.seq
+            if seq.is_finished:  # failed in the forward (see _run_target_isolated)
+                continue
+            try:
+                committed = self.scheduler.commit(item, emitted)
+            except Exception as err:  # this sequence's bookkeeping, not the step's
+                self._fail(seq, err)
+                continue
             if item.samples:
                 self.stats.observe(len(item.draft_ids), len(emitted) - 1)
-            seq = item.seq
             if self.proposer is not None and not seq.is_finished:
                 num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
                 items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
                                          max(num_drafts, 0)))
         if self.proposer is not None:
-            self.proposer.propose(items, self.target.vocab_size)
+            self._propose_isolated(items)
         done += self.scheduler.finish_step(out)
         progressed = [it.seq for it in out.scheduled if it.seq.num_returned_tokens < it.seq.num_output_tokens
                       or it.seq.is_finished]
-        outputs = [self._output(s) for s in dict.fromkeys(progressed + done)]
-        for s in done:
-            self._seqs.pop(s.request_id, None)
+        outputs = [self._output_or_error(s) for s in dict.fromkeys(progressed + done)]
+        for o in outputs:
+            if o.finished:
+                self._seqs.pop(o.request_id, None)
+        # A sequence that failed while its output was built is finished now: free its blocks.
+        for s in done + progressed:
+            if s.is_finished and s.block_table:
+                self.block_manager.free(s)
+                if s in self.scheduler.running:
+                    self.scheduler.running.remove(s)
         return outputs
+
+    # -- failure isolation (see the module docstring) -----------------------------------------
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        logger.warning("request %s failed inside the engine step (the others go on): %s: %s",
+                       seq.request_id, type(err).__name__, err, exc_info=err)
+        seq.fail(err)
+
+    def _run_target_isolated(self, scheduled: list[ScheduledSeq]) -> TargetStepOutput:
+        """``runner.run_target`` over the batch; when it raises, once per sequence, failing only
+        the sequences that fail alone. The result has the batch's layout either way (a failed
+        sequence gets no tokens and zero aux rows)."""
+        try:
+            return self.runner.run_target(scheduled)
+        except Exception as err:
+            if len(scheduled) == 1:
+                self._fail(scheduled[0].seq, err)
+                return TargetStepOutput([[]], None, [0])
+            logger.warning("a batched step of %d sequences failed (%s: %s); running each alone to find "
+                           "which", len(scheduled), type(err).__name__, err)
+        emitted: list[list[int]] = []
+        auxes: list[torch.Tensor | None] = []
+        row_starts: list[int] = []
+        rows = 0
+        for item in scheduled:
+            row_starts.append(rows)
+            try:
+                one = self.runner.run_target([item])
+            except Exception as err:
+                self._fail(item.seq, err)
+                emitted.append([])
+                auxes.append(None)
+                continue
+            emitted.append(one.emitted[0])
+            auxes.append(one.aux)
+            rows += item.num_query_tokens
+        # Failed sequences contribute no aux rows; row_starts above already skip them.
+        kept = [a for a in auxes if a is not None]
+        aux = torch.cat(kept) if kept else None
+        return TargetStepOutput(emitted, aux, row_starts)
+
+    def _propose_isolated(self, items: list[ProposeItem]) -> None:
+        assert self.proposer is not None
+        try:
+            self.proposer.propose(items, self.target.vocab_size)
+            return
+        except Exception as err:
+            if len(items) == 1:
+                self._fail(items[0].seq, err)
+                return
+            logger.warning("drafting for %d sequences failed (%s: %s); drafting each alone", len(items),
+                           type(err).__name__, err)
+        for it in items:
+            it.seq.clear_drafts()
+            try:
+                self.proposer.propose([it], self.target.vocab_size)
+            except Exception as err:
+                it.seq.clear_drafts()
+                self._fail(it.seq, err)
+
+    def _output_or_error(self, seq: Sequence) -> RequestOutput:
+        try:
+            return self._output(seq)
+        except Exception as err:  # e.g. the tokenizer cannot decode this request's tokens
+            if not seq.is_finished:
+                self._fail(seq, err)
+            seq.num_returned_tokens = seq.num_output_tokens
+            return RequestOutput(
+                request_id=seq.request_id, prompt=seq.prompt,
+                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], token_ids=list(seq.output_token_ids),
+                text="", finished=True, finish_reason="error", error=seq.error or f"{type(err).__name__}: {err}",
+                arrival_time=seq.arrival_time, finished_time=seq.finished_time)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -355,7 +457,7 @@ class LLM:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=list(out_ids), text=text, finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            new_token_ids=new_ids, new_text=new_text,
+            new_token_ids=new_ids, new_text=new_text, error=seq.error,
             spec_stats=seq.stats.copy() if self.draft is not None else None, num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             finished_time=seq.finished_time)

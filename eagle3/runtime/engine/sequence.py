@@ -32,6 +32,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # failed inside a step (``Sequence.error`` says why); the others carry on
 
 
 class Sequence:
@@ -64,6 +65,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.error: str | None = None  # why it failed, with FinishReason.ERROR
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -120,6 +122,11 @@ class Sequence:
         self.finish_reason = reason
         self.finished_time = time.monotonic()
         self.clear_drafts()
+
+    def fail(self, err: BaseException) -> None:
+        """End this request with an error of its own (see ``LLM._step``)."""
+        self.error = f"{type(err).__name__}: {err}"
+        self.finish(FinishReason.ERROR)
 
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
