@@ -359,7 +359,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def health() -> Response:
         if not engine.alive:
             return error_response(503, "the engine thread is not running", type_="service_unavailable")
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        bm = getattr(engine.llm, "block_manager", None)
+        if bm is not None:  # for load tests: blocks all free again once idle = nothing leaked
+            body["kv_blocks_free"], body["kv_blocks_total"] = int(bm.num_free_blocks), int(bm.num_blocks)
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -28,6 +28,7 @@ from tests.serve.servers import serve_cli, serve_llm
 from tests.serve.test_load import _wait_idle
 
 POISON_SEED = 424242
+GOOD_TOKENS = 48
 
 
 def _client(url: str, timeout: float = 120) -> httpx.Client:
@@ -43,11 +44,12 @@ def _assert_openai_400(r: httpx.Response, param: str) -> None:
 
 
 async def _good_request(client: httpx.AsyncClient, i: int) -> tuple[bool, str]:
-    """One of three kinds: completion, streamed completion, chat; each must finish normally."""
+    """One of three kinds: completion, streamed completion, chat; each must finish normally
+    (48 tokens each: long enough to be in flight when the poison arrives)."""
     prompt = f"Question {i}: what is {i} plus {i}?\nAnswer:"
     kind = i % 3
     if kind == 1:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": True}
+        body = {"prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": True}
         n = 0
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -61,12 +63,12 @@ async def _good_request(client: httpx.AsyncClient, i: int) -> tuple[bool, str]:
         return n > 0, f"{n} chunks"
     if kind == 2:
         r = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": GOOD_TOKENS, "temperature": 0,
             "ignore_eos": True})
     else:
-        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0.5,
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0.5,
                                                        "ignore_eos": True})
-    ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == GOOD_TOKENS
     return ok, f"{r.status_code}: {r.text[:300]}"
 
 
@@ -101,8 +103,11 @@ def test_a_request_failing_inside_the_step_fails_alone(toy_server: tuple[str, An
     url, llm = toy_server
     original = SamplingBatch.build.__func__  # type: ignore[attr-defined]
 
+    batch_sizes: list[int] = []  # of the sampling batches the poison was in
+
     def build(cls: type, params: Any, generators: Any, repeats: Any = None, device: Any = "cpu") -> Any:
         if any(p.seed == POISON_SEED for p in params):
+            batch_sizes.append(len(params))
             raise RuntimeError("sampling exploded for this request")
         return original(cls, params, generators, repeats, device)
 
@@ -113,6 +118,7 @@ def test_a_request_failing_inside_the_step_fails_alone(toy_server: tuple[str, An
     err = bad.json()["error"]
     assert err["type"] == "server_error" and "sampling exploded" in err["message"], err
     assert all(ok for ok, _ in results), [why for ok, why in results if not ok]
+    assert max(batch_sizes) > 1, batch_sizes  # it did share a step with good requests
     monkeypatch.undo()
     _wait_idle(llm)  # its KV blocks were freed with it
     with _client(url) as c:  # and the engine serves on
