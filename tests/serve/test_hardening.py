@@ -352,3 +352,30 @@ def test_cli_body_limit_timeouts_and_ready_file_after_sigterm(tiny_dir: Path, tm
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(60)
         assert not server.ready.exists(), server.log_tail()
+
+
+def test_python_api_a_failing_request_fails_alone(tiny_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same isolation through ``LLM.generate``: the poisoned prompt comes back with
+    ``finish_reason == "error"`` and the reason, the others complete, no KV block is lost."""
+    from eagle3 import SamplingParams
+
+    llm = toy_llm(tiny_tokenizer)
+    original = SamplingBatch.build.__func__  # type: ignore[attr-defined]
+
+    def build(cls: type, params: Any, generators: Any, repeats: Any = None, device: Any = "cpu") -> Any:
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("sampling exploded for this request")
+        return original(cls, params, generators, repeats, device)
+
+    monkeypatch.setattr(SamplingBatch, "build", classmethod(build))
+    params = [SamplingParams(temperature=0.8, seed=POISON_SEED if i == 2 else i, max_tokens=12, ignore_eos=True)
+              for i in range(5)]
+    outs = llm.generate([f"prompt number {i}" for i in range(5)], params)
+    assert [o.finish_reason for o in outs] == ["length", "length", "error", "length", "length"]
+    assert "sampling exploded" in (outs[2].error or "")
+    assert all(len(o.token_ids) == 12 for i, o in enumerate(outs) if i != 2)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    with pytest.raises(Exception, match="top_k"):  # and out-of-range values never reach a step
+        bad = SamplingParams()
+        bad.top_k = 1 << 63
+        llm.add_request("hi", bad)
