@@ -83,7 +83,7 @@ class RequestOutput:
     token_ids: list[int]  # every output token so far (a stop token included)
     text: str  # decoded output, special tokens skipped ("" without a tokenizer)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     new_token_ids: list[int] = field(default_factory=list)  # since the previous step() output
     new_text: str = ""
     error: str | None = None  # with finish_reason "error": why this request failed in the engine
