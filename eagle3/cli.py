@@ -477,6 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    finally:
+        # An output lock a command took and did not get to release (an error before its write
+        # began) goes now, not at interpreter exit. Only if loaded: importing it imports torch.
+        cp = sys.modules.get("eagle3.checkpoint")
+        if cp is not None:
+            cp.release_output_locks()
 
 
 if __name__ == "__main__":
