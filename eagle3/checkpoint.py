@@ -705,17 +705,25 @@ def side_file_source(f: Path, src_dir: Path) -> Path:
     return real
 
 
+def check_side_files(src_dir: Path, trust_remote_code: bool = False,
+                     skip: Iterable[str] = ("config.json",)) -> list[tuple[str, Path]]:
+    """The side files :func:`copy_side_files` will copy, as (name, file to read), each checked with
+    :func:`side_file_source`. Call it before writing anything to refuse a bad one early."""
+    skip = set(skip)
+    todo = []
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.name not in skip and is_side_file(f.name, trust_remote_code) and not (f.is_dir() and not f.is_symlink()):
+            todo.append((f.name, side_file_source(f, Path(src_dir))))
+    return todo
+
+
 def copy_side_files(src_dir: Path, dst_dir: Path, trust_remote_code: bool = False,
                     skip: Iterable[str] = ("config.json",)) -> list[str]:
     """Copy tokenizer, chat template and generation config (and ``*.py`` only with
     ``trust_remote_code``) from a model directory. ``config.json`` is the caller's to write.
     Only regular files inside ``src_dir`` are copied (see :func:`side_file_source`); all are checked
     before the first is copied."""
-    skip = set(skip)
-    todo = []
-    for f in sorted(Path(src_dir).iterdir()):
-        if f.name not in skip and is_side_file(f.name, trust_remote_code) and not (f.is_dir() and not f.is_symlink()):
-            todo.append((f.name, side_file_source(f, Path(src_dir))))
+    todo = check_side_files(src_dir, trust_remote_code, skip)
     for name, real in todo:
         try:
             shutil.copy2(real, Path(dst_dir) / name)
@@ -781,7 +789,9 @@ def check_output_path(out: str | os.PathLike[str], inputs: Iterable[str | os.Pat
         if inp is None or not os.path.lexists(os.path.expanduser(os.fspath(inp))):
             continue
         r_in = _real(inp)
-        for c in companion_paths(o) if what == "output" else [o]:
+        # Reports are files written as NAME.partial (figures NAME.partial.png) and renamed.
+        report_paths = [o, o.with_name(o.name + ".partial"), o.with_name(o.name + ".partial.png")]
+        for c in companion_paths(o) if what == "output" else report_paths:
             r_out = _real(c)
             if r_out == r_in:
                 how = "is" if c == o else f"would write {c}, which is"

@@ -183,9 +183,10 @@ def write_output(out: Path, out_cfg: dict[str, Any], items: list[Item], report: 
     """Write a planned conversion atomically: shards, config, side files, report, manifest.
     ``opts`` is a DraftOptions or TargetOptions (overwrite, max_shard_bytes, progress,
     trust_remote_code)."""
-    from eagle3.checkpoint import atomic_output, copy_side_files
+    from eagle3.checkpoint import atomic_output, check_side_files, copy_side_files
 
     report.output = str(out)
+    check_side_files(src_dir, opts.trust_remote_code)  # a bad one refused before anything is written
     # Every local path read is an input the output must stay clear of (checked under the lock).
     inputs = [src_dir, getattr(opts, "target", None)]
     with atomic_output(out, overwrite=opts.overwrite, inputs=inputs) as tmp:
