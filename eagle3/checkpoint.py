@@ -15,6 +15,7 @@ bounded by the largest tensor, whatever the checkpoint size.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import hashlib
@@ -785,6 +786,8 @@ def check_output_path(out: str | os.PathLike[str], inputs: Iterable[str | os.Pat
     source given through a link is recognised). ``inputs`` that do not exist locally (Hub ids,
     ``None``) are skipped. Raises :class:`UsageError`; touches nothing."""
     o = Path(os.path.expanduser(os.fspath(out)))
+    if o.name in ("", ".", ".."):  # OUT.partial / OUT.lock need a name to live beside it
+        raise UsageError(f"{out}: give the {what} a name (a path ending in '.' or '..' has none)")
     for inp in inputs:
         if inp is None or not os.path.lexists(os.path.expanduser(os.fspath(inp))):
             continue
@@ -823,7 +826,11 @@ def _check_replaceable(dst: Path, overwrite: bool, resume: bool) -> None:
                                     f"{MANIFEST_FILE}); --overwrite replaces only those: remove it yourself")
     tmp = partial_path(dst)
     if os.path.lexists(tmp) and not resume:
-        if tmp.is_symlink() or not tmp.is_dir() or (any(tmp.iterdir()) and not (tmp / PARTIAL_MARKER).is_file()):
+        try:
+            ours = not tmp.is_symlink() and tmp.is_dir() and (not any(tmp.iterdir()) or (tmp / PARTIAL_MARKER).is_file())
+        except OSError:
+            ours = False
+        if not ours:
             raise OutputExistsError(f"{tmp}: exists and was not started by eagle3; remove it yourself")
 
 
@@ -853,6 +860,7 @@ class _Lock:
 
 
 _LOCKS: dict[Path, _Lock] = {}
+_LOCKS_ATEXIT: list[bool] = []
 
 
 def _lock_holder(path: Path) -> str:
@@ -903,6 +911,9 @@ def lock_output(out: str | os.PathLike[str]) -> None:
     except OSError as e:
         os.close(fd)
         raise write_error(e, path) from None
+    if not _LOCKS_ATEXIT:
+        _LOCKS_ATEXIT.append(True)
+        atexit.register(release_output_locks)  # a library caller that never reached its release
     _LOCKS[key] = _Lock(path, fd)
 
 
