@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import struct
 import sys
 from collections.abc import Iterable, Iterator
@@ -871,6 +872,21 @@ def _lock_holder(path: Path) -> str:
         return "pid unknown"
 
 
+def _is_lock_file(fd: int) -> bool:
+    """Empty (just created, or a run died before writing it) or what :func:`lock_output` writes:
+    anything else is someone's file that happens to be named ``OUT.lock`` and is left alone."""
+    st = os.fstat(fd)
+    if st.st_size == 0:
+        return True
+    if st.st_size > 65536 or not stat.S_ISREG(st.st_mode):
+        return False
+    try:
+        info = json.loads(os.pread(fd, st.st_size, 0))
+    except ValueError:
+        return False
+    return isinstance(info, dict) and set(info) == {"pid", "command"}
+
+
 def lock_output(out: str | os.PathLike[str]) -> None:
     """Take ``OUT.lock`` (``fcntl.flock``, so a lock left by a killed run does not block). A second
     run into the same output gets one line naming the first. Re-entrant within a process; every
@@ -885,8 +901,10 @@ def lock_output(out: str | os.PathLike[str]) -> None:
     path = lock_path(Path(out))
     for _ in range(20):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{path}: is a symbolic link, not an eagle3 lock file; remove it yourself") from None
             raise write_error(e, path) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -900,6 +918,9 @@ def lock_output(out: str | os.PathLike[str]) -> None:
         except FileNotFoundError:
             same = False
         if same:
+            if not _is_lock_file(fd):
+                os.close(fd)
+                raise UsageError(f"{path}: exists and is not an eagle3 lock file; remove it yourself")
             break
         os.close(fd)
     else:

@@ -254,6 +254,15 @@ def test_two_concurrent_cli_runs(T: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["T", "o"]
 
 
+def test_a_foreign_lock_named_file_is_left_alone(T: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "o.lock").write_text("my notes")
+    err = error(capsys, ["convert", str(T / DRAFT), str(tmp_path / "o"), "--engine", "vllm", "--quiet"])
+    assert "o.lock" in err and "not an eagle3 lock file" in err
+    assert (tmp_path / "o.lock").read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["T", "o.lock"]
+
+
 # ---------------------------------------------------------------------------------------------
 # item 4: side files
 # ---------------------------------------------------------------------------------------------
