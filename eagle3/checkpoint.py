@@ -15,13 +15,17 @@ bounded by the largest tensor, whatever the checkpoint size.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import shutil
+import stat
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-from eagle3.errors import CheckpointError, OutputExistsError, VerifyError
+from eagle3.errors import CheckpointError, OutputError, OutputExistsError, UsageError, VerifyError
 from eagle3.formats.files import INDEX_FILE, MANIFEST_FILE, is_side_file
 
 # safetensors dtype tag <-> torch dtype. F8_E8M0 exists in newer safetensors/torch only.
@@ -296,7 +300,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    with writing(path):
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +328,8 @@ class _ShardBuilder:
         self.data_path = data_path
         self.out_path = out_path
         self.max_bytes = max_bytes
-        self._f = open(data_path, "wb")
+        with writing(data_path):
+            self._f = open(data_path, "wb")
         self.entries: dict[str, dict[str, Any]] = {}
         self.nbytes = 0
         self._reserved: int | None = None  # header bytes reserved in out_path once writing directly
@@ -336,12 +342,14 @@ class _ShardBuilder:
         entries = len(self.entries) * expect / max(self.nbytes, 1) + 16
         reserve = int(min(max(2 * per_entry * entries + 4096, 1 << 20), MAX_HEADER_BYTES // 2))
         reserve += -reserve % 8
-        self._f.close()
-        out = open(self.out_path, "wb")
-        out.seek(8 + reserve)
-        with open(self.data_path, "rb") as data:
-            _copy_file(data, out, self.nbytes)
-        self.data_path.unlink()
+        with writing(self.data_path):
+            self._f.close()
+        with writing(self.out_path):
+            out = open(self.out_path, "wb")
+            out.seek(8 + reserve)
+            with open(self.data_path, "rb") as data:
+                _copy_file(data, out, self.nbytes)
+            self.data_path.unlink()
         self._f = out
         self._reserved = reserve
 
@@ -356,17 +364,20 @@ class _ShardBuilder:
         self._entry(name, tag_from_dtype(t.dtype), list(t.shape), n)
         if n:
             # A uint8 view of the storage: no copy for contiguous tensors of any dtype.
-            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            with writing(self._f.name):
+                self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         self.nbytes += n
 
     def add_raw(self, name: str, info: TensorInfo) -> None:
         self._entry(name, info.dtype, list(info.shape), info.nbytes)
         if info.nbytes:
+            with writing(self._f.name):
+                self._f.flush()  # a full disk shows here or in the copy (named as the output's)
             try:
                 with open(info.file, "rb") as src:
                     src.seek(info.offset)
                     _copy_file(src, self._f, info.nbytes)
-            except OSError as e:
+            except OSError as e:  # write errors are OutputError (not an OSError): this is the read
                 raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
         self.nbytes += info.nbytes
 
@@ -374,6 +385,10 @@ class _ShardBuilder:
         return _header_json(metadata, self.entries)
 
     def finish(self, out_path: Path, metadata: dict[str, str]) -> None:
+        with writing(out_path):
+            self._finish(out_path, metadata)
+
+    def _finish(self, out_path: Path, metadata: dict[str, str]) -> None:
         raw = self._header(metadata)
         if self._reserved is not None:
             assert out_path == self.out_path
@@ -406,18 +421,21 @@ def _header_json(metadata: dict[str, str], entries: dict[str, dict[str, Any]]) -
 
 def _copy_file(src: Any, dst: Any, n: int) -> None:
     """Copy ``n`` bytes from the current position of ``src`` to that of ``dst`` (file objects)."""
-    dst.flush()  # the copy works on the fds: buffered bytes must be out first
+    with writing(getattr(dst, "name", "the output")):
+        dst.flush()  # the copy works on the fds: buffered bytes must be out first
     start, out = src.tell(), dst.tell()
     _copy_range(src.fileno(), start, dst.fileno(), out, n,
-                f"{getattr(src, 'name', src)}: ended early while copying {n} bytes")
+                f"{getattr(src, 'name', src)}: ended early while copying {n} bytes", getattr(dst, "name", None))
     src.seek(start + n)
     dst.seek(out + n)
 
 
-def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, short: str) -> None:
+def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, short: str,
+                dst_name: str | os.PathLike[str] | None = None) -> None:
     """Copy ``n`` bytes between two fds at explicit offsets (no file position is used, so threads
     may copy into one file at once): in the kernel where the platform allows it, else through a
-    buffer. ``short`` is the error when the source ends early."""
+    buffer. ``short`` is the error when the source ends early; a failed write (disk full) is an
+    :class:`OutputError` naming ``dst_name``, a failed read stays an OSError for the caller."""
     done = 0
     try:
         while done < n:
@@ -433,7 +451,10 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, short: s
             k = min(len(buf), n - done)
             if _pread_into(src, buf[:k], src_off + done) != k:
                 raise CheckpointError(short)
-            _pwrite_all(dst, buf[:k], dst_off + done)
+            try:
+                _pwrite_all(dst, buf[:k], dst_off + done)
+            except OSError as e:
+                raise write_error(e, dst_name or "the output") from None
             done += k
 
 
@@ -585,10 +606,12 @@ class ShardFile:
     def __init__(self, path: Path, layout: ShardLayout) -> None:
         self.path = Path(path)
         self.layout = layout
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        with writing(self.path):
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(self._fd, memoryview(layout.header), 0)
-            os.ftruncate(self._fd, layout.size)
+            with writing(self.path):
+                _pwrite_all(self._fd, memoryview(layout.header), 0)
+                os.ftruncate(self._fd, layout.size)
         except BaseException:
             os.close(self._fd)
             raise
@@ -606,7 +629,8 @@ class ShardFile:
         t = tensor.detach().to("cpu").contiguous()
         slot = self._slot(name, tag_from_dtype(t.dtype), tuple(t.shape))
         if slot.nbytes:
-            _pwrite_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), slot.offset)
+            with writing(self.path):
+                _pwrite_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), slot.offset)
 
     def copy_raw(self, name: str, info: TensorInfo) -> None:
         """Copy a source tensor's bytes into its slot, in the kernel where the platform allows it."""
@@ -617,7 +641,7 @@ class ShardFile:
             raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
         try:
             _copy_range(src, info.offset, self._fd, slot.offset, slot.nbytes,
-                        f"{info.file}: truncated shard while reading tensor {info.name!r}")
+                        f"{info.file}: truncated shard while reading tensor {info.name!r}", self.path)
         finally:
             os.close(src)
 
@@ -656,65 +680,372 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
+def _hf_blobs_dir(src_dir: Path) -> Path | None:
+    """``.../models--owner--name/blobs`` when ``src_dir`` is a Hugging Face cache snapshot
+    (``.../models--owner--name/snapshots/<rev>``), whose files are symlinks into that directory."""
+    d = _real(src_dir)
+    repo = d.parent.parent
+    if d.parent.name == "snapshots" and repo.name.split("--")[0] in ("models", "datasets", "spaces"):
+        return repo / "blobs"
+    return None
+
+
+def side_file_source(f: Path, src_dir: Path) -> Path:
+    """The file whose bytes a side file ``f`` of ``src_dir`` stands for: itself, or where its
+    symlink leads when that stays inside ``src_dir`` (or, for a Hugging Face cache snapshot, inside
+    the repository's ``blobs``). Anything else is refused (:class:`CheckpointError`): a symlink to
+    an arbitrary file would copy that file's contents into the output."""
+    real = _real(f)
+    if f.is_symlink():
+        root = _real(src_dir)
+        blobs = _hf_blobs_dir(src_dir)
+        if not (_within(real, root) or (blobs is not None and _within(real, blobs))):
+            raise CheckpointError(f"{f}: is a symbolic link to {real}, outside {src_dir}; side files are copied "
+                                  f"only from inside the model directory (copy the file there)")
+    if not real.is_file():
+        raise CheckpointError(f"{f}: is not a regular file (side files must be regular files)")
+    return real
+
+
+def check_side_files(src_dir: Path, trust_remote_code: bool = False,
+                     skip: Iterable[str] = ("config.json",)) -> list[tuple[str, Path]]:
+    """The side files :func:`copy_side_files` will copy, as (name, file to read), each checked with
+    :func:`side_file_source`. Call it before writing anything to refuse a bad one early."""
+    skip = set(skip)
+    todo = []
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.name not in skip and is_side_file(f.name, trust_remote_code) and not (f.is_dir() and not f.is_symlink()):
+            todo.append((f.name, side_file_source(f, Path(src_dir))))
+    return todo
+
+
 def copy_side_files(src_dir: Path, dst_dir: Path, trust_remote_code: bool = False,
                     skip: Iterable[str] = ("config.json",)) -> list[str]:
     """Copy tokenizer, chat template and generation config (and ``*.py`` only with
-    ``trust_remote_code``) from a model directory. ``config.json`` is the caller's to write."""
-    copied = []
-    skip = set(skip)
-    for f in sorted(Path(src_dir).iterdir()):
-        if f.is_file() and f.name not in skip and is_side_file(f.name, trust_remote_code):
-            shutil.copy2(f, Path(dst_dir) / f.name)
-            copied.append(f.name)
-    return copied
+    ``trust_remote_code``) from a model directory. ``config.json`` is the caller's to write.
+    Only regular files inside ``src_dir`` are copied (see :func:`side_file_source`); all are checked
+    before the first is copied."""
+    todo = check_side_files(src_dir, trust_remote_code, skip)
+    for name, real in todo:
+        try:
+            shutil.copy2(real, Path(dst_dir) / name)
+        except OSError as e:
+            if e.filename == str(real):
+                raise CheckpointError(f"{real}: cannot read ({e.strerror or e})") from None
+            raise write_error(e, Path(dst_dir) / name) from None
+    return [name for name, _ in todo]
 
 
 # ----------------------------------------------------------------------------------------------
-# Atomic output and manifest
+# Output safety: where an output may go, who may write it, what --overwrite may remove
 # ----------------------------------------------------------------------------------------------
+#
+# One rule for every command that writes (convert, quantize, make-tiny, the validate/bench reports):
+# the output must not be, contain or lie inside any input, after resolving symbolic links; an
+# existing output is replaced (--overwrite) only when eagle3 wrote it (its manifest.json says so);
+# and one run at a time writes a given output (a lock file beside it). All checks run before
+# anything is written or removed.
+
+PARTIAL_MARKER = ".eagle3-partial"  # inside OUT.partial: eagle3 created it, a rerun may remove it
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EFBIG: "file too large (file size limit)", errno.EROFS: "read-only file system",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
+
+
+def write_error(e: OSError, path: str | os.PathLike[str]) -> OutputError:
+    """One line for an OSError met while writing ``path`` (disk full, read-only, ...)."""
+    what = _WRITE_ERRNOS.get(e.errno or 0) or (e.strerror or str(e)).lower()
+    return OutputError(f"{what} while writing {path}")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn an OSError raised while writing ``path`` into a one-line :class:`OutputError`."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(e, path) from None
+
+
+def _real(p: str | os.PathLike[str]) -> Path:
+    """Absolute, symlinks resolved (as far as the path exists)."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(p))))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def companion_paths(out: Path) -> list[Path]:
+    """Everything a run into ``out`` may create, replace or remove."""
+    return [out, partial_path(out), lock_path(out)]
+
+
+def check_output_path(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str] | None] = (),
+                      what: str = "output") -> None:
+    """Refuse an output that is, contains or lies inside an input (after resolving symlinks, so a
+    source given through a link is recognised). ``inputs`` that do not exist locally (Hub ids,
+    ``None``) are skipped. Raises :class:`UsageError`; touches nothing."""
+    o = Path(os.path.expanduser(os.fspath(out)))
+    if o.name in ("", ".", ".."):  # OUT.partial / OUT.lock need a name to live beside it
+        raise UsageError(f"{out}: give the {what} a name (a path ending in '.' or '..' has none)")
+    for inp in inputs:
+        if inp is None or not os.path.lexists(os.path.expanduser(os.fspath(inp))):
+            continue
+        r_in = _real(inp)
+        # Reports are files written as NAME.partial (figures NAME.partial.png) and renamed.
+        report_paths = [o, o.with_name(o.name + ".partial"), o.with_name(o.name + ".partial.png")]
+        for c in companion_paths(o) if what == "output" else report_paths:
+            r_out = _real(c)
+            if r_out == r_in:
+                how = "is" if c == o else f"would write {c}, which is"
+                raise UsageError(f"{out}: the {what} {how} the input {inp}; choose another {what} path")
+            if _within(r_in, r_out):
+                raise UsageError(f"{out}: the {what} would contain the input {inp}; choose a path outside it")
+            if _within(r_out, r_in):
+                raise UsageError(f"{out}: the {what} lies inside the input {inp}; choose a path outside it")
+
+
+def is_eagle3_output(d: Path) -> bool:
+    """True when ``d`` is a real directory carrying the manifest :func:`write_manifest` writes."""
+    m = d / MANIFEST_FILE
+    if d.is_symlink() or not d.is_dir() or m.is_symlink() or not m.is_file():
+        return False
+    try:
+        data = json.loads(m.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("eagle3_version"), str) and isinstance(data.get("files"), dict)
+
+
+def _check_replaceable(dst: Path, overwrite: bool, resume: bool) -> None:
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise OutputExistsError(f"{dst}: already exists (pass --overwrite to replace it)")
+        if not is_eagle3_output(dst):
+            raise OutputExistsError(f"{dst}: already exists and is not an output eagle3 wrote (no eagle3 "
+                                    f"{MANIFEST_FILE}); --overwrite replaces only those: remove it yourself")
+    tmp = partial_path(dst)
+    if os.path.lexists(tmp) and not resume:
+        try:
+            ours = not tmp.is_symlink() and tmp.is_dir() and (not any(tmp.iterdir()) or (tmp / PARTIAL_MARKER).is_file())
+        except OSError:
+            ours = False
+        if not ours:
+            raise OutputExistsError(f"{tmp}: exists and was not started by eagle3; remove it yourself")
+
+
+def check_output(out: str | os.PathLike[str], overwrite: bool,
+                 inputs: Iterable[str | os.PathLike[str] | None] = (), resume: bool = False) -> Path:
+    """The output rules, checked before doing any work: not an input (see
+    :func:`check_output_path`), and an existing output only with ``overwrite`` and only when eagle3
+    wrote it. Touches nothing."""
+    p = Path(out)
+    check_output_path(p, inputs)
+    _check_replaceable(p, overwrite, resume)
+    return p
+
+
+# -- one run per output --------------------------------------------------------------------------
+
+
+def lock_path(out: Path) -> Path:
+    return out.with_name(out.name + ".lock")
+
+
+@dataclass
+class _Lock:
+    path: Path
+    fd: int
+    depth: int = 1
+
+
+_LOCKS: dict[Path, _Lock] = {}
+_LOCKS_ATEXIT: list[bool] = []
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text())
+        return f"pid {info['pid']}: {info['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid unknown"
+
+
+def _is_lock_file(fd: int) -> bool:
+    """Empty (just created, or a run died before writing it) or what :func:`lock_output` writes:
+    anything else is someone's file that happens to be named ``OUT.lock`` and is left alone."""
+    st = os.fstat(fd)
+    if st.st_size == 0:
+        return True
+    if st.st_size > 65536 or not stat.S_ISREG(st.st_mode):
+        return False
+    try:
+        info = json.loads(os.pread(fd, st.st_size, 0))
+    except ValueError:
+        return False
+    return isinstance(info, dict) and set(info) == {"pid", "command"}
+
+
+def lock_output(out: str | os.PathLike[str]) -> None:
+    """Take ``OUT.lock`` (``fcntl.flock``, so a lock left by a killed run does not block). A second
+    run into the same output gets one line naming the first. Re-entrant within a process; every
+    call needs a matching :func:`unlock_output`."""
+    import fcntl
+
+    key = _real(out)
+    held = _LOCKS.get(key)
+    if held is not None:
+        held.depth += 1
+        return
+    path = lock_path(Path(out))
+    for _ in range(20):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{path}: is a symbolic link, not an eagle3 lock file; remove it yourself") from None
+            raise write_error(e, path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"{out}: another eagle3 run is writing it ({_lock_holder(path)}); "
+                             f"wait for it to finish or choose another output") from None
+        # The previous holder unlinks the file when it ends: a lock on an unlinked file is no lock.
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            if not _is_lock_file(fd):
+                os.close(fd)
+                raise UsageError(f"{path}: exists and is not an eagle3 lock file; remove it yourself")
+            break
+        os.close(fd)
+    else:
+        raise UsageError(f"{path}: could not take the output lock")
+    info = json.dumps({"pid": os.getpid(), "command": " ".join(["eagle3", *sys.argv[1:]])}).encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+    except OSError as e:
+        os.close(fd)
+        raise write_error(e, path) from None
+    if not _LOCKS_ATEXIT:
+        _LOCKS_ATEXIT.append(True)
+        atexit.register(release_output_locks)  # a library caller that never reached its release
+    _LOCKS[key] = _Lock(path, fd)
+
+
+def unlock_output(out: str | os.PathLike[str], force: bool = False) -> None:
+    """Release the lock taken by :func:`lock_output` (the last release removes ``OUT.lock``)."""
+    key = _real(out)
+    held = _LOCKS.get(key)
+    if held is None:
+        return
+    held.depth -= 1
+    if held.depth > 0 and not force:
+        return
+    del _LOCKS[key]
+    with contextlib.suppress(OSError):
+        held.path.unlink()  # while still locked: a waiting run then sees a new file (see lock_output)
+    os.close(held.fd)
+
+
+def release_output_locks() -> None:
+    """Drop every output lock this process holds (the CLI calls it when a command ends)."""
+    for key in list(_LOCKS):
+        unlock_output(key, force=True)
+
+
+def claim_output(out: str | os.PathLike[str], overwrite: bool,
+                 inputs: Iterable[str | os.PathLike[str] | None] = (), resume: bool = False) -> Path:
+    """:func:`check_output`, then the output lock, then the existence checks again under the lock
+    (another run may have finished meanwhile). For commands that must hold the lock before
+    :func:`atomic_output` (which re-uses it and releases it at its end); on an error before that,
+    call :func:`unlock_output`."""
+    inputs = list(inputs)
+    p = check_output(out, overwrite, inputs, resume)
+    lock_output(p)
+    try:
+        _check_replaceable(p, overwrite, resume)
+    except BaseException:
+        unlock_output(p)
+        raise
+    return p
 
 
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def check_output(out: str | os.PathLike[str], overwrite: bool) -> Path:
-    """Refuse an existing output unless ``overwrite`` (call before doing any work)."""
-    p = Path(out)
-    if p.exists() and not overwrite:
-        raise OutputExistsError(f"{p}: already exists (pass --overwrite to replace it)")
-    return p
+def _replace_dir(tmp: Path, dst: Path) -> None:
+    """Rename ``tmp`` to ``dst``; an existing ``dst`` (checked replaceable) is moved aside under a
+    name no one else uses, and moved back if the final rename fails: nothing is lost either way."""
+    if not os.path.lexists(dst):
+        tmp.rename(dst)
+        return
+    n = 0
+    while os.path.lexists(old := dst.with_name(f".{dst.name}.eagle3-old-{os.getpid()}-{n}")):
+        n += 1  # never remove what is there: it is not ours
+    dst.rename(old)
+    try:
+        tmp.rename(dst)
+    except BaseException:
+        old.rename(dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: bool = False,
-                  manifest: bool = True, known_digests: dict[str, str] | None = None) -> Iterator[Path]:
+                  manifest: bool = True, known_digests: dict[str, str] | None = None,
+                  inputs: Iterable[str | os.PathLike[str] | None] = ()) -> Iterator[Path]:
     """Yield ``<out>.partial``; on success write the manifest and rename it to ``<out>``.
 
-    On an error the partial directory is removed (nothing half-written is left behind), except
-    with ``resume=True``, where it is kept so that a rerun can skip finished work.
+    Checks the output rules (:func:`check_output` with ``inputs``: every path the command reads)
+    and holds ``<out>.lock`` for the whole run. On an error the partial directory is removed
+    (nothing half-written is left behind), except with ``resume=True``, where it is kept so that a
+    rerun can skip finished work. An OSError from writing (disk full, read-only) becomes one line.
     ``known_digests`` (filled by the caller inside the block) spares re-hashing files it hashed."""
-    dst = check_output(out, overwrite)
+    dst = claim_output(out, overwrite, inputs, resume)
     tmp = partial_path(dst)
-    if tmp.exists() and not resume:
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
     try:
-        yield tmp
-        if manifest:
-            write_manifest(tmp, known=known_digests)
-    except BaseException:
-        if not resume:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(dst)
+        try:
+            if os.path.lexists(tmp) and not resume:
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / PARTIAL_MARKER).touch()
+        except OSError as e:
+            raise write_error(e, tmp) from None
+        try:
+            yield tmp
+            if manifest:
+                with writing(tmp / MANIFEST_FILE):
+                    write_manifest(tmp, known=known_digests)
+            (tmp / PARTIAL_MARKER).unlink(missing_ok=True)
+            with writing(dst):
+                _replace_dir(tmp, dst)
+        except OSError as e:
+            if not resume:
+                shutil.rmtree(tmp, ignore_errors=True)
+            # An OSError from writing into the output (not from reading an input) is the output's.
+            name = e.filename if isinstance(e.filename, str) else None
+            if e.errno in _WRITE_ERRNOS and (name is None or _within(_real(name), _real(tmp))):
+                raise write_error(e, name or tmp) from None
+            raise
+        except BaseException:
+            if not resume:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        unlock_output(dst, force=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifest
+# ----------------------------------------------------------------------------------------------
 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:

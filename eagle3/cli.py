@@ -350,7 +350,7 @@ def serve(
         vopts = ValidateOptions(task=validate, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
                                 dataset=dataset, max_tokens=max_tokens, model=name, report=report, figure=figure,
                                 overwrite=overwrite, min_accuracy=min_accuracy, min_acceptance=min_acceptance,
-                                accuracy_filter=accuracy_filter)
+                                accuracy_filter=accuracy_filter, inputs=(target, draft))
         result = launcher.serve_and_validate(target, draft, eopts, vopts, model_name=name, api_key=api_key,
                                              host=host, port=0 if port is None else port, baseline=baseline,
                                              echo=lambda s: typer.echo(s, err=True))
@@ -442,8 +442,14 @@ def bench(
 
     if (target is None) == (base_url is None):
         raise UsageError("give either TARGET (served in-process) or --base-url")
-    if report is not None and report.exists() and not overwrite:
-        raise UsageError(f"{report} exists; pass --overwrite to replace it")
+    if report is not None:
+        from eagle3.checkpoint import check_output_path
+
+        check_output_path(report, [target, draft, dataset_path, tokenizer], what="report")
+        if report.is_dir():
+            raise UsageError(f"{report}: --report names a directory; give a file path")
+        if report.exists() and not overwrite:
+            raise UsageError(f"{report} exists; pass --overwrite to replace it")
     opts = b.BenchOptions(dataset=dataset, dataset_path=dataset_path, input_len=input_len, output_len=output_len,
                           num_prompts=num_prompts, concurrency=b.parse_levels(concurrency), seed=seed, model=model,
                           api_key=api_key)
@@ -484,6 +490,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    finally:
+        # An output lock a command took and did not get to release (an error before its write
+        # began) goes now, not at interpreter exit. Only if loaded: importing it imports torch.
+        cp = sys.modules.get("eagle3.checkpoint")
+        if cp is not None:
+            cp.release_output_locks()
 
 
 if __name__ == "__main__":

@@ -44,3 +44,7 @@ class DownloadError(Eagle3Error):
 
 class VerifyError(Eagle3Error):
     """A manifest check failed: a file is missing, extra, or its sha256 differs."""
+
+
+class OutputError(Eagle3Error):
+    """The output cannot be written: disk full, read-only file system, no permission."""

@@ -74,8 +74,9 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
         raise UsageError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
     if aux_convention is not None and aux_convention not in ("input", "output"):
         raise UsageError(f"--aux-convention {aux_convention}: expected 'input' or 'output'")
-    check_output(out, overwrite)  # refuse early: before a Hub download or any work
+    check_output(out, overwrite, inputs=[src, target])  # refuse early: before a Hub download or any work
     src_dir = hub.resolve(src, trust_remote_code=trust_remote_code)
+    check_output(out, overwrite, inputs=[src_dir])
     summary = detect.detect(src_dir)
     drop = list(drop or [])
     if summary.role == "draft":

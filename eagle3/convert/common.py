@@ -183,10 +183,13 @@ def write_output(out: Path, out_cfg: dict[str, Any], items: list[Item], report: 
     """Write a planned conversion atomically: shards, config, side files, report, manifest.
     ``opts`` is a DraftOptions or TargetOptions (overwrite, max_shard_bytes, progress,
     trust_remote_code)."""
-    from eagle3.checkpoint import atomic_output, copy_side_files
+    from eagle3.checkpoint import atomic_output, check_side_files, copy_side_files
 
     report.output = str(out)
-    with atomic_output(out, overwrite=opts.overwrite) as tmp:
+    check_side_files(src_dir, opts.trust_remote_code)  # a bad one refused before anything is written
+    # Every local path read is an input the output must stay clear of (checked under the lock).
+    inputs = [src_dir, getattr(opts, "target", None)]
+    with atomic_output(out, overwrite=opts.overwrite, inputs=inputs) as tmp:
         write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress)
         write_json(tmp / "config.json", out_cfg)
         report.side_files = copy_side_files(src_dir, tmp, trust_remote_code=opts.trust_remote_code)

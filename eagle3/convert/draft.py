@@ -422,6 +422,10 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
             report.config["quantization_config_renamed"] = n_changed
     verifier = opts.verifier or opts.target
     ver_arch = tfacts.architectures if tfacts is not None and verifier == opts.target else None
+    if verifier is not None and Path(verifier).expanduser().exists():
+        # A local directory as typed (``tiny/kimi-k2.5``) would be looked up relative to wherever the
+        # draft is later loaded from, and then on the Hub: write it absolute. A Hub id stays as is.
+        verifier = str(Path(verifier).expanduser().absolute())
     spec = DraftSpec(
         variant=variant, layer=layer, draft_vocab_size=int(draft_vocab), target_hidden_size=int(th),
         aux_input_ids=input_ids, fc_norm=fc_norm, norm_output=norm_output, norm_before_fc=norm_before_fc,

@@ -52,6 +52,8 @@ from eagle3.checkpoint import (
     ShardLayout,
     atomic_output,
     check_output,
+    check_side_files,
+    claim_output,
     copy_side_files,
     partial_path,
     read_header,
@@ -392,10 +394,10 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     sc = rec.scope(scope)
     src_dir = Path(hub.resolve(src))
     out_p = Path(out)
-    if out_p.resolve() == src_dir.resolve() or src_dir.resolve() in out_p.resolve().parents:
-        raise UsageError(f"{out_p}: the output must not be the source directory or inside it")
+    inputs = [src, src_dir, rec.source]  # the output must not be, contain or lie inside any of them
+    dst = check_output(out_p, overwrite, inputs, resume)
     source, reader = inspect_source(src_dir)
-    dst = check_output(out_p, overwrite)
+    check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     tmp = partial_path(dst)
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify)
     quark_cfg = None
@@ -404,6 +406,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
 
         quark_cfg = quark_engine.quantization_config(rec, compat.exclude_list(plan.unquantized, sc.exclude_regex))
 
+    claim_output(out_p, overwrite, inputs, resume)  # the OUT lock, held until atomic_output ends
     if tmp.exists() and not resume:
         shutil.rmtree(tmp)
     state = tmp / STATE_DIR
@@ -415,7 +418,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
                              f"rerun without --resume to start over")
         done = _load_done(state, tmp, plan.jobs)
     digests: dict[str, str] = {}
-    with atomic_output(out_p, overwrite=overwrite, resume=True, known_digests=digests) as tmp_dir:
+    with atomic_output(out_p, overwrite=overwrite, resume=True, known_digests=digests, inputs=inputs) as tmp_dir:
         try:
             state.mkdir(parents=True, exist_ok=True)
             write_json(state / "state.json", fp)

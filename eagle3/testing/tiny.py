@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from eagle3.checkpoint import CheckpointWriter, atomic_output, check_output, write_json
+from eagle3.checkpoint import CheckpointWriter, atomic_output, check_output, write_json, writing
 from eagle3.errors import UsageError
 from eagle3.formats.codecs import ct_int4_pack
 
@@ -765,8 +765,10 @@ def chat_template() -> str:
 
 
 def _write_tokenizer(d: Path, tokenizer: Any, eos: str, gen_eos: list[int]) -> None:
-    (d / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    (d / "chat_template.jinja").write_text(chat_template(), encoding="utf-8")
+    with writing(d / "tokenizer.json"):
+        (d / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+    with writing(d / "chat_template.jinja"):
+        (d / "chat_template.jinja").write_text(chat_template(), encoding="utf-8")
     write_json(d / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "[BOS]",

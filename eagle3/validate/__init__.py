@@ -40,6 +40,7 @@ class ValidateOptions:
     min_accuracy: float | None = None
     min_acceptance: float | None = None
     accuracy_filter: str = "strict-match"
+    inputs: tuple[Path | None, ...] = ()  # what else the run reads (serve: target, draft): no report there
 
     def check(self) -> None:
         from eagle3.validate import gsm8k
@@ -57,8 +58,15 @@ class ValidateOptions:
         for name, v in (("--min-accuracy", self.min_accuracy), ("--min-acceptance", self.min_acceptance)):
             if v is not None and not 0.0 <= v <= 1.0:
                 raise UsageError(f"{name} must be in [0, 1], got {v}")
-        for p in (self.report, self.figure_path()):
-            if p is not None and p.exists() and not self.overwrite:
+        from eagle3.checkpoint import check_output_path
+
+        for flag, p in (("report", self.report), ("figure", self.figure_path())):
+            if p is None:
+                continue
+            check_output_path(p, [self.dataset, *self.inputs], what=flag)
+            if p.is_dir():
+                raise UsageError(f"{p}: --{flag} names a directory; give a file path")
+            if p.exists() and not self.overwrite:
                 raise UsageError(f"{p} exists; pass --overwrite to replace it")
 
     def figure_path(self) -> Path | None:
