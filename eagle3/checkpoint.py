@@ -296,7 +296,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    # allow_nan=False: Infinity/NaN are not JSON; every report must load in strict parsers.
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------
