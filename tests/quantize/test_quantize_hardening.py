@@ -412,6 +412,13 @@ def test_quark_importer_loads_w4a8_only_with_the_zero_points(tmp_path: Path) -> 
     quantize(tmp_path / "llama", tmp_path / "plain", str(recipe), workers=1, any_architecture=True)
     quantize(tmp_path / "llama", tmp_path / "zp", str(recipe), workers=1, any_architecture=True,
              quark_zero_points=True)
+    # Quark's own primitives (--engine quark) write the same zero points, bit for bit.
+    quantize(tmp_path / "llama", tmp_path / "zp-quark", str(recipe), workers=1, any_architecture=True,
+             quark_zero_points=True, engine="quark")
+    a, b = CheckpointReader(tmp_path / "zp"), CheckpointReader(tmp_path / "zp-quark")
+    assert sorted(a.names()) == sorted(b.names()) and any(n.endswith(keys.ZERO_POINT_2) for n in a.names())
+    for n in a.names():
+        assert torch.equal(a.get(n).reshape(-1).view(torch.uint8), b.get(n).reshape(-1).view(torch.uint8)), n
 
     def skeleton() -> torch.nn.Module:
         return LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval()
