@@ -302,13 +302,17 @@ def quantize_module(shard: OpenShard, m: Module) -> report.TensorReport | None:
     job, out = shard.job, shard.file
     assert out is not None
     src = open_rows(shard.reader, m)
-    if not job.allow_nonfinite:
-        src = _FiniteRows(src, _module_nonfinite(shard.reader, m))
     acc = report.ErrorAccumulator() if job.verify else None
+    if not job.allow_nonfinite and acc is None:
+        # Verifying, the error pass sees every source row anyway (its sum of squares); without it,
+        # each chunk is checked as the quantizer reads it.
+        src = _FiniteRows(src, _module_nonfinite(shard.reader, m))
 
     def observe(r0: int, r1: int, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
         assert acc is not None
         acc.add(native.decode(tensors, job.spec, m.shape, r0, r1), rows)
+        if acc.src_nonfinite and not job.allow_nonfinite:
+            raise finite.NonFiniteError(_module_nonfinite(shard.reader, m))
 
     with torch.no_grad():
         if isinstance(shard.engine, native.NativeEngine):

@@ -35,6 +35,7 @@ class ErrorAccumulator:
     sq_ref: float = 0.0
     max_abs: float = 0.0
     nonfinite: int = 0
+    src_nonfinite: int = 0  # chunks whose source rows hold NaN/Inf (their sum of squares is not finite)
 
     def add(self, decoded: torch.Tensor, ref: torch.Tensor) -> None:
         diff = decoded.sub_(ref).reshape(-1)  # decoded is a fresh fp32 buffer: reuse it
@@ -43,6 +44,8 @@ class ErrorAccumulator:
         err, ref2 = _sq(diff), _sq(r)
         if not math.isfinite(err):  # an inf/nan anywhere in the decode (or the source) shows up here
             self.nonfinite += 1
+        if not math.isfinite(ref2):  # exact: _sq redoes an fp32 overflow in float64
+            self.src_nonfinite += 1
         self.sq_err += err
         self.sq_ref += ref2
         if diff.numel():

@@ -295,12 +295,14 @@ def _poisoned(tiny_dir: Path, tmp_path: Path, name: str, value: float) -> Path:
     return src
 
 
-@pytest.mark.parametrize(("name", "value"), [(QUANTIZED, float("nan")), (COPIED, float("inf"))])
-def test_quantize_refuses_nonfinite_weights(name: str, value: float, tiny_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize(("name", "value", "verify"), [(QUANTIZED, float("nan"), "--verify"),
+                                                     (QUANTIZED, float("-inf"), "--no-verify"),
+                                                     (COPIED, float("inf"), "--verify")])
+def test_quantize_refuses_nonfinite_weights(name: str, value: float, verify: str, tiny_dir: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     src = _poisoned(tiny_dir, tmp_path, name, value)
     out = tmp_path / "o"
-    code, _, err = _cli(["quantize", str(src), str(out), "--recipe", "int4-draft", "--quiet"], capsys)
+    code, _, err = _cli(["quantize", str(src), str(out), "--recipe", "int4-draft", verify, "--quiet"], capsys)
     _one_line_exit_2(code, err, name, "--allow-nonfinite", str(CheckpointReader(src).info(name).file))
     _nothing_left(out)
 
