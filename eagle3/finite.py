@@ -17,7 +17,7 @@ import os
 import torch
 
 from eagle3.checkpoint import TensorInfo, dtype_from_tag
-from eagle3.errors import Eagle3Error
+from eagle3.errors import CheckpointError, Eagle3Error
 
 _FLOAT_TAGS = frozenset({"BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -53,21 +53,24 @@ def raw_all_finite(info: TensorInfo) -> bool:
     dt = dtype_from_tag(info.dtype)
     step = max(dt.itemsize, _CHUNK_BYTES // dt.itemsize * dt.itemsize)
     buf = bytearray(min(step, info.nbytes))
-    fd = os.open(info.file, os.O_RDONLY)
     try:
-        done = 0
-        while done < info.nbytes:
-            n = min(step, info.nbytes - done)
-            view = memoryview(buf)[:n]
-            got = 0
-            while got < n:
-                k = os.preadv(fd, [view[got:]], info.offset + done + got)
-                if k <= 0:
-                    return True  # a truncated file is the reader's to report, not this check's
-                got += k
-            if not all_finite(torch.frombuffer(view, dtype=dt)):
-                return False
-            done += n
-    finally:
-        os.close(fd)
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < info.nbytes:
+                n = min(step, info.nbytes - done)
+                view = memoryview(buf)[:n]
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [view[got:]], info.offset + done + got)
+                    if k <= 0:
+                        return True  # a truncated file is the reader's to report, not this check's
+                    got += k
+                if not all_finite(torch.frombuffer(view, dtype=dt)):
+                    return False
+                done += n
+        finally:
+            os.close(fd)
+    except OSError as e:  # the source side: never blamed on the output being written
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({e.strerror or e})") from None
     return True

@@ -267,7 +267,8 @@ def _module_nonfinite(reader: CheckpointReader, m: Module) -> str:
 
 class _FiniteRows(RowSource):
     """A module's source rows, refused (one line naming the module) where a chunk holds NaN/Inf:
-    checked as the quantizer reads them, so the check costs no extra pass over the data."""
+    checked as the quantizer reads them (one min/max reduction while the chunk is in cache), for
+    runs without verification, whose error pass otherwise sees every source row."""
 
     def __init__(self, src: RowSource, message: str) -> None:
         self._src, self._message = src, message
