@@ -300,8 +300,9 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: Any) -> None:
+    # allow_nan=False: Infinity/NaN are not JSON; every report must load in strict parsers.
     with writing(path):
-        Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -170,6 +170,7 @@ def convert(
     trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
     max_shard_size: Annotated[str | None, typer.Option(help="Largest output shard, e.g. 5GB (default 5GiB).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+    allow_nonfinite: Annotated[bool, typer.Option(help="Write weights that hold NaN/Inf (refused otherwise); the report lists them.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON.")] = False,
 ) -> None:
@@ -188,7 +189,7 @@ def convert(
         aux_convention=aux_convention, norm_output=conv.parse_bool(norm_output, "--norm-output"),
         drop=drop, verifier=verifier, text_only=text_only, dequantize=dequantize, model_type=model_type,
         trust_remote_code=trust_remote_code, overwrite=overwrite, max_shard_bytes=conv.parse_size(max_shard_size),
-        progress=not quiet and not json_out,
+        progress=not quiet and not json_out, allow_nonfinite=allow_nonfinite,
     )
     if json_out:
         _print_json(report.to_json())
@@ -229,6 +230,9 @@ def quantize(
     verify: Annotated[bool, typer.Option(help="Measure each quantized tensor's decode against the source and read it back from OUT.")] = True,
     trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+    allow_nonfinite: Annotated[bool, typer.Option(help="Quantize weights that hold NaN/Inf (refused otherwise); the report lists them.")] = False,
+    any_architecture: Annotated[bool, typer.Option(help="Quantize a model whose architecture eagle3 does not know, file to file, without its model checks.")] = False,
+    quark_zero_points: Annotated[bool, typer.Option(help="Also write the all-zero INT4 zero points (weight_zero_point[_2]) that Quark's own importer needs; vLLM's DeepSeek/Kimi loader refuses them.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
 ) -> None:
@@ -247,7 +251,9 @@ def quantize(
     _retain_freed_memory()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
-                               progress=not quiet and not json_out and sys.stderr.isatty())
+                               progress=not quiet and not json_out and sys.stderr.isatty(),
+                               allow_nonfinite=allow_nonfinite, any_architecture=any_architecture,
+                               quark_zero_points=quark_zero_points)
     if json_out:
         _print_json(result.to_json())
     else:

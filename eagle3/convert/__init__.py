@@ -64,7 +64,8 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
             norm_output: bool | None = None, drop: list[str] | None = None, verifier: str | None = None,
             text_only: bool = False, dequantize: str | None = None, model_type: str | None = None,
             trust_remote_code: bool = False, overwrite: bool = False,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> Report:
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+            allow_nonfinite: bool = False) -> Report:
     """Convert ``src`` (a checkpoint directory or a Hub id) into ``out``; see the module docstrings
     of :mod:`eagle3.convert.draft` and :mod:`eagle3.convert.target`."""
     from eagle3 import hub
@@ -93,7 +94,7 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
         opts = DraftOptions(engine=engine, target=target, aux_layer_ids=aux_layer_ids, aux_convention=aux_convention,
                             norm_output=norm_output, drop=drop, verifier=verifier,
                             trust_remote_code=trust_remote_code, overwrite=overwrite,
-                            max_shard_bytes=max_shard_bytes, progress=progress)
+                            max_shard_bytes=max_shard_bytes, progress=progress, allow_nonfinite=allow_nonfinite)
         return convert_draft(src_dir, out, opts, summary)
     given = [f for f, v in (("--target", target), ("--aux-layer-ids", aux_layer_ids),
                             ("--aux-convention", aux_convention), ("--norm-output", norm_output is not None),
@@ -106,5 +107,5 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
 
     topts = TargetOptions(engine=engine, text_only=text_only, dequantize=dequantize, model_type=model_type,
                           drop=drop, trust_remote_code=trust_remote_code, overwrite=overwrite,
-                          max_shard_bytes=max_shard_bytes, progress=progress)
+                          max_shard_bytes=max_shard_bytes, progress=progress, allow_nonfinite=allow_nonfinite)
     return convert_target(src_dir, out, topts, summary)

@@ -138,11 +138,21 @@ def _progress(enabled: bool) -> Any:
 
 
 def write_items(items: Iterable[Item], out_dir: Path, total_bytes: int, report: Report,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> list[Path]:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+                allow_nonfinite: bool = False) -> list[Path]:
     """Produce and write every item in order, one tensor in memory at a time.
 
     A new output shard starts where the source shard changes (and when one exceeds
-    ``max_shard_bytes``), so a rename-only conversion reproduces the source's shard layout."""
+    ``max_shard_bytes``), so a rename-only conversion reproduces the source's shard layout.
+    Every floating-point tensor is checked for NaN/Inf as it goes by (a computed one in memory, a
+    copied one from its source bytes in chunks): refused with one line naming it, or with
+    ``allow_nonfinite`` written and listed as a warning in the report."""
+    from eagle3 import finite
+
+    def nonfinite(where: str, name: str) -> None:
+        if not allow_nonfinite:
+            raise finite.NonFiniteError(finite.nonfinite_message(where, f"tensor {name!r}"))
+        report.warn(f"tensor {name!r} holds NaN or Inf values (written as is: --allow-nonfinite)")
     items = list(items)
     shard_sizes: dict[str, int] = {}
     for it in items:
@@ -161,11 +171,15 @@ def write_items(items: Iterable[Item], out_dir: Path, total_bytes: int, report: 
                         prog.remove_task(shard_task)
                     shard_task = prog.add_task(f"shard {Path(cur).name}", total=max(shard_sizes[cur], 1))
                 if it.raw is not None:
+                    if not finite.raw_all_finite(it.raw):
+                        nonfinite(str(it.raw.file), it.raw.name)
                     w.add_raw(it.name, it.raw)
                     report.bytes_out += it.raw.nbytes
                 else:
                     assert it.make is not None
                     t = it.make()
+                    if not finite.all_finite(t):
+                        nonfinite(str(it.shard), it.name)
                     w.add(it.name, t)
                     report.bytes_out += t.numel() * t.element_size()
                     del t
@@ -190,7 +204,8 @@ def write_output(out: Path, out_cfg: dict[str, Any], items: list[Item], report: 
     # Every local path read is an input the output must stay clear of (checked under the lock).
     inputs = [src_dir, getattr(opts, "target", None)]
     with atomic_output(out, overwrite=opts.overwrite, inputs=inputs) as tmp:
-        write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress)
+        write_items(items, tmp, sum(i.nbytes for i in items), report, opts.max_shard_bytes, opts.progress,
+                    getattr(opts, "allow_nonfinite", False))
         write_json(tmp / "config.json", out_cfg)
         report.side_files = copy_side_files(src_dir, tmp, trust_remote_code=opts.trust_remote_code)
         report.seconds = time.perf_counter() - t0

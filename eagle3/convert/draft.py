@@ -52,6 +52,7 @@ class DraftOptions:
     overwrite: bool = False
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: bool = True
+    allow_nonfinite: bool = False  # write NaN/Inf weights (refused otherwise)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,7 +135,11 @@ class NativeEngine:
             step(x, r0, r1)
             if observe is not None:
                 observe(r0, r1, out, x)
-        if zero_point:
+        if zero_point and spec.format == "fp8_int4":
+            # Two-stage W4A8: the INT4 stage's zeros; Quark's importer wants them as
+            # weight_zero_point_2 (its weight_quantizer.1.zero_point), the FP8 stage has none.
+            out[keys.ZERO_POINT_2] = codecs.quark_int4_zero_point_like(out[keys.SCALE_2])
+        elif zero_point:
             out[keys.ZERO_POINT] = codecs.quark_int4_zero_point_like(out[keys.SCALE])
         return out
 
@@ -166,7 +170,10 @@ def expected_shapes(spec: WeightSpec, shape: tuple[int, int], zero_point: bool) 
     n, k = shape
     f32 = torch.float32
     if spec.format == "fp8_int4":
-        return {keys.WEIGHT: ((n, (k + 7) // 8), torch.int32), keys.SCALE: ((), f32), keys.SCALE_2: ((n,), f32)}
+        out = {keys.WEIGHT: ((n, (k + 7) // 8), torch.int32), keys.SCALE: ((), f32), keys.SCALE_2: ((n,), f32)}
+        if zero_point:
+            out[keys.ZERO_POINT_2] = (((n + 7) // 8,), torch.int32)
+        return out
     if spec.format == "mxfp4":
         return {keys.WEIGHT: ((n, k // 2), torch.uint8), keys.SCALE: ((n, k // 32), torch.uint8)}
     if spec.format == "fp8":

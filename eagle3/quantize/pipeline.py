@@ -31,9 +31,9 @@ rows and digest) under ``OUT.partial/.eagle3-quantize/``; an interrupted run sta
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from eagle3 import __version__
+from eagle3 import __version__, finite
 from eagle3.checkpoint import (
     CheckpointReader,
     ShardFile,
@@ -60,15 +60,17 @@ from eagle3.checkpoint import (
     read_json,
     sha256_file,
     tag_from_dtype,
+    write_error,
     write_json,
 )
-from eagle3.errors import Eagle3Error, UsageError
+from eagle3.errors import Eagle3Error, OutputError, ShapeError, UsageError
 from eagle3.formats.files import INDEX_FILE
 from eagle3.quantize import compat, native, report
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
     Module,
+    RowSource,
     SourceInfo,
     dense_passthrough,
     find_modules,
@@ -104,6 +106,7 @@ class ShardJob:
     verify: bool
     bound: float
     work_bytes: int  # progress units: source bytes
+    allow_nonfinite: bool = False
 
 
 @dataclass
@@ -120,7 +123,7 @@ class Plan:
 
 
 def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recipe: Recipe, scope: Scope,
-              tmp: Path, engine: str, verify: bool) -> Plan:
+              tmp: Path, engine: str, verify: bool, allow_nonfinite: bool = False) -> Plan:
     """Decide every output tensor from headers only; one-line errors for a scope that matches
     nothing and for a weight the scheme cannot take."""
     modules = find_modules(reader, source)
@@ -163,7 +166,8 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
         weight_map.update({e[0]: f.name for e in entries})
         jobs.append(ShardJob(src=str(src_dir), tmp=str(tmp), file=f.name, steps=tuple(steps), modules=tuple(mods),
                              entries=tuple(entries), spec=recipe.weight, zero_point=recipe.export.zero_point,
-                             engine=engine, verify=verify, bound=recipe.weight.max_rel_error, work_bytes=work))
+                             engine=engine, verify=verify, bound=recipe.weight.max_rel_error, work_bytes=work,
+                             allow_nonfinite=allow_nonfinite))
     unquantized = sorted(m for m in modules if m not in qset)
     return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes)
 
@@ -184,13 +188,12 @@ class ShardResult:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["rows"] = [{**asdict(r), "snr_db": r.snr_db if math.isfinite(r.snr_db) else None} for r in self.rows]
+        d["rows"] = [r.to_json() for r in self.rows]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardResult:
-        rows = [report.TensorReport(**{**r, "snr_db": math.inf if r["snr_db"] is None else r["snr_db"]})
-                for r in d["rows"]]
+        rows = [report.TensorReport.from_json(r) for r in d["rows"]]
         return cls(d["file"], d["out_bytes"], d["tensors"], d["seconds"], rows, d.get("sha256"))
 
 
@@ -211,7 +214,10 @@ class OpenShard:
         self.work = Path(job.tmp) / STATE_DIR / f"{job.file}.part"
         self.final = Path(job.tmp) / job.file
         self.layout = ShardLayout(job.entries)
-        self.file = ShardFile(self.work, self.layout) if job.entries else None
+        try:
+            self.file = ShardFile(self.work, self.layout) if job.entries else None
+        except OSError as e:
+            raise _write_error(e, self.work) from None
         self.rows: dict[str, report.TensorReport] = {}
         self.left = len(job.steps)
         self.t0 = time.perf_counter()
@@ -233,20 +239,61 @@ def run_step(shard: OpenShard, kind: str, name: str, progress: Callable[[int], N
     """One planned step (runs on a worker thread): its output tensors go to their planned offsets."""
     reader, out = shard.reader, shard.file
     assert out is not None
-    if kind == "copy":
-        info = reader.info(name)
-        out.copy_raw(name, info)  # file to file in the kernel: never through Python memory
-        progress(info.nbytes)
-        return None
-    m = shard.mods[name]
-    size = sum(reader.info(t).nbytes for t in m.consumed)
-    if kind == "dense":
-        out.write(f"{name}.weight", dense_passthrough(reader, m))
+    try:
+        if kind == "copy":
+            info = reader.info(name)
+            out.copy_raw(name, info)  # file to file in the kernel: never through Python memory
+            if not shard.job.allow_nonfinite and not finite.raw_all_finite(info):
+                raise finite.NonFiniteError(finite.nonfinite_message(str(info.file), f"tensor {name!r}"))
+            progress(info.nbytes)
+            return None
+        m = shard.mods[name]
+        size = sum(reader.info(t).nbytes for t in m.consumed)
+        if kind == "dense":
+            w = dense_passthrough(reader, m)
+            if not shard.job.allow_nonfinite and not finite.all_finite(w):
+                raise finite.NonFiniteError(_module_nonfinite(reader, m))
+            out.write(f"{name}.weight", w)
+            progress(size)
+            return None
+        row = quantize_module(shard, m)
         progress(size)
-        return None
-    row = quantize_module(shard, m)
-    progress(size)
-    return row
+        return row
+    except OSError as e:
+        raise _write_error(e, shard.work) from None
+
+
+def _module_nonfinite(reader: CheckpointReader, m: Module) -> str:
+    return finite.nonfinite_message(str(reader.info(m.primary).file),
+                                    f"module {m.name!r} (tensors {', '.join(m.consumed)})")
+
+
+class _FiniteRows(RowSource):
+    """A module's source rows, refused (one line naming the module) where a chunk holds NaN/Inf:
+    checked as the quantizer reads them (one min/max reduction while the chunk is in cache), for
+    runs without verification, whose error pass otherwise sees every source row."""
+
+    def __init__(self, src: RowSource, message: str) -> None:
+        self._src, self._message = src, message
+        self.shape, self.dtype, self.row_align = src.shape, src.dtype, src.row_align
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        x = self._src.rows(r0, r1)
+        if not finite.all_finite(x):
+            raise finite.NonFiniteError(self._message)
+        return x
+
+    def full(self) -> torch.Tensor:
+        x = self._src.full()
+        if not finite.all_finite(x):
+            raise finite.NonFiniteError(self._message)
+        return x
+
+
+def _write_error(e: OSError, where: Path) -> OutputError:
+    """One line naming the file being written and the system's reason (checkpoint.write_error); an
+    OSError from the source side is already a CheckpointError naming the source."""
+    return write_error(e, e.filename or where)
 
 
 def quantize_module(shard: OpenShard, m: Module) -> report.TensorReport | None:
@@ -256,10 +303,16 @@ def quantize_module(shard: OpenShard, m: Module) -> report.TensorReport | None:
     assert out is not None
     src = open_rows(shard.reader, m)
     acc = report.ErrorAccumulator() if job.verify else None
+    if not job.allow_nonfinite and acc is None:
+        # Verifying, the error pass sees every source row anyway (its sum of squares); without it,
+        # each chunk is checked as the quantizer reads it.
+        src = _FiniteRows(src, _module_nonfinite(shard.reader, m))
 
     def observe(r0: int, r1: int, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
         assert acc is not None
         acc.add(native.decode(tensors, job.spec, m.shape, r0, r1), rows)
+        if acc.src_nonfinite and not job.allow_nonfinite:
+            raise finite.NonFiniteError(_module_nonfinite(shard.reader, m))
 
     with torch.no_grad():
         if isinstance(shard.engine, native.NativeEngine):
@@ -298,16 +351,30 @@ def finish_shard(shard: OpenShard) -> ShardResult:
     rows = [shard.rows[name] for kind, name in job.steps if kind == "quant" and name in shard.rows]
     if shard.file is None:  # every tensor of this source shard belongs to a module stored elsewhere
         return ShardResult(job.file, 0, 0, time.perf_counter() - shard.t0, rows)
-    infos, _ = read_header(shard.work)
-    for name, slot in shard.layout.tensors.items():
+    why = _layout_problem(shard.work, shard.layout)
+    if why:
+        raise Eagle3Error(f"{shard.work}: {why}")
+    try:
+        shard.work.rename(shard.final)
+    except OSError as e:
+        raise _write_error(e, shard.final) from None
+    return ShardResult(job.file, shard.layout.data_bytes, len(shard.layout.tensors), time.perf_counter() - shard.t0,
+                       rows, sha256_file(shard.final))
+
+
+def _layout_problem(file: Path, layout: ShardLayout) -> str | None:
+    """Why ``file`` is not the planned shard (size, header entries), or None when it is."""
+    size = file.stat().st_size
+    if size != layout.size:
+        return f"has {size} bytes, {layout.size} were planned"
+    infos, _ = read_header(file)
+    for name, slot in layout.tensors.items():
         got = infos.get(name)
         if got is None or (got.dtype, got.shape, got.offset) != (slot.dtype, slot.shape, slot.offset):
-            raise Eagle3Error(f"{shard.work}: header entry of tensor {name!r} does not match where it was written")
-    if len(infos) != len(shard.layout.tensors):
-        raise Eagle3Error(f"{shard.work}: header has {len(infos)} tensors, {len(shard.layout.tensors)} were planned")
-    shard.work.rename(shard.final)
-    return ShardResult(job.file, shard.layout.data_bytes, len(infos), time.perf_counter() - shard.t0, rows,
-                       sha256_file(shard.final))
+            return f"header entry of tensor {name!r} does not match where it was written"
+    if len(infos) != len(layout.tensors):
+        return f"header has {len(infos)} tensors, {len(layout.tensors)} were planned"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,19 +415,54 @@ class QuantizeResult:
 def _fingerprint(plan: Plan, verify: bool) -> dict[str, Any]:
     src = [[f, os.stat(Path(plan.source.path) / f).st_size, os.stat(Path(plan.source.path) / f).st_mtime_ns]
            for f in plan.source.shard_files]
-    return {"eagle3": __version__, "recipe": plan.recipe.raw, "scope": plan.scope.name, "verify": verify,
-            "source": src}
+    return {"eagle3": __version__, "recipe": plan.recipe.raw, "export": asdict(plan.recipe.export),
+            "scope": plan.scope.name, "verify": verify, "source": src}
 
 
 def _load_done(state: Path, tmp: Path, jobs: list[ShardJob]) -> dict[str, ShardResult]:
+    """The finished shards of an interrupted run that are still what was finished: the planned size
+    and header, and the sha256 recorded when the shard was finished (a shard damaged since, by a
+    disk, a copy or a hand, would otherwise be published and fail ``eagle3 verify``). A shard that
+    fails a check is redone, with one line saying so."""
     done: dict[str, ShardResult] = {}
     for job in jobs:
-        f = state / f"done-{job.file}.json"
-        if f.is_file():
-            r = ShardResult.from_json(read_json(f))
-            if r.tensors == 0 or (tmp / job.file).is_file():
-                done[job.file] = r
+        rec = state / f"done-{job.file}.json"
+        if not rec.is_file():
+            continue
+        try:
+            r = ShardResult.from_json(read_json(rec))
+        except (Eagle3Error, KeyError, TypeError, ValueError):
+            r = None
+        shard = tmp / job.file
+        if r is not None and r.tensors == 0 and not job.entries:
+            done[job.file] = r
+            continue
+        why = _damage(shard, job, r)
+        if why is None and r is not None:
+            done[job.file] = r
+            continue
+        print(f"resume: {shard}: {why}; redoing this shard", file=sys.stderr, flush=True)
+        rec.unlink(missing_ok=True)
+        if shard.is_file() or shard.is_symlink():
+            shard.unlink()
     return done
+
+
+def _damage(shard: Path, job: ShardJob, r: ShardResult | None) -> str | None:
+    """Why a recorded finished shard cannot be reused, or None."""
+    if r is None:
+        return "its record under .eagle3-quantize is unreadable"
+    if shard.is_symlink() or not shard.is_file():
+        return "missing or not a regular file"
+    try:
+        why = _layout_problem(shard, ShardLayout(job.entries))
+    except Eagle3Error as e:
+        return f"bad header ({e})"
+    if why:
+        return why
+    if not r.sha256 or sha256_file(shard) != r.sha256:
+        return "its sha256 differs from the one recorded when it was finished"
+    return None
 
 
 def _auto_workers(jobs: list[ShardJob]) -> int:
@@ -378,11 +480,20 @@ def _auto_workers(jobs: list[ShardJob]) -> int:
 def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: str | Recipe,
              scope: str | None = None, *, workers: int = 0, engine: str = "native", overwrite: bool = False,
              resume: bool = False, verify: bool = True, trust_remote_code: bool = False,
-             progress: bool = False) -> QuantizeResult:
+             progress: bool = False, allow_nonfinite: bool = False, any_architecture: bool = False,
+             quark_zero_points: bool = False) -> QuantizeResult:
     """Quantize ``src`` (a local checkpoint directory or a Hub repo id) into ``out``.
 
-    ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error
-    subclasses (one line) for bad input, before anything is written."""
+    ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error subclasses (one line)
+    for bad input, before anything is written: the source goes through the same model validation
+    as ``convert`` and ``serve`` (:func:`validate_source`). ``allow_nonfinite`` writes weights
+    that hold NaN/Inf (refused otherwise); ``any_architecture`` quantizes a model eagle3 does not
+    know file to file (a plain Llama, say); ``quark_zero_points`` also writes the all-zero
+    zero-point tensors of symmetric INT4 that Quark's own importer wants (vLLM's loaders refuse them).
+
+    Failure policy: ``OUT.partial`` is removed on every error, except an interruption or a failed
+    write (disk full, ...) after at least one shard was finished; then it is kept and the message
+    says that ``--resume`` continues from it."""
     from eagle3 import hub
 
     t0 = time.perf_counter()
@@ -391,15 +502,21 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     if workers < 0:
         raise UsageError(f"--workers {workers}: must be >= 0 (0 = one per CPU core)")
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if quark_zero_points:
+        rec = with_quark_zero_points(rec)
     sc = rec.scope(scope)
     src_dir = Path(hub.resolve(src))
+    if src_dir.exists() and not src_dir.is_dir():
+        raise UsageError(f"{src_dir}: is a file, not a checkpoint directory (quantize reads the whole model: "
+                         f"give the directory that holds config.json and the shards)")
     out_p = Path(out)
     inputs = [src, src_dir, rec.source]  # the output must not be, contain or lie inside any of them
     dst = check_output(out_p, overwrite, inputs, resume)
-    source, reader = inspect_source(src_dir)
+    source, reader = inspect_source(src_dir, any_architecture=any_architecture)
+    validate_source(source)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     tmp = partial_path(dst)
-    plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify)
+    plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite)
     quark_cfg = None
     if engine == "quark":  # fail on a missing Quark before anything is written; its classes build the config
         from eagle3.quantize import quark as quark_engine
@@ -418,8 +535,9 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
                              f"rerun without --resume to start over")
         done = _load_done(state, tmp, plan.jobs)
     digests: dict[str, str] = {}
-    with atomic_output(out_p, overwrite=overwrite, resume=True, known_digests=digests, inputs=inputs) as tmp_dir:
-        try:
+    try:
+        with atomic_output(out_p, overwrite=overwrite, resume=True, known_digests=digests,
+                           inputs=inputs) as tmp_dir:
             state.mkdir(parents=True, exist_ok=True)
             write_json(state / "state.json", fp)
             todo = [j for j in plan.jobs if j.file not in done]
@@ -427,12 +545,13 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             results.update(_run_jobs(todo, workers, state, progress))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
             _finish(tmp_dir, src_dir, plan, results, quark_cfg, trust_remote_code)
-        except BaseException:
-            finished = any((state / f"done-{j.file}.json").is_file() for j in plan.jobs)
-            if not finished:  # nothing worth resuming: leave nothing behind
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise
-        shutil.rmtree(state, ignore_errors=True)
+            shutil.rmtree(state, ignore_errors=True)
+    except BaseException as e:
+        err = _write_error(e, tmp) if isinstance(e, OSError) else e  # disk full, read-only, ...: one line
+        _after_failure(err, tmp, state, plan)
+        if err is not e:
+            raise err from None
+        raise
     rows = [r for j in plan.jobs for r in results[j.file].rows]
     files = [dst / report.REPORT_JSON] + ([dst / report.REPORT_PNG] if (dst / report.REPORT_PNG).exists() else [])
     return QuantizeResult(out=dst, recipe=rec.name, scope=sc.name, engine=engine, source_kind=source.kind,
@@ -440,6 +559,58 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
                           shards_resumed=len(done), src_bytes=plan.src_bytes,
                           out_bytes=sum(r.out_bytes for r in results.values()),
                           seconds=time.perf_counter() - t0, rows=rows, files=files)
+
+
+def _after_failure(e: BaseException, tmp: Path, state: Path, plan: Plan) -> None:
+    """Keep ``OUT.partial`` only where ``--resume`` is worth it: at least one shard was finished and
+    the run stopped for a reason outside its inputs (an interruption, a failed write such as a full
+    disk). Anything else (bad input, NaN weights, a verification failure, a bug) removes it: a rerun
+    would meet the same error, and nothing half-written is left behind."""
+    finished = sum((state / f"done-{j.file}.json").is_file() for j in plan.jobs)
+    resumable = isinstance(e, (KeyboardInterrupt, SystemExit, OutputError))
+    if not finished or not resumable:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    note = (f"{finished} of {len(plan.jobs)} shards finished are kept in {tmp}: run the same command with "
+            f"--resume to continue")
+    if isinstance(e, Eagle3Error):
+        e.args = (f"{e.args[0]}; {note}",)
+    else:
+        print(note, file=sys.stderr, flush=True)
+
+
+def with_quark_zero_points(rec: Recipe) -> Recipe:
+    """``rec`` exporting the zero-point tensors Quark's importer wants (symmetric INT4 only)."""
+    import dataclasses
+
+    if rec.weight.format not in ("int4", "fp8_int4"):
+        raise UsageError(f"--quark-zero-points: recipe {rec.name!r} stores {rec.weight.format} weights; zero points "
+                         f"exist for symmetric INT4 (int4, fp8_int4) only")
+    return dataclasses.replace(rec, export=dataclasses.replace(rec.export, zero_point=True))
+
+
+def validate_source(source: SourceInfo) -> None:
+    """The model validation ``convert`` and ``serve`` run, run before quantizing (one-line errors,
+    nothing written): a draft goes through convert's draft planner (hidden and vocab sizes against
+    the tensors, d2t length, range and sign), a target through convert's target planner and the
+    runtime's config check plus its embedding-shape check, read from the header."""
+    if source.role == "draft":
+        from eagle3.convert.draft import DraftOptions, plan_draft
+
+        plan_draft(source.path, DraftOptions(engine="eagle3", progress=False))
+    elif source.role == "target":
+        from eagle3.convert.target import TargetOptions, plan_target
+        from eagle3.formats import keys
+        from eagle3.runtime.loader import target_spec
+
+        _, _, _, reader = plan_target(source.path, TargetOptions(progress=False))
+        spec = target_spec(source.path)
+        name = f"{spec.prefix}{keys.TARGET_EMBED}"
+        if name in reader:
+            info = reader.info(name)
+            if tuple(info.shape) != (spec.vocab_size, spec.hidden_size):
+                raise ShapeError(f"{info.file}: tensor {name!r} has shape {list(info.shape)} but the config says "
+                                 f"vocab_size {spec.vocab_size} x hidden_size {spec.hidden_size}")
 
 
 def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -> dict[str, ShardResult]:

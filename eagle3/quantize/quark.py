@@ -155,8 +155,11 @@ class QuarkEngine:
                 x8 = x8.float()
                 q, fq2 = _stage(x8, qspec[1])
                 pm = api.create_pack_method(qscheme=qspec[1].qscheme.value, dtype=qspec[1].dtype.value)
-                return {keys.WEIGHT: pm.pack(q, True).contiguous(), keys.SCALE: fq1.scale.float().contiguous(),
-                        keys.SCALE_2: fq2.scale.float().contiguous()}
+                out = {keys.WEIGHT: pm.pack(q, True).contiguous(), keys.SCALE: fq1.scale.float().contiguous(),
+                       keys.SCALE_2: fq2.scale.float().contiguous()}
+                if zero_point:  # the INT4 stage's zeros, as Quark's importer reads them
+                    out[keys.ZERO_POINT_2] = pm.pack(fq2.zero_point.to(torch.int32), True).contiguous()
+                return out
             q, fq = _stage(w, qspec)
             pm = api.create_pack_method(qscheme=qspec.qscheme.value, dtype=qspec.dtype.value)
             out = {keys.WEIGHT: pm.pack(q, True).contiguous()}

@@ -118,7 +118,9 @@ class Scope:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    zero_point: bool  # write weight_zero_point zeros (Quark's importer needs them for single-stage INT4)
+    # Write the zero-point zeros of symmetric INT4 (weight_zero_point; weight_zero_point_2 for the INT4
+    # stage of fp8_int4): Quark's importer needs them, vLLM's DeepSeek/Kimi MoE loader refuses them.
+    zero_point: bool
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ def parse_recipe(text: str, where: str) -> Recipe:
     zp = e.get("zero_point", WEIGHT_FORMATS[fmt]["zero_point"])
     if not isinstance(zp, bool):
         raise _fail(where, "export.zero_point", f"is {zp!r}, expected true or false")
-    if zp and fmt != "int4":
-        raise _fail(where, "export.zero_point", f"applies to single-stage int4 only, not {fmt}")
+    if zp and fmt not in ("int4", "fp8_int4"):
+        raise _fail(where, "export.zero_point", f"applies to int4 and fp8_int4 only, not {fmt}")
     return Recipe(name=name, description=str(d.get("description") or ""), weight=weight, activation=activation,
                   scopes=scopes, default_scope=default_scope, export=ExportOptions(zp), source=where, raw=d)

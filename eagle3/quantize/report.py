@@ -35,6 +35,7 @@ class ErrorAccumulator:
     sq_ref: float = 0.0
     max_abs: float = 0.0
     nonfinite: int = 0
+    src_nonfinite: int = 0  # chunks whose source rows hold NaN/Inf (their sum of squares is not finite)
 
     def add(self, decoded: torch.Tensor, ref: torch.Tensor) -> None:
         diff = decoded.sub_(ref).reshape(-1)  # decoded is a fresh fp32 buffer: reuse it
@@ -43,6 +44,8 @@ class ErrorAccumulator:
         err, ref2 = _sq(diff), _sq(r)
         if not math.isfinite(err):  # an inf/nan anywhere in the decode (or the source) shows up here
             self.nonfinite += 1
+        if not math.isfinite(ref2):  # exact: _sq redoes an fp32 overflow in float64
+            self.src_nonfinite += 1
         self.sq_err += err
         self.sq_ref += ref2
         if diff.numel():
@@ -73,6 +76,22 @@ class TensorReport:
         snr = 10 * math.log10(acc.sq_ref / acc.sq_err) if acc.sq_err > 0 else math.inf
         ok = acc.nonfinite == 0 and rel <= bound
         return cls(module, module_kind(module), layer_index(module), list(shape), rel, snr, acc.max_abs, ok)
+
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe: a non-finite number (inf SNR of an exact decode; inf/NaN error of a weight
+        that holds NaN/Inf, written with --allow-nonfinite) becomes null, never Infinity/NaN,
+        which strict JSON parsers refuse."""
+        return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorReport:
+        """Inverse of :meth:`to_json` (null SNR was an exact decode; a null error was non-finite)."""
+        d = dict(d)
+        d["snr_db"] = math.inf if d["snr_db"] is None else d["snr_db"]
+        for k in ("rel_error", "max_abs_error"):
+            d[k] = math.nan if d[k] is None else d[k]
+        return cls(**d)
 
 
 def module_kind(name: str) -> str:
@@ -110,9 +129,10 @@ def summarize(rows: list[TensorReport]) -> dict[str, Any]:
     def agg(rs: list[TensorReport]) -> dict[str, Any]:
         rel = [r.rel_error for r in rs]
         snr = [r.snr_db for r in rs]
-        return {"tensors": len(rs), "mean_rel_error": sum(rel) / len(rel) if rel else None,
-                "max_rel_error": max(rel) if rel else None, "min_snr_db": _finite(min(snr)) if snr else None,
-                "failed": sum(not r.ok for r in rs)}
+        return {"tensors": len(rs), "mean_rel_error": _finite(sum(rel) / len(rel)) if rel else None,
+                "max_rel_error": _finite(max(rel)) if rel else None, "min_snr_db": _finite(min(snr)) if snr else None,
+                "failed": sum(not r.ok for r in rs),
+                "nonfinite": sum(not math.isfinite(r.rel_error) for r in rs)}
 
     return {"all": agg(rows), "by_kind": {k: agg(v) for k, v in sorted(by_kind.items())}}
 
@@ -121,7 +141,7 @@ def write_report(out_dir: Path, rows: list[TensorReport], meta: dict[str, Any]) 
     """Write the JSON report (always) and the PNG plot (when there are rows and matplotlib is installed)."""
     rows = sorted(rows, key=lambda r: (r.layer if r.layer is not None else -1, r.module))
     data = {**meta, "summary": summarize(rows),
-            "tensors": [{**asdict(r), "snr_db": _finite(r.snr_db)} for r in rows]}
+            "tensors": [r.to_json() for r in rows]}
     written = [out_dir / REPORT_JSON]
     write_json(written[0], data)
     # Nothing to plot without verification rows (--no-verify): the JSON says "verified": false.

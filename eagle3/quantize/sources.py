@@ -73,8 +73,10 @@ def _is_linear_name(module: str) -> bool:
     return not module.endswith("norm") and "embed" not in module
 
 
-def inspect_source(path: Path) -> tuple[SourceInfo, CheckpointReader]:
-    """Classify the source and refuse what cannot be quantized from (one-line errors)."""
+def inspect_source(path: Path, any_architecture: bool = False) -> tuple[SourceInfo, CheckpointReader]:
+    """Classify the source and refuse what cannot be quantized from (one-line errors). An
+    architecture eagle3 does not know is refused as ``inspect``, ``convert`` and ``serve`` refuse
+    it, unless ``any_architecture``: then it is quantized file to file (Quark's own approach)."""
     reader = CheckpointReader(path)
     cfg = detect.load_config(reader.path)
     role = family = None
@@ -82,6 +84,13 @@ def inspect_source(path: Path) -> tuple[SourceInfo, CheckpointReader]:
     known = "speculators_model_type" in cfg or any(
         a in detect.TARGET_ARCHITECTURES or a in detect.DRAFT_ARCHITECTURES for a in archs)
     qc, where = detect.quantization_config(cfg)
+    if not known and not any_architecture:
+        try:
+            detect.detect(reader.path, check_vocab_map=False)  # raises the architecture error inspect shows
+        except FormatError as e:
+            raise FormatError(f"{e} (pass --any-architecture to quantize it file to file anyway)") from None
+        raise FormatError(f"{reader.path / detect.CONFIG_FILE}: field 'architectures' is {archs!r}, not an "
+                          f"architecture eagle3 knows (pass --any-architecture to quantize it file to file anyway)")
     if known:
         summary = detect.detect(reader.path, check_vocab_map=False)
         role, family = summary.role, summary.family
