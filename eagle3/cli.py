@@ -109,7 +109,8 @@ def inspect(
 def verify(
     path: Annotated[Path, typer.Argument(help="A directory written by eagle3 (it carries manifest.json).")],
 ) -> None:
-    """Check every file of an eagle3 output against its manifest (sha256 and size).
+    """Check an eagle3 output: every file against its manifest (sha256 and size), every
+    .safetensors header (as strictly as the safetensors library) and each index against its shards.
 
     Example: eagle3 verify ./kimi-k2.5-w4a8
     """

@@ -339,15 +339,18 @@ def test_index_duplicate_key_and_bad_metadata(tmp_path: Path) -> None:
 
 def _deny_listing(monkeypatch: pytest.MonkeyPatch, d: Path) -> None:
     """What the OS answers a non-root user listing a directory of mode 0111 (root is never refused,
-    and the tests run as root): os.listdir raises PermissionError for that directory only."""
-    real = os.listdir
+    and the tests run as root): listing that directory (os.listdir, and os.scandir under
+    Path.glob/iterdir) raises PermissionError; opening a file inside it by name still works, as it
+    does with the execute bit."""
+    for fn in ("listdir", "scandir"):
+        real = getattr(os, fn)
 
-    def listdir(p: Any = ".") -> list[str]:
-        if Path(p).resolve() == d.resolve():
-            raise PermissionError(13, "Permission denied", str(p))
-        return real(p)
+        def deny(p: Any = ".", _real: Any = real) -> Any:
+            if not isinstance(p, int) and Path(os.fsdecode(p)).resolve() == d.resolve():
+                raise PermissionError(13, "Permission denied", os.fsdecode(p))
+            return _real(p)
 
-    monkeypatch.setattr(os, "listdir", listdir)
+        monkeypatch.setattr(os, fn, deny)
 
 
 @pytest.mark.parametrize("indexed", [True, False])
@@ -561,10 +564,10 @@ def test_cli_unlistable_source(tmp_path: Path, tiny_dir: Path, capsys: pytest.Ca
     src = _draft_copy(tiny_dir, tmp_path)
     _deny_listing(monkeypatch, src)
     want = f"{src}: cannot list the directory (Permission denied)"
-    assert _cli_error(capsys, ["inspect", str(src)]) == want
     out = tmp_path / "out"
     assert _cli_error(capsys, ["convert", str(src), str(out), "--engine", "vllm", "--quiet"]) == want
     _no_output(out)
+    assert _cli_error(capsys, ["inspect", str(src)]) == want
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
