@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -157,11 +157,13 @@ class _DuplicateKey(ValueError):
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook``: a JSON object naming a key twice is refused (json keeps the last one
     silently, and which tensor a name then means is a guess)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(f"duplicate key {k!r}")
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find the key to name it
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(f"duplicate key {k!r}")
+            seen.add(k)
     return out
 
 
@@ -195,21 +197,17 @@ def _u64(x: Any) -> bool:
     return type(x) is int and 0 <= x < _U64  # bool is an int subclass; safetensors refuses it
 
 
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
+# name -> (dtype tag, shape, begin, end), in header order
+_Entries = dict[str, tuple[str, tuple[int, ...], int, int]]
 
 
-def _check_entries(where: Path, header: dict[str, Any]) -> tuple[list[_Entry], dict[str, str]]:
+def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[str, str], list[tuple[int, int, str]]]:
     """Validate a parsed safetensors header as the safetensors library does (``Metadata::validate``):
     every entry has a known dtype tag, a shape of non-negative integers and ``data_offsets`` of two
     non-negative integers spanning exactly shape x dtype bytes, and the tensors, sorted by offset,
-    tile the data region from byte 0 without gap or overlap. Returns the entries sorted by offset
-    (the end of the last one is the data size the file must have) and ``__metadata__``."""
+    tile the data region from byte 0 without gap or overlap. Returns the entries (header order),
+    ``__metadata__`` and the spans (begin, end, name) sorted by offset: the last end is the data
+    size the file must have. Hot for checkpoints of 100k+ tensors: plain loops, no objects."""
     meta = header.get("__metadata__")
     if meta is None:
         meta = {}
@@ -220,49 +218,72 @@ def _check_entries(where: Path, header: dict[str, Any]) -> tuple[list[_Entry], d
             if not isinstance(v, str):
                 raise CheckpointError(f"{where}: bad safetensors header (__metadata__ maps {k!r} to {_show(v)}, "
                                       "not a string)")
-    entries: list[_Entry] = []
+    entries: _Entries = {}
+    spans: list[tuple[int, int, str]] = []
     for name, ent in header.items():
         if name == "__metadata__":
             continue
-        at = f"{where}: tensor {name!r}"
-        if not isinstance(ent, dict):
-            raise CheckpointError(f"{at}: header entry is {_show(ent)}, not an object")
-        for key in ("dtype", "shape", "data_offsets"):
-            if key not in ent:
-                raise CheckpointError(f"{at}: header entry has no {key!r}")
-        tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
-        if not isinstance(tag, str):
-            raise CheckpointError(f"{at}: dtype {_show(tag)} is not a dtype tag (a string such as \"BF16\")")
-        if tag not in _DTYPES:
-            if tag in _SAFETENSORS_TAGS:
-                raise CheckpointError(f"{at}: dtype {tag} is valid safetensors but not supported by eagle3")
-            raise CheckpointError(f"{at}: unknown safetensors dtype {tag!r}")
-        if not isinstance(shape, list) or not all(_u64(d) for d in shape):
-            raise CheckpointError(f"{at}: shape {_show(shape)} is not a list of non-negative integers")
-        if not isinstance(offs, list) or len(offs) != 2 or not all(_u64(x) for x in offs):
-            raise CheckpointError(f"{at}: data_offsets {_show(offs)} are not two non-negative integers [begin, end]")
-        begin, end = offs
-        if end < begin:
-            raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] end before they begin")
-        want = math.prod(shape) * _DTYPES[tag].itemsize
-        if want >= _U64:
-            raise CheckpointError(f"{at}: {tag}{shape} is too large (its byte size overflows 64 bits)")
-        if end - begin != want:
-            raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{shape} "
-                                  f"needs {want}")
-        entries.append(_Entry(name, tag, tuple(shape), begin, end))
-    entries.sort(key=lambda e: (e.begin, e.end))
+        try:
+            tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
+            dt = _DTYPES[tag]
+            numel = 1
+            for d in shape:
+                if type(d) is not int or d < 0:  # bool is an int subclass; safetensors refuses it
+                    raise TypeError
+                numel *= d
+            if type(shape) is not list or type(offs) is not list or len(offs) != 2:
+                raise TypeError
+            begin, end = offs
+            if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or end >= _U64:
+                raise TypeError
+            want = numel * dt.itemsize
+            if end - begin != want or max(shape, default=0) >= _U64:
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            _entry_error(where, name, ent)
+        entries[name] = (tag, tuple(shape), begin, end)
+        spans.append((begin, end, name))
+    spans.sort()
     pos, prev = 0, None
-    for e in entries:
-        if e.begin < pos:
-            raise CheckpointError(f"{where}: tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] overlap tensor "
+    for begin, end, name in spans:
+        if begin < pos:
+            raise CheckpointError(f"{where}: tensor {name!r}: data_offsets [{begin}, {end}] overlap tensor "
                                   f"{prev!r} (whose data ends at {pos})")
-        if e.begin > pos:
+        if begin > pos:
             after = f"tensor {prev!r}, whose data ends at {pos}" if prev is not None else "the start of the data"
-            raise CheckpointError(f"{where}: tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] leave "
-                                  f"{e.begin - pos} bytes unused after {after}")
-        pos, prev = e.end, e.name
-    return entries, meta
+            raise CheckpointError(f"{where}: tensor {name!r}: data_offsets [{begin}, {end}] leave "
+                                  f"{begin - pos} bytes unused after {after}")
+        pos, prev = end, name
+    return entries, meta, spans
+
+
+def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
+    """The one-line reason a header entry is invalid (the slow path of :func:`_check_entries`)."""
+    at = f"{where}: tensor {name!r}"
+    if not isinstance(ent, dict):
+        raise CheckpointError(f"{at}: header entry is {_show(ent)}, not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in ent:
+            raise CheckpointError(f"{at}: header entry has no {key!r}")
+    tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
+    if not isinstance(tag, str):
+        raise CheckpointError(f"{at}: dtype {_show(tag)} is not a dtype tag (a string such as \"BF16\")")
+    if tag not in _DTYPES:
+        if tag in _SAFETENSORS_TAGS:
+            raise CheckpointError(f"{at}: dtype {tag} is valid safetensors but not supported by eagle3")
+        raise CheckpointError(f"{at}: unknown safetensors dtype {tag!r}")
+    if not isinstance(shape, list) or not all(_u64(d) for d in shape):
+        raise CheckpointError(f"{at}: shape {_show(shape)} is not a list of non-negative integers")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_u64(x) for x in offs):
+        raise CheckpointError(f"{at}: data_offsets {_show(offs)} are not two non-negative integers [begin, end]")
+    begin, end = offs
+    if end < begin:
+        raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] end before they begin")
+    want = math.prod(shape) * _DTYPES[tag].itemsize
+    if want >= _U64:
+        raise CheckpointError(f"{at}: {tag}{shape} is too large (its byte size overflows 64 bits)")
+    raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{shape} "
+                          f"needs {want}")
 
 
 def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -302,22 +323,20 @@ def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise CheckpointError(f"{file}: bad safetensors header (not valid JSON: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: bad safetensors header (a JSON {_json_kind(header)}, not an object)")
-    entries, meta = _check_entries(file, header)
+    entries, meta, spans = _check_entries(file, header)
     base = 8 + hlen
     data = size - base
-    for e in entries:
-        if e.end > data:
-            raise CheckpointError(
-                f"{file}: truncated shard: tensor {e.name!r} ends at byte {base + e.end} but the file has {size} bytes"
-            )
-    covered = entries[-1].end if entries else 0
+    covered = spans[-1][1] if spans else 0
+    if covered > data:
+        name, end = next((n, e) for _, e, n in spans if e > data)
+        raise CheckpointError(
+            f"{file}: truncated shard: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
+        )
     if covered < data:
         raise CheckpointError(f"{file}: {data - covered} bytes after the last tensor's data (the tensors must "
                               "cover the data region exactly, as safetensors requires)")
-    # Header order (as written), not offset order: callers list tensors the way the file does.
-    order = {name: i for i, name in enumerate(header)}
-    out = {e.name: TensorInfo(e.name, e.dtype, e.shape, file, base + e.begin, e.end - e.begin)
-           for e in sorted(entries, key=lambda e: order[e.name])}
+    out = {name: TensorInfo(name, tag, shape, file, base + begin, end - begin)
+           for name, (tag, shape, begin, end) in entries.items()}
     return out, meta
 
 
@@ -370,12 +389,12 @@ class CheckpointReader:
         self._listing = None
         self._infos = {}
         for fname, entries in headers.items():
-            checked, _ = _check_entries(self.path / fname, {k: v for k, v in entries.items() if k != "__metadata__"})
-            for e in checked:
-                if e.name in self._infos:
-                    raise CheckpointError(f"{self.path / fname}: tensor {e.name!r} is also in "
-                                          f"{self._infos[e.name].file.name}")
-                self._infos[e.name] = TensorInfo(e.name, e.dtype, e.shape, self.path / fname, -1, e.end - e.begin)
+            checked, _, _ = _check_entries(self.path / fname, {k: v for k, v in entries.items() if k != "__metadata__"})
+            for name, (tag, shape, begin, end) in checked.items():
+                if name in self._infos:
+                    raise CheckpointError(f"{self.path / fname}: tensor {name!r} is also in "
+                                          f"{self._infos[name].file.name}")
+                self._infos[name] = TensorInfo(name, tag, shape, self.path / fname, -1, end - begin)
         return self
 
     def _files_from_index(self, d: Path) -> list[Path]:
