@@ -1011,6 +1011,7 @@ def write_manifest(d: Path, workers: int = 2, known: dict[str, str] | None = Non
 class VerifyResult:
     checked: int
     problems: list[str]
+    headers: int = 0  # .safetensors headers found sound
 
 
 def verify_manifest(d: str | os.PathLike[str], workers: int = 2) -> VerifyResult:
@@ -1072,15 +1073,17 @@ def verify_manifest(d: str | os.PathLike[str], workers: int = 2) -> VerifyResult
             problems.append(f"{rel}: sha256 mismatch")
     for rel in sorted(present - set(files)):
         problems.append(f"{rel}: not in the manifest")
-    problems += _check_checkpoints(d, sorted(set(files) | present))
-    return VerifyResult(checked=len(files), problems=problems)
+    header_problems, headers = _check_checkpoints(d, sorted(set(files) | present))
+    return VerifyResult(checked=len(files), problems=problems + header_problems, headers=headers)
 
 
-def _check_checkpoints(d: Path, rels: list[str]) -> list[str]:
+def _check_checkpoints(d: Path, rels: list[str]) -> tuple[list[str], int]:
     """Header problems of every ``.safetensors`` among ``rels`` (regular files only: the others are
     reported already), then index consistency of each directory holding them (with every header
-    sound, :class:`CheckpointReader` checks the index and duplicate tensor names)."""
+    sound, :class:`CheckpointReader` checks the index and duplicate tensor names). Also returns
+    how many headers were sound."""
     problems: list[str] = []
+    sound = 0
     dirs: dict[Path, bool] = {}
     for rel in rels:
         f = d / rel
@@ -1091,6 +1094,7 @@ def _check_checkpoints(d: Path, rels: list[str]) -> list[str]:
             continue
         try:
             read_header(f)
+            sound += 1
             dirs.setdefault(f.parent, True)
         except CheckpointError as e:
             problems.append(str(e))
@@ -1101,4 +1105,4 @@ def _check_checkpoints(d: Path, rels: list[str]) -> list[str]:
                 CheckpointReader(sub)
             except CheckpointError as e:
                 problems.append(str(e))
-    return problems
+    return problems, sound

@@ -120,7 +120,8 @@ def verify(
     res = verify_manifest(path)
     if res.problems:
         raise VerifyError(f"{path}: {len(res.problems)} problem(s): " + "; ".join(res.problems[:5]))
-    typer.echo(f"OK: {res.checked} files match {path / 'manifest.json'}")
+    typer.echo(f"OK: {res.checked} files match {path / 'manifest.json'}; {res.headers} safetensors headers "
+               "(and any index) are sound")
 
 
 # ---------------------------------------------------------------------------------------------

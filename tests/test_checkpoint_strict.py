@@ -397,7 +397,8 @@ def _rewrite_header(f: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
 def test_verify_fails_a_bad_header_with_a_matching_hash(tmp_path: Path) -> None:
     d = _sharded(tmp_path)
     write_manifest(d)
-    assert verify_manifest(d).problems == []
+    res = verify_manifest(d)
+    assert res.problems == [] and res.headers == 3
     f = d / "model-00002-of-00003.safetensors"
 
     def neg(h: dict[str, Any]) -> None:
