@@ -228,16 +228,19 @@ def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[
             dt = _DTYPES[tag]
             numel = 1
             for d in shape:
-                if type(d) is not int or d < 0:  # bool is an int subclass; safetensors refuses it
+                # bool is an int subclass (safetensors refuses it); the product is checked at each
+                # step, as safetensors does, which also keeps a hostile 1M-dim shape cheap
+                if type(d) is not int or d < 0 or d >= _U64:
                     raise TypeError
                 numel *= d
+                if numel >= _U64:
+                    raise TypeError
             if type(shape) is not list or type(offs) is not list or len(offs) != 2:
                 raise TypeError
             begin, end = offs
             if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or end >= _U64:
                 raise TypeError
-            want = numel * dt.itemsize
-            if end - begin != want or max(shape, default=0) >= _U64:
+            if end - begin != numel * dt.itemsize:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             _entry_error(where, name, ent)
@@ -279,10 +282,15 @@ def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
     begin, end = offs
     if end < begin:
         raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] end before they begin")
-    want = math.prod(shape) * _DTYPES[tag].itemsize
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= _U64:
+            break
+    want = numel * _DTYPES[tag].itemsize
     if want >= _U64:
-        raise CheckpointError(f"{at}: {tag}{shape} is too large (its byte size overflows 64 bits)")
-    raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{shape} "
+        raise CheckpointError(f"{at}: {_show(shape)} x {tag} is too large (its byte size overflows 64 bits)")
+    raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{_show(shape)} "
                           f"needs {want}")
 
 
