@@ -699,3 +699,17 @@ def test_property_mutated_headers_refused_by_both_or_neither(tmp_path: Path, spe
     new = json.dumps(hdr).encode()
     f.write_bytes(struct.pack("<Q", len(new)) + new + body)
     _agree(f)
+
+
+def test_cli_quantize_bad_header(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """quantize reads through the same reader: the issue's negative shape is one line, nothing written."""
+    src = _draft_copy(tiny_dir, tmp_path)
+    f = src / "model-00002-of-00002.safetensors"
+    t = _first_tensor(f)
+    _rewrite_header(f, lambda h: h[t].__setitem__("shape", [-128, 256]))
+    before = _tree_bytes(src)
+    out = tmp_path / "out"
+    err = _cli_error(capsys, ["quantize", str(src), str(out), "--recipe", "int4-draft", "--quiet"])
+    assert err == f"{f}: tensor {t!r}: shape [-128, 256] is not a list of non-negative integers"
+    _no_output(out)
+    assert _tree_bytes(src) == before
