@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -58,8 +58,15 @@ _DTYPES: dict[str, torch.dtype] = {
 if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _TAGS: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+# Every tag the safetensors library itself knows (0.8): a file with one of those that torch cannot
+# hold is valid safetensors, only not something eagle3 reads; anything else is not safetensors.
+_SAFETENSORS_TAGS = frozenset({
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+})
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit (MAX_HEADER_SIZE)
+_U64 = 1 << 64  # safetensors reads shapes and offsets as 64-bit unsigned integers
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
@@ -100,53 +107,247 @@ class TensorInfo:
         return n
 
 
-def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors header; returns (tensors, ``__metadata__``)."""
-    file = Path(file)
+def _file_kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
+def check_regular_file(path: str | os.PathLike[str]) -> os.stat_result:
+    """``stat`` ``path`` (following symlinks) and refuse anything but a regular file, before anything
+    opens it: opening a FIFO blocks until some writer appears (a hang, not an error), and a
+    directory or a device is no data file whatever its name."""
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: is {_file_kind(st.st_mode)}, not a regular file")
+    return st
+
+
+def open_regular(path: str | os.PathLike[str], buffering: int = -1) -> Any:
+    """Open a regular file for binary reading; anything else is refused with one line.
+
+    Checked before the open (:func:`check_regular_file`) and again on the open descriptor: the open
+    itself is non-blocking, so a FIFO swapped in between the two cannot hang it either."""
+    check_regular_file(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: is {_file_kind(mode)}, not a regular file")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a JSON object naming a key twice is refused (json keeps the last one
+    silently, and which tensor a name then means is a guess)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find the key to name it
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(f"duplicate key {k!r}")
+            seen.add(k)
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` as strict as serde_json (the safetensors library's parser): no NaN/Infinity,
+    no duplicate keys. A nesting too deep for Python raises ValueError, not RecursionError."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _show(value: Any) -> str:
+    """A JSON value for an error message, cut short (it may come from a hostile file)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+def _u64(x: Any) -> bool:
+    return type(x) is int and 0 <= x < _U64  # bool is an int subclass; safetensors refuses it
+
+
+# name -> (dtype tag, shape, begin, end), in header order
+_Entries = dict[str, tuple[str, tuple[int, ...], int, int]]
+
+
+def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[str, str], list[tuple[int, int, str]]]:
+    """Validate a parsed safetensors header as the safetensors library does (``Metadata::validate``):
+    every entry has a known dtype tag, a shape of non-negative integers and ``data_offsets`` of two
+    non-negative integers spanning exactly shape x dtype bytes, and the tensors, sorted by offset,
+    tile the data region from byte 0 without gap or overlap. Returns the entries (header order),
+    ``__metadata__`` and the spans (begin, end, name) sorted by offset: the last end is the data
+    size the file must have. Hot for checkpoints of 100k+ tensors: plain loops, no objects."""
+    meta = header.get("__metadata__")
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: bad safetensors header (__metadata__ is {_show(meta)}, not an object)")
+    else:
+        for k, v in meta.items():
+            if not isinstance(v, str):
+                raise CheckpointError(f"{where}: bad safetensors header (__metadata__ maps {k!r} to {_show(v)}, "
+                                      "not a string)")
+    entries: _Entries = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, ent in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
+            dt = _DTYPES[tag]
+            numel = 1
+            for d in shape:
+                # bool is an int subclass (safetensors refuses it); the product is checked at each
+                # step, as safetensors does, which also keeps a hostile 1M-dim shape cheap
+                if type(d) is not int or d < 0 or d >= _U64:
+                    raise TypeError
+                numel *= d
+                if numel >= _U64:
+                    raise TypeError
+            if type(shape) is not list or type(offs) is not list or len(offs) != 2:
+                raise TypeError
+            begin, end = offs
+            if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or end >= _U64:
+                raise TypeError
+            if end - begin != numel * dt.itemsize:
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            _entry_error(where, name, ent)
+        entries[name] = (tag, tuple(shape), begin, end)
+        spans.append((begin, end, name))
+    spans.sort()
+    pos, prev = 0, None
+    for begin, end, name in spans:
+        if begin < pos:
+            raise CheckpointError(f"{where}: tensor {name!r}: data_offsets [{begin}, {end}] overlap tensor "
+                                  f"{prev!r} (whose data ends at {pos})")
+        if begin > pos:
+            after = f"tensor {prev!r}, whose data ends at {pos}" if prev is not None else "the start of the data"
+            raise CheckpointError(f"{where}: tensor {name!r}: data_offsets [{begin}, {end}] leave "
+                                  f"{begin - pos} bytes unused after {after}")
+        pos, prev = end, name
+    return entries, meta, spans
+
+
+def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
+    """The one-line reason a header entry is invalid (the slow path of :func:`_check_entries`)."""
+    at = f"{where}: tensor {name!r}"
+    if not isinstance(ent, dict):
+        raise CheckpointError(f"{at}: header entry is {_show(ent)}, not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in ent:
+            raise CheckpointError(f"{at}: header entry has no {key!r}")
+    tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
+    if not isinstance(tag, str):
+        raise CheckpointError(f"{at}: dtype {_show(tag)} is not a dtype tag (a string such as \"BF16\")")
+    if tag not in _DTYPES:
+        if tag in _SAFETENSORS_TAGS:
+            raise CheckpointError(f"{at}: dtype {tag} is valid safetensors but not supported by eagle3")
+        raise CheckpointError(f"{at}: unknown safetensors dtype {tag!r}")
+    if not isinstance(shape, list) or not all(_u64(d) for d in shape):
+        raise CheckpointError(f"{at}: shape {_show(shape)} is not a list of non-negative integers")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_u64(x) for x in offs):
+        raise CheckpointError(f"{at}: data_offsets {_show(offs)} are not two non-negative integers [begin, end]")
+    begin, end = offs
+    if end < begin:
+        raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] end before they begin")
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= _U64:
+            break
+    want = numel * _DTYPES[tag].itemsize
+    if want >= _U64:
+        raise CheckpointError(f"{at}: {_show(shape)} x {tag} is too large (its byte size overflows 64 bits)")
+    raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{_show(shape)} "
+                          f"needs {want}")
+
+
+def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors header; returns (tensors, ``__metadata__``).
+
+    As strict as the safetensors library (a file this accepts, safetensors loads): see
+    :func:`_check_entries`; also the header length limit, UTF-8, JSON without duplicate keys, and a
+    file that ends exactly where the last tensor's data ends. Every refusal is one line naming the
+    file and, where there is one, the tensor."""
+    file = Path(file)
+    with open_regular(file) as f:
+        try:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
             (hlen,) = struct.unpack("<Q", raw)
-            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+            if hlen > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file}: bad safetensors header (header length {hlen} is over the "
+                                      f"safetensors limit of {MAX_HEADER_BYTES} bytes; the file has {size} bytes)")
+            if 8 + hlen > size:
                 raise CheckpointError(
                     f"{file}: bad safetensors header (header length {hlen} but the file has {size} bytes)"
                 )
             hdr_bytes = f.read(hlen)
-    except OSError as e:
-        raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e.strerror or e})") from None
+    if len(hdr_bytes) != hlen:
+        raise CheckpointError(f"{file}: truncated safetensors file (header cut short)")
     try:
-        header = json.loads(hdr_bytes.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
+        header = loads_strict(hdr_bytes.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: bad safetensors header (not UTF-8: {e.reason} at byte {8 + e.start})") from None
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{file}: bad safetensors header ({e})") from None
+    except ValueError as e:
         raise CheckpointError(f"{file}: bad safetensors header (not valid JSON: {e})") from None
-    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: bad safetensors header (a JSON {_json_kind(header)}, not an object)")
+    entries, meta, spans = _check_entries(file, header)
     base = 8 + hlen
-    out: dict[str, TensorInfo] = {}
-    for name, ent in header.items():
-        try:
-            tag = ent["dtype"]
-            shape = tuple(int(d) for d in ent["shape"])
-            begin, end = (int(x) for x in ent["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: bad safetensors header entry for tensor {name!r}") from None
-        dt = dtype_from_tag(tag)
-        numel = 1
-        for d in shape:
-            numel *= d
-        want = numel * dt.itemsize
-        if end - begin != want or begin < 0:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has {end - begin} bytes in the header but {tag}{list(shape)} needs {want}"
-            )
-        if base + end > size:
-            raise CheckpointError(
-                f"{file}: truncated shard: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
-            )
-        out[name] = TensorInfo(name, tag, shape, file, base + begin, want)
+    data = size - base
+    covered = spans[-1][1] if spans else 0
+    if covered > data:
+        name, end = next((n, e) for _, e, n in spans if e > data)
+        raise CheckpointError(
+            f"{file}: truncated shard: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
+        )
+    if covered < data:
+        raise CheckpointError(f"{file}: {data - covered} bytes after the last tensor's data (the tensors must "
+                              "cover the data region exactly, as safetensors requires)")
+    out = {name: TensorInfo(name, tag, shape, file, base + begin, end - begin)
+           for name, (tag, shape, begin, end) in entries.items()}
     return out, meta
 
 
@@ -159,15 +360,21 @@ class CheckpointReader:
         p = Path(path)
         if not p.exists():
             raise CheckpointError(f"{p}: no such file or directory")
-        self.path = p if p.is_dir() else p.parent
         self._infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, Any] = {}
-        if p.is_file():
-            files = [p]
-        elif (p / INDEX_FILE).is_file():
-            files = self._files_from_index(p)
+        self._listing: list[str] | None = None
+        if p.is_dir():
+            self.path = p
+            # Listed even when an index names the shards: side files are found by listing, and a
+            # directory that cannot be listed is refused here in one line, not later mid-copy.
+            self._listing = _list_dir(p)
+            if os.path.lexists(p / INDEX_FILE):  # a FIFO or dangling link there is refused, not skipped
+                files = self._files_from_index(p)
+            else:
+                files = [p / n for n in self._listing if n.endswith(".safetensors")]
         else:
-            files = sorted(p.glob("*.safetensors"))
+            self.path = p.parent
+            files = [p]  # read_header refuses anything that is not a regular file (a FIFO would hang)
         self.files: list[Path] = files
         for f in files:
             infos, _ = read_header(f)
@@ -175,7 +382,7 @@ class CheckpointReader:
                 if name in self._infos:
                     raise CheckpointError(f"{f}: tensor {name!r} is also in {self._infos[name].file.name}")
                 self._infos[name] = info
-        if p.is_dir() and (p / INDEX_FILE).is_file():
+        if self._listing is not None and os.path.lexists(p / INDEX_FILE):
             self._check_index(p)
 
     @classmethod
@@ -183,35 +390,64 @@ class CheckpointReader:
                      metadata: dict[str, Any] | None = None) -> CheckpointReader:
         """A header-only view: ``headers`` maps shard file names to their safetensors header
         entries (``dtype``, ``shape``, ``data_offsets``), e.g. fetched from the Hub with HTTP range
-        requests. Names, shapes and dtypes work as usual; :meth:`get` refuses (no data is here)."""
+        requests. Names, shapes and dtypes work as usual; :meth:`get` refuses (no data is here).
+        The entries are validated as :func:`read_header` validates a local file's (all but the file
+        size, which is not known here)."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self.metadata = metadata or {}
         self.files = [self.path / f for f in headers]
+        self._listing = None
         self._infos = {}
         for fname, entries in headers.items():
-            for name, ent in entries.items():
-                begin, end = (int(x) for x in ent["data_offsets"])
-                self._infos[name] = TensorInfo(name, ent["dtype"], tuple(int(d) for d in ent["shape"]),
-                                               self.path / fname, -1, end - begin)
+            checked, _, _ = _check_entries(self.path / fname, {k: v for k, v in entries.items() if k != "__metadata__"})
+            for name, (tag, shape, begin, end) in checked.items():
+                if name in self._infos:
+                    raise CheckpointError(f"{self.path / fname}: tensor {name!r} is also in "
+                                          f"{self._infos[name].file.name}")
+                self._infos[name] = TensorInfo(name, tag, shape, self.path / fname, -1, end - begin)
         return self
 
     def _files_from_index(self, d: Path) -> list[Path]:
         idx_path = d / INDEX_FILE
         try:
-            idx = json.loads(idx_path.read_text())
-            wm = idx["weight_map"]
-            if not isinstance(wm, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{idx_path}: not a valid index (needs a 'weight_map' object)") from None
-        self.metadata = idx.get("metadata") or {}
+            with open_regular(idx_path) as f:
+                text = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{idx_path}: cannot read ({e.strerror or e})") from None
+        try:
+            idx = loads_strict(text.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{idx_path}: not a valid index (not UTF-8)") from None
+        except ValueError as e:
+            raise CheckpointError(f"{idx_path}: not a valid index ({e})") from None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{idx_path}: not a valid index (needs a 'weight_map' object)")
+        meta = idx.get("metadata")
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(f"{idx_path}: field 'metadata' is {_show(meta)}, not an object")
+        for name, fname in wm.items():
+            # A shard is a file beside the index: a path (``../x``, ``/etc/x``) would read outside it.
+            if (not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname or "\\" in fname
+                    or "\0" in fname):
+                raise CheckpointError(f"{idx_path}: weight_map maps tensor {name!r} to {_show(fname)}, "
+                                      "not a shard file name")
+        self.metadata = meta or {}
         self._weight_map: dict[str, str] = wm
         files = []
         for fname in dict.fromkeys(wm.values()):
             f = d / fname
-            if not f.is_file():
-                raise CheckpointError(f"{idx_path}: names shard {fname} which does not exist")
+            try:
+                st = os.stat(f)
+            except FileNotFoundError:
+                raise CheckpointError(f"{idx_path}: names shard {fname} which does not exist") from None
+            except OSError as e:
+                raise CheckpointError(f"{idx_path}: names shard {fname}, which cannot be read "
+                                      f"({e.strerror or e})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{idx_path}: names shard {fname}, but {f} is {_file_kind(st.st_mode)}, "
+                                      "not a regular file")
             files.append(f)
         return files
 
@@ -265,7 +501,7 @@ class CheckpointReader:
         # first touch is the costly part of a read from the page cache).
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
-            with open(info.file, "rb", buffering=0) as f:
+            with open_regular(info.file, buffering=0) as f:
                 n = _pread_into(f.fileno(), memoryview(buf.numpy()), info.offset)
         except OSError as e:
             raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e.strerror or e})") from None
@@ -279,19 +515,45 @@ class CheckpointReader:
 
     # -- side files ----------------------------------------------------------------------------
     def config(self) -> dict[str, Any] | None:
-        return read_json(self.path / "config.json") if (self.path / "config.json").is_file() else None
+        f = self.path / "config.json"
+        # A config.json that is there but not a readable regular file is an error, not "no config".
+        return read_json(f) if os.path.lexists(f) else None
 
     def side_files(self, trust_remote_code: bool = False) -> list[Path]:
-        return sorted(
-            f for f in self.path.iterdir() if f.is_file() and is_side_file(f.name, trust_remote_code)
-        )
+        """Tokenizer, chat template, generation config (and ``*.py`` with ``trust_remote_code``) of
+        the checkpoint directory. Found by name from the directory listing, never opened here; one
+        that is not a regular file (a FIFO, a directory) is refused with one line."""
+        names = self._listing if self._listing is not None else _list_dir(self.path)
+        out = []
+        for n in names:
+            if is_side_file(n, trust_remote_code):
+                check_regular_file(self.path / n)
+                out.append(self.path / n)
+        return out
+
+
+def _list_dir(d: Path) -> list[str]:
+    """The names in ``d``, sorted; a directory that cannot be listed (no read permission, mode
+    0111) is one line naming it."""
+    try:
+        return sorted(os.listdir(d))
+    except OSError as e:
+        raise CheckpointError(f"{d}: cannot list the directory ({e.strerror or e})") from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a regular file (a FIFO or directory is refused before it is opened)."""
     try:
-        data = json.loads(Path(path).read_text())
+        with open_regular(path) as f:
+            raw = f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not valid JSON (not UTF-8)") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -1052,7 +1314,7 @@ def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
     h = hashlib.sha256()
     buf = memoryview(bytearray(chunk))  # one buffer reused: no fresh 8 MB object per read
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:  # a FIFO is refused, not read forever
         while n := f.readinto(buf):
             h.update(buf[:n])
     return h.hexdigest()
@@ -1088,34 +1350,98 @@ def write_manifest(d: Path, workers: int = 2, known: dict[str, str] | None = Non
 class VerifyResult:
     checked: int
     problems: list[str]
+    headers: int = 0  # .safetensors headers found sound
 
 
 def verify_manifest(d: str | os.PathLike[str], workers: int = 2) -> VerifyResult:
-    """Check every file listed in ``manifest.json`` (and that no file is unlisted)."""
+    """Check every file listed in ``manifest.json`` (size and sha256, and that no file is unlisted),
+    then every ``.safetensors`` file's header as strictly as the safetensors library does and each
+    checkpoint directory's index against its shards: a shard whose manifest was recomputed after a
+    bad write still fails. A malformed manifest is one line naming it and the entry."""
     d = Path(d)
     mpath = d / MANIFEST_FILE
-    if not mpath.is_file():
+    if not os.path.lexists(mpath):
         raise VerifyError(f"{d}: no {MANIFEST_FILE} (only directories written by eagle3 carry one)")
     files = read_json(mpath).get("files")
     if not isinstance(files, dict):
         raise VerifyError(f"{mpath}: no 'files' object")
+    for rel, ent in files.items():
+        if (not isinstance(ent, dict) or not _u64(ent.get("size")) or not isinstance(ent.get("sha256"), str)):
+            raise VerifyError(f"{mpath}: entry {rel!r} is {_show(ent)}, not an object with an integer 'size' "
+                              "and a 'sha256' string")
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or rel != Path(rel).as_posix():
+            raise VerifyError(f"{mpath}: entry {rel!r} is not a relative path inside {d}")
     problems: list[str] = []
-    present = {str(f.relative_to(d)) for f in _manifest_files(d)}
+    try:
+        present = {str(f.relative_to(d)) for f in _manifest_files(d)}
+    except OSError as e:
+        raise VerifyError(f"{d}: cannot list the directory ({e.strerror or e})") from None
     todo = []
     for rel, ent in files.items():
         f = d / rel
-        if not f.is_file():
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
             problems.append(f"{rel}: missing")
-        elif f.stat().st_size != ent.get("size"):
-            problems.append(f"{rel}: size {f.stat().st_size} != {ent.get('size')}")
+            continue
+        except OSError as e:
+            problems.append(f"{rel}: cannot read ({e.strerror or e})")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{rel}: is {_file_kind(st.st_mode)}, not a regular file")
+        elif st.st_size != ent["size"]:
+            problems.append(f"{rel}: size {st.st_size} != {ent['size']}")
         else:
-            todo.append((rel, f, ent.get("sha256")))
+            todo.append((rel, f, ent["sha256"]))
+
+    def digest(t: tuple[str, Path, str]) -> str | CheckpointError:
+        try:
+            return sha256_file(t[1])
+        except CheckpointError as e:
+            return e
+        except OSError as e:
+            return CheckpointError(f"{t[1]}: cannot read ({e.strerror or e})")
+
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        digests = list(ex.map(lambda t: sha256_file(t[1]), todo))
-    for (rel, _, want), got in zip(todo, digests, strict=False):
-        if got != want:
+        digests = list(ex.map(digest, todo))
+    for (rel, _, want), got in zip(todo, digests, strict=True):
+        if isinstance(got, CheckpointError):
+            problems.append(str(got))
+        elif got != want:
             problems.append(f"{rel}: sha256 mismatch")
     for rel in sorted(present - set(files)):
         problems.append(f"{rel}: not in the manifest")
-    return VerifyResult(checked=len(files), problems=problems)
+    header_problems, headers = _check_checkpoints(d, sorted(set(files) | present))
+    return VerifyResult(checked=len(files), problems=problems + header_problems, headers=headers)
 
+
+def _check_checkpoints(d: Path, rels: list[str]) -> tuple[list[str], int]:
+    """Header problems of every ``.safetensors`` among ``rels`` (regular files only: the others are
+    reported already), then index consistency of each directory holding them (with every header
+    sound, :class:`CheckpointReader` checks the index and duplicate tensor names). Also returns
+    how many headers were sound."""
+    problems: list[str] = []
+    sound = 0
+    dirs: dict[Path, bool] = {}
+    for rel in rels:
+        f = d / rel
+        if not rel.endswith(".safetensors"):
+            continue
+        if not f.is_file():  # missing or not a regular file: reported already, once is enough
+            dirs[f.parent] = False
+            continue
+        try:
+            read_header(f)
+            sound += 1
+            dirs.setdefault(f.parent, True)
+        except CheckpointError as e:
+            problems.append(str(e))
+            dirs[f.parent] = False
+    for sub, headers_ok in dirs.items():
+        if headers_ok:
+            try:
+                CheckpointReader(sub)
+            except CheckpointError as e:
+                problems.append(str(e))
+    return problems, sound

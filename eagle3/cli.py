@@ -109,7 +109,8 @@ def inspect(
 def verify(
     path: Annotated[Path, typer.Argument(help="A directory written by eagle3 (it carries manifest.json).")],
 ) -> None:
-    """Check every file of an eagle3 output against its manifest (sha256 and size).
+    """Check an eagle3 output: every file against its manifest (sha256 and size), every
+    .safetensors header (as strictly as the safetensors library) and each index against its shards.
 
     Example: eagle3 verify ./kimi-k2.5-w4a8
     """
@@ -119,7 +120,8 @@ def verify(
     res = verify_manifest(path)
     if res.problems:
         raise VerifyError(f"{path}: {len(res.problems)} problem(s): " + "; ".join(res.problems[:5]))
-    typer.echo(f"OK: {res.checked} files match {path / 'manifest.json'}")
+    typer.echo(f"OK: {res.checked} files match {path / 'manifest.json'}; {res.headers} safetensors headers "
+               "(and any index) are sound")
 
 
 # ---------------------------------------------------------------------------------------------

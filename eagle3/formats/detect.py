@@ -280,7 +280,9 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory (or of the directory holding a ``.safetensors`` file)."""
     f = checkpoint_dir(path) / CONFIG_FILE
-    if not f.is_file():
+    # Only a missing config is "no such file"; a FIFO or directory there is refused by read_json
+    # (before it is opened) as what it is.
+    if not os.path.lexists(f):
         raise FormatError(f"{f}: no such file (a checkpoint directory needs its config.json)")
     return read_json(f)
 
