@@ -14,6 +14,17 @@ logger = logging.getLogger("eagle3.runtime")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
 
 
+def _refuse_special_files(target: Path) -> None:
+    """transformers opens whichever tokenizer files it finds by name: a FIFO named tokenizer.json
+    would block it forever. Anything in the directory that is neither a directory nor a regular
+    file is refused before it loads (one line, like every other bad input)."""
+    from eagle3.checkpoint import check_regular_file
+
+    for entry in sorted(target.iterdir()):
+        if not entry.is_dir():
+            check_regular_file(entry)
+
+
 def load_tokenizer(target: str | Path, trust_remote_code: bool = False) -> Any | None:
     """The tokenizer of a model directory, or None when it has none (token-id prompts only).
 
@@ -28,6 +39,7 @@ def load_tokenizer(target: str | Path, trust_remote_code: bool = False) -> Any |
     target = Path(target)
     if not target.is_dir():
         return None
+    _refuse_special_files(target)
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
