@@ -306,8 +306,8 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         raise ShapeError(f"{head.file}: tensor 'lm_head.weight' has {head_shape[1]} columns but hidden_size is "
                          f"{hidden}")
     if info.config_draft_vocab_size is not None and draft_vocab != info.config_draft_vocab_size:
-        report.warn(f"source draft_vocab_size is {info.config_draft_vocab_size} but lm_head has {draft_vocab} "
-                    f"rows: wrote draft_vocab_size {draft_vocab}")
+        raise ShapeError(f"{head.file}: tensor 'lm_head.weight' has {draft_vocab} rows but the config's "
+                         f"draft_vocab_size is {info.config_draft_vocab_size}")
     d2t_src = present.get(keys.D2T)
     if d2t_src is not None:
         d2 = reader.info(d2t_src)

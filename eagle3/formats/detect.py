@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3.checkpoint import CheckpointReader, TensorInfo, read_json
-from eagle3.errors import CheckpointError, FormatError
+from eagle3.errors import CheckpointError, FormatError, ShapeError
 from eagle3.formats import keys
 from eagle3.formats.files import INDEX_FILE
 from eagle3.units import human_bytes
@@ -762,6 +762,7 @@ def _target_info(family: str, tc: dict[str, Any], dims: ModelDims, infos: dict[s
     if family == DEEPSEEK_V3 and wrapped:
         warnings.append("a text-only DeepseekV3ForCausalLM config, but tensors are named language_model.* "
                         "(a K2.5 wrapper's weights?)")
+    _check_target_vocab(prefix, dims, infos)
     layers = {i for n in infos if (i := keys.target_layer_index(n)) is not None}
     mtp = tc.get("num_nextn_predict_layers") or 0
     if layers and len(layers) not in (dims.num_layers, dims.num_layers + mtp):
@@ -781,6 +782,19 @@ def _target_info(family: str, tc: dict[str, Any], dims: ModelDims, infos: dict[s
         layers_in_files=len(layers),
         default_aux_layer_ids=list(default_aux_layer_ids(dims.num_layers)) if dims.num_layers >= 4 else [],
     )
+
+
+def _check_target_vocab(prefix: str, dims: ModelDims, infos: dict[str, TensorInfo]) -> None:
+    """The embedding (and a dense lm_head) must be [vocab_size, hidden_size] as the config says: a
+    model whose config disagrees with its tensors loads nowhere, so every command refuses it."""
+    for name in (keys.TARGET_EMBED, keys.TARGET_LM_HEAD):
+        info = infos.get(prefix + name)
+        if info is None or info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
+            continue  # absent (tied), or a quantized head whose packed shape says nothing here
+        rows, cols = info.shape
+        if cols != dims.hidden_size or (dims.vocab_size is not None and rows != dims.vocab_size):
+            raise ShapeError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)} but the config says "
+                             f"vocab_size {dims.vocab_size} x hidden_size {dims.hidden_size}")
 
 
 # -- draft --------------------------------------------------------------------------------------
@@ -837,7 +851,10 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
                         f"layer tensors are {attention.upper()}")
 
     defaulted: list[str] = []
-    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if cfg.get("eagle_config") is not None and not isinstance(cfg["eagle_config"], dict):
+        raise FormatError(f"{cfg_file}: field 'eagle_config' must be an object, got "
+                          f"{type(cfg['eagle_config']).__name__}")
+    ec = cfg.get("eagle_config") or {}
 
     def flag(name: str, default: bool, *dicts: tuple[dict[str, Any], str]) -> bool:
         for d, pre in dicts:

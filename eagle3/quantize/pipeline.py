@@ -63,7 +63,7 @@ from eagle3.checkpoint import (
     write_error,
     write_json,
 )
-from eagle3.errors import Eagle3Error, OutputError, ShapeError, UsageError
+from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats.files import INDEX_FILE
 from eagle3.quantize import compat, native, report
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
@@ -592,25 +592,18 @@ def with_quark_zero_points(rec: Recipe) -> Recipe:
 def validate_source(source: SourceInfo) -> None:
     """The model validation ``convert`` and ``serve`` run, run before quantizing (one-line errors,
     nothing written): a draft goes through convert's draft planner (hidden and vocab sizes against
-    the tensors, d2t length, range and sign), a target through convert's target planner and the
-    runtime's config check plus its embedding-shape check, read from the header."""
+    the tensors, d2t length, range and sign), a target through convert's target planner (detection
+    checks the embedding against the config) and the runtime's config check."""
     if source.role == "draft":
         from eagle3.convert.draft import DraftOptions, plan_draft
 
         plan_draft(source.path, DraftOptions(engine="eagle3", progress=False))
     elif source.role == "target":
         from eagle3.convert.target import TargetOptions, plan_target
-        from eagle3.formats import keys
         from eagle3.runtime.loader import target_spec
 
-        _, _, _, reader = plan_target(source.path, TargetOptions(progress=False))
-        spec = target_spec(source.path)
-        name = f"{spec.prefix}{keys.TARGET_EMBED}"
-        if name in reader:
-            info = reader.info(name)
-            if tuple(info.shape) != (spec.vocab_size, spec.hidden_size):
-                raise ShapeError(f"{info.file}: tensor {name!r} has shape {list(info.shape)} but the config says "
-                                 f"vocab_size {spec.vocab_size} x hidden_size {spec.hidden_size}")
+        plan_target(source.path, TargetOptions(progress=False))  # detect checks embedding vs config
+        target_spec(source.path)
 
 
 def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -> dict[str, ShardResult]:
