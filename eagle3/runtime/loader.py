@@ -36,10 +36,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
@@ -81,6 +83,11 @@ class WeightReader:
 
     def has(self, name: str) -> bool:
         return name in self.reader
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the checkpoint tensors read so far (what the model was built from)."""
+        return sum(self.reader.info(n).nbytes for n in self.used)
 
     def get(self, name: str) -> torch.Tensor:
         self.used.add(name)
@@ -245,6 +252,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
     model.eval()
+    model.checkpoint_bytes = wr.used_bytes
     return model
 
 
@@ -413,6 +421,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
                               f"{spec.vocab_size}, and there is no 'd2t' map")
     model.to(dev)
     model.eval()
+    model.checkpoint_bytes = wr.used_bytes
     return model
 
 
@@ -420,3 +429,82 @@ def _replace(spec: DraftSpec, **kw: Any) -> DraftSpec:
     import dataclasses
 
     return dataclasses.replace(spec, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resident memory of a loaded model
+# ---------------------------------------------------------------------------------------------
+
+# Roles of resident tensors: quantized codes, their scales, float weights (embeddings, norms, dense
+# linears, biases, router), other checkpoint tensors (d2t), and runtime buffers that no checkpoint
+# holds (RoPE frequencies). The first four are weights; "buffers" are accounted separately.
+WEIGHT_ROLES = ("packed", "scales", "dense", "other")
+
+
+@dataclass
+class ResidentBytes:
+    """Bytes of the tensors a loaded model keeps, per module (its own tensors, not its children's)
+    and role, each tensor counted once; ``checkpoint_bytes``: the checkpoint tensors it was built
+    from (None for a model the loader did not build)."""
+
+    per_module: dict[str, dict[str, int]] = field(default_factory=dict)
+    checkpoint_bytes: int | None = None
+
+    @property
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys((*WEIGHT_ROLES, "buffers"), 0)
+        for roles in self.per_module.values():
+            for role, n in roles.items():
+                out[role] += n
+        return out
+
+    @property
+    def weights(self) -> int:
+        """Resident weight bytes: packed codes + scales + dense + other checkpoint tensors."""
+        t = self.totals
+        return sum(t[r] for r in WEIGHT_ROLES)
+
+    @property
+    def buffers(self) -> int:
+        return self.totals["buffers"]
+
+
+def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(role, tensor) of what ``module`` itself keeps: its registered parameters and buffers plus
+    the tensors its kernel ops hold (``resident()``: packed codes, scales, dense weights)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None:
+            role = "buffers" if name in non_persistent else "dense" if b.is_floating_point() else "other"
+            out.append((role, b))
+    out.extend(("dense", p) for p in module.parameters(recurse=False))
+    resident = getattr(module, "resident", None)
+    if callable(resident):
+        out.extend(resident())
+    return out
+
+
+def resident_weight_bytes(model: nn.Module, exclude: nn.Module | None = None) -> ResidentBytes:
+    """What a loaded model holds in memory, per module and role (see :data:`WEIGHT_ROLES`), each
+    tensor once (tied / shared weights are not counted twice). ``exclude``: a model whose tensors
+    are not counted (a draft's view of the target's shared embedding and lm_head)."""
+
+    def key(t: torch.Tensor) -> tuple[str, int, int]:
+        return str(t.device), t.data_ptr(), t.nbytes
+
+    seen: set[tuple[str, int, int]] = set()
+    if exclude is not None:
+        seen = {key(t) for m in exclude.modules() for _, t in module_tensors(m)}
+    rb = ResidentBytes(checkpoint_bytes=getattr(model, "checkpoint_bytes", None))
+    for name, m in model.named_modules():
+        roles: dict[str, int] = {}
+        for role, t in module_tensors(m):
+            k = key(t)
+            if k in seen or t.nbytes == 0:
+                continue
+            seen.add(k)
+            roles[role] = roles.get(role, 0) + t.nbytes
+        if roles:
+            rb.per_module[name or "."] = roles
+    return rb
