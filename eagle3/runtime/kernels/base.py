@@ -3,11 +3,14 @@
 Design (shared/docs/research/kernel_backends.md sections 0 and 5):
 
 * The loader turns every on-disk format into one of a few *canonical* weights
-  (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`); bit
-  unpacking happens there, through ``eagle3.formats.codecs``. A backend never sees a file layout.
-* Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, dequantize,
-  pre-transpose; whatever the backend wants) and ``__call__`` (per step). Weightless ops (norm,
-  RoPE, attention) are backend methods.
+  (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`) that keep
+  the packed codes and scales as on disk (DESIGN.md, "Packed canonical weights"); the bits are
+  decoded through ``eagle3.formats.codecs`` (:func:`dequantize`, :meth:`Int4Weight.unpack`). A
+  backend never sees a file layout.
+* Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, pre-transpose;
+  whatever the backend wants, but never a dense copy of a quantized weight) and ``__call__`` (per
+  step). Weightless ops (norm, RoPE, attention) are backend methods. ``resident()`` lists the
+  tensors an op keeps (memory accounting, ``loader.resident_weight_bytes``).
 * ``torch`` (:mod:`eagle3.runtime.kernels.torch_ref`) is the exact reference on any device.
   Triton (Hopper) and aiter (MI3xx) backends plug in with the same interface later; a backend may
   refuse a case and return the reference op instead.

@@ -41,6 +41,7 @@ combine in fp32); attention runs in fp32 with one softmax over the whole context
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -366,12 +367,12 @@ def _fp8_channel_scale(w: FP8Weight) -> torch.Tensor:
     return s.expand(w.shape[0]) if s.numel() == 1 else s
 
 
-def _row_tiles(n: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
+def _row_tiles(n: int, row_bytes: int, budget: int, align: int = _TILE_ALIGN) -> list[tuple[int, int]]:
     """Row ranges covering ``0..n-1``: the whole when it fits ``budget``, else equal tiles of a
-    multiple of ``_TILE_ALIGN`` rows (a function of the weight's shape only)."""
+    multiple of ``align`` rows (a function of the weight's shape only)."""
     if n * row_bytes <= budget:
         return [(0, n)]
-    step = max(_TILE_ALIGN, budget // row_bytes // _TILE_ALIGN * _TILE_ALIGN)
+    step = max(align, budget // row_bytes // align * align)
     return [(r, min(n, r + step)) for r in range(0, n, step)]
 
 
@@ -406,7 +407,9 @@ class TorchLinear(LinearOp):
                 int4_channel_scale(weight)  # refuses group scales
             self.w_scale = self.bank.tensors["scale"][0]
             row_bytes = 8 * self.in_features
-        self.tiles = _row_tiles(self.out_features, row_bytes, LINEAR_SCRATCH_BYTES)
+        block = getattr(self.bank, "block", None)
+        align = math.lcm(_TILE_ALIGN, block[0]) if block is not None else _TILE_ALIGN
+        self.tiles = _row_tiles(self.out_features, row_bytes, LINEAR_SCRATCH_BYTES, align)
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.bank.resident() + ([] if self.bias is None else [("dense", self.bias)])
