@@ -528,7 +528,15 @@ class TorchMoE(MoEOp):
         """Every expert on every token (row-tiled GEMMs), then pick the top-k rows: 3-4x the
         FLOPs of routing, but a handful of ops, which is what a small model's step costs."""
         t = x.shape[0]
-        w13, w2 = self._dense(None)
+        active = torch.nonzero(torch.bincount(ids.reshape(-1), minlength=self.num_experts)).reshape(-1)
+        if active.numel() == self.num_experts:
+            w13, w2 = self._dense(None)
+        else:
+            # Only the experts this call uses are decoded; the others' weights are zero, and their
+            # outputs, never picked, do not touch the used columns of the GEMMs (same bits).
+            d13, d2 = self._dense(active)
+            w13 = d13.new_zeros(self.num_experts, *d13.shape[1:]).index_copy_(0, active, d13)
+            w2 = d2.new_zeros(self.num_experts, *d2.shape[1:]).index_copy_(0, active, d2)
         xin = mxfp4_qdq(x) if self.mode == "mxfp4" else x
         h = mm_rows(xin, w13.view(-1, self.hidden).t()).view(t, self.num_experts, 2 * self.inter)
         o = bmm_rows(self._act(h).transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
