@@ -183,3 +183,24 @@ def test_moe_chunks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
         assert op.path == "gather" and (op.chunk == 1 if scratch == 1 else op.chunk >= e)
         outs.append(op(x, ids, wts))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_moe_decodes_only_routed_experts_with_the_same_bits() -> None:
+    """The all-experts path of a small MoE decodes only the experts a call routes to when few are;
+    a token's output is the same bits as in a batch that routes to every expert."""
+    g = torch.Generator().manual_seed(2)
+    e, inter, hidden = 8, 32, 64
+
+    def expert(rows: int, cols: int) -> Int4Weight:
+        packed, scale = codecs.ct_int4_quantize(torch.randn(rows, cols, generator=g).bfloat16(), 32)
+        return Int4Weight(packed, scale, 32, packing="ct", in_features=cols)
+
+    op = torch_ref.TorchMoE()
+    op.prepare([expert(inter, hidden) for _ in range(e)], [expert(inter, hidden) for _ in range(e)],
+               [expert(hidden, inter) for _ in range(e)], None, torch.float32, torch.device("cpu"))
+    assert op.path == "all"
+    x = torch.randn(5, hidden, generator=g)
+    ids = torch.tensor([[0, 3], [1, 2], [3, 4], [5, 6], [7, 0]])
+    wts = torch.rand(5, 2, generator=g)
+    alone = op(x[:1], ids[:1], wts[:1])  # 2 of 8 experts decoded
+    assert torch.equal(alone, op(x, ids, wts)[:1])
