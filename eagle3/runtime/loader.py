@@ -20,11 +20,13 @@ The Kimi-K2.5 wrapper's ``vision_tower.*`` / ``mm_projector.*`` tensors are neve
 
 What the runtime does with each format (first steps, documented):
 
-* INT4 W4A16 weights are dequantized once at load to the compute dtype, exactly as
-  compressed-tensors does (``bf16(q * s)``); the packed form is what a GPU backend's
-  ``prepare()`` would keep.
-* DeepSeek block-FP8 weights are dequantized at load and run with compute-dtype activations
-  (engines quantize activations per 1x128 group; the reference does not).
+* Every quantized weight stays packed in memory as it is on disk (codes + scales; Quark's
+  transposed per-group INT4 is relaid out once to words along the input dim, the same bytes).
+  The torch reference decodes per call, exactly as compressed-tensors / Quark do (``bf16(q * s)``
+  for INT4 W4A16), into a bounded scratch; no backend keeps a dense copy
+  (:func:`resident_weight_bytes` accounts for it).
+* DeepSeek block-FP8 weights run weight-only with compute-dtype activations (engines quantize
+  activations per 1x128 group; the reference does not).
 * W4A8 runs as an integer GEMM (INT8) or an exact float64 GEMM (FP8 activations), see
   ``kernels/torch_ref.py``.
 """
@@ -34,10 +36,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
@@ -80,6 +84,11 @@ class WeightReader:
     def has(self, name: str) -> bool:
         return name in self.reader
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the checkpoint tensors read so far (what the model was built from)."""
+        return sum(self.reader.info(n).nbytes for n in self.used)
+
     def get(self, name: str) -> torch.Tensor:
         self.used.add(name)
         return self.reader.get(name)
@@ -121,10 +130,13 @@ class WeightReader:
             packed, scale = self.get(n_packed), self.get(n_scale)
             shape = self.get(f"{m}.{keys.CT_SHAPE}").tolist()
             n, k = int(shape[0]), int(shape[1])
-            codes = codecs.ct_int4_unpack(packed, k)
+            if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] * 8 < k:
+                raise ShapeError(f"{self.path}: tensor {n_packed!r} is {packed.dtype}{list(packed.shape)}, not int32 "
+                                 f"[{n}, {-(-k // 8)}] for weight_shape {[n, k]}")
             if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
                 raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
-            return Int4Weight(codes, scale, group_size=k // scale.shape[1])
+            # kept packed as on disk; the backend decodes it (codecs.ct_int4_unpack) when it runs
+            return Int4Weight(packed, scale, group_size=k // scale.shape[1], packing="ct", in_features=k)
         if not self.has(n_w):
             raise CheckpointError(f"{self.path}: missing tensor {n_w!r} (or {n_packed!r}) of module {m!r}")
         w = self.get(n_w)
@@ -145,31 +157,37 @@ class WeightReader:
         raise FormatError(f"{self.path}: tensor {n_w!r} has dtype {w.dtype}, not a weight format eagle3 reads")
 
     def _quark_int4(self, m: str, w: torch.Tensor) -> Int4Weight:
+        """Quark INT4, kept packed (int32 words along the input dim, Quark's nibble order)."""
         reorder = self.quant.pack_method == "reorder"
+        packing = "quark" if reorder else "quark_order"
         scale = self.get(f"{m}.{keys.SCALE}").float()
         n_s2 = f"{m}.{keys.SCALE_2}"
-        if self.has(n_s2):  # two-stage W4A8: W = q * scale_2[n] * scale
-            codes = codecs.quark_int4_unpack(w, reorder=reorder)
-            s2 = self.get(n_s2).float().reshape(-1)
-            if s2.shape[0] != codes.shape[0] or scale.numel() != 1:
-                raise ShapeError(f"{self.path}: {m}: W4A8 weight {list(codes.shape)} needs weight_scale_2 "
-                                 f"[{codes.shape[0]}] and a per-tensor weight_scale, got {list(s2.shape)} and "
-                                 f"{list(scale.shape)}")
-            return Int4Weight(codes, s2, None, tensor_scale=scale.reshape(()))
+        if w.dim() != 2:
+            raise ShapeError(f"{self.path}: tensor {m + '.' + keys.WEIGHT!r} has shape {list(w.shape)}, not 2-D")
         if self.quant.int4_per_group:  # Quark per_group INT4 is stored transposed: [K, N/8], scale [K/G, N]
+            # Relaid out once to words along the input dim (the same codes, the same bytes), so that
+            # rows decode independently like every other INT4 weight.
             codes = codecs.quark_int4_unpack(w, reorder=reorder).t().contiguous()
-            scale = scale.t().contiguous()
             n, k = codes.shape
+            scale = scale.t().contiguous()
             if scale.shape[0] != n or k % scale.shape[1]:
                 raise ShapeError(f"{self.path}: {m}: per-group scale {list(scale.shape)} does not fit weight [{n}, {k}]")
-            return Int4Weight(codes, scale, group_size=k // scale.shape[1])
-        codes = codecs.quark_int4_unpack(w, reorder=reorder)
+            return Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), scale, group_size=k // scale.shape[1],
+                              packing=packing, in_features=k)
+        n, k = int(w.shape[0]), int(w.shape[1]) * 8
+        if self.has(n_s2):  # two-stage W4A8: W = q * scale_2[n] * scale
+            s2 = self.get(n_s2).float().reshape(-1)
+            if s2.shape[0] != n or scale.numel() != 1:
+                raise ShapeError(f"{self.path}: {m}: W4A8 weight {[n, k]} needs weight_scale_2 "
+                                 f"[{n}] and a per-tensor weight_scale, got {list(s2.shape)} and "
+                                 f"{list(scale.shape)}")
+            return Int4Weight(w, s2, None, tensor_scale=scale.reshape(()), packing=packing, in_features=k)
         if scale.numel() == 1:
-            return Int4Weight(codes, scale.reshape(1).expand(codes.shape[0]).contiguous())
-        if scale.reshape(-1).shape[0] != codes.shape[0]:
+            return Int4Weight(w, scale.reshape(1).expand(n).contiguous(), packing=packing, in_features=k)
+        if scale.reshape(-1).shape[0] != n:
             raise ShapeError(f"{self.path}: {m}: per-channel scale {list(scale.shape)} does not fit weight "
-                             f"{list(codes.shape)}")
-        return Int4Weight(codes, scale.reshape(-1))
+                             f"{[n, k]}")
+        return Int4Weight(w, scale.reshape(-1), packing=packing, in_features=k)
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -234,6 +252,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
     model.eval()
+    model.checkpoint_bytes = wr.used_bytes
     return model
 
 
@@ -402,6 +421,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
                               f"{spec.vocab_size}, and there is no 'd2t' map")
     model.to(dev)
     model.eval()
+    model.checkpoint_bytes = wr.used_bytes
     return model
 
 
@@ -409,3 +429,82 @@ def _replace(spec: DraftSpec, **kw: Any) -> DraftSpec:
     import dataclasses
 
     return dataclasses.replace(spec, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resident memory of a loaded model
+# ---------------------------------------------------------------------------------------------
+
+# Roles of resident tensors: quantized codes, their scales, float weights (embeddings, norms, dense
+# linears, biases, router), other checkpoint tensors (d2t), and runtime buffers that no checkpoint
+# holds (RoPE frequencies). The first four are weights; "buffers" are accounted separately.
+WEIGHT_ROLES = ("packed", "scales", "dense", "other")
+
+
+@dataclass
+class ResidentBytes:
+    """Bytes of the tensors a loaded model keeps, per module (its own tensors, not its children's)
+    and role, each tensor counted once; ``checkpoint_bytes``: the checkpoint tensors it was built
+    from (None for a model the loader did not build)."""
+
+    per_module: dict[str, dict[str, int]] = field(default_factory=dict)
+    checkpoint_bytes: int | None = None
+
+    @property
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys((*WEIGHT_ROLES, "buffers"), 0)
+        for roles in self.per_module.values():
+            for role, n in roles.items():
+                out[role] += n
+        return out
+
+    @property
+    def weights(self) -> int:
+        """Resident weight bytes: packed codes + scales + dense + other checkpoint tensors."""
+        t = self.totals
+        return sum(t[r] for r in WEIGHT_ROLES)
+
+    @property
+    def buffers(self) -> int:
+        return self.totals["buffers"]
+
+
+def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(role, tensor) of what ``module`` itself keeps: its registered parameters and buffers plus
+    the tensors its kernel ops hold (``resident()``: packed codes, scales, dense weights)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None:
+            role = "buffers" if name in non_persistent else "dense" if b.is_floating_point() else "other"
+            out.append((role, b))
+    out.extend(("dense", p) for p in module.parameters(recurse=False))
+    resident = getattr(module, "resident", None)
+    if callable(resident):
+        out.extend(resident())
+    return out
+
+
+def resident_weight_bytes(model: nn.Module, exclude: nn.Module | None = None) -> ResidentBytes:
+    """What a loaded model holds in memory, per module and role (see :data:`WEIGHT_ROLES`), each
+    tensor once (tied / shared weights are not counted twice). ``exclude``: a model whose tensors
+    are not counted (a draft's view of the target's shared embedding and lm_head)."""
+
+    def key(t: torch.Tensor) -> tuple[str, int, int]:
+        return str(t.device), t.data_ptr(), t.nbytes
+
+    seen: set[tuple[str, int, int]] = set()
+    if exclude is not None:
+        seen = {key(t) for m in exclude.modules() for _, t in module_tensors(m)}
+    rb = ResidentBytes(checkpoint_bytes=getattr(model, "checkpoint_bytes", None))
+    for name, m in model.named_modules():
+        roles: dict[str, int] = {}
+        for role, t in module_tensors(m):
+            k = key(t)
+            if k in seen or t.nbytes == 0:
+                continue
+            seen.add(k)
+            roles[role] = roles.get(role, 0) + t.nbytes
+        if roles:
+            rb.per_module[name or "."] = roles
+    return rb

@@ -3,11 +3,14 @@
 Design (shared/docs/research/kernel_backends.md sections 0 and 5):
 
 * The loader turns every on-disk format into one of a few *canonical* weights
-  (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`); bit
-  unpacking happens there, through ``eagle3.formats.codecs``. A backend never sees a file layout.
-* Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, dequantize,
-  pre-transpose; whatever the backend wants) and ``__call__`` (per step). Weightless ops (norm,
-  RoPE, attention) are backend methods.
+  (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`) that keep
+  the packed codes and scales as on disk (DESIGN.md, "Packed canonical weights"); the bits are
+  decoded through ``eagle3.formats.codecs`` (:func:`dequantize`, :meth:`Int4Weight.unpack`). A
+  backend never sees a file layout.
+* Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, pre-transpose;
+  whatever the backend wants, but never a dense copy of a quantized weight) and ``__call__`` (per
+  step). Weightless ops (norm, RoPE, attention) are backend methods. ``resident()`` lists the
+  tensors an op keeps (memory accounting, ``loader.resident_weight_bytes``).
 * ``torch`` (:mod:`eagle3.runtime.kernels.torch_ref`) is the exact reference on any device.
   Triton (Hopper) and aiter (MI3xx) backends plug in with the same interface later; a backend may
   refuse a case and return the reference op instead.
@@ -57,9 +60,18 @@ class DenseWeight:
         return int(self.weight.shape[0]), int(self.weight.shape[1])
 
 
+# How the codes of an :class:`Int4Weight` are stored (``None``: unpacked int8 codes ``[N, K]``).
+# Packed forms are int32 words ``[N, ceil(K/8)]`` along the input dim, decoded by eagle3.formats.codecs:
+# "ct" = compressed-tensors pack-quantized (nibble = q + 8, natural order); "quark" = Quark's
+# two's-complement nibbles in its "reorder" slot order; "quark_order" = the same in natural order.
+INT4_PACKINGS: tuple[str, ...] = ("ct", "quark", "quark_order")
+
+
 @dataclass
 class Int4Weight:
-    """Signed INT4 codes, unpacked: ``codes`` int8 ``[N, K]`` in [-8, 7].
+    """Signed INT4 codes in [-8, 7]: unpacked int8 ``codes [N, K]`` (``packing=None``), or the
+    packed int32 words ``[N, ceil(K/8)]`` as on disk (``packing`` in :data:`INT4_PACKINGS`,
+    ``in_features=K``); :meth:`unpack` gives the int8 codes of any row range.
 
     ``W[n, k] = codes[n, k] * scale[n, k // group_size]`` (group scales ``[N, K/G]``) or
     ``codes[n, k] * scale[n]`` (per-channel, ``group_size=None``), times ``tensor_scale`` when
@@ -71,10 +83,31 @@ class Int4Weight:
     group_size: int | None = None
     tensor_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    packing: str | None = None
+    in_features: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.packing is not None and (self.packing not in INT4_PACKINGS or self.in_features is None):
+            raise UsageError(f"Int4Weight: packing {self.packing!r} needs in_features and one of {INT4_PACKINGS}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.codes.shape[0]), int(self.codes.shape[1])
+        k = self.in_features if self.packing is not None else self.codes.shape[1]
+        return int(self.codes.shape[0]), int(k)  # type: ignore[arg-type]
+
+    def unpack(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """int8 codes of rows ``r0 .. r1-1`` (all rows by default), ``[r1 - r0, K]``."""
+        return unpack_int4(self.codes[r0:r1], self.packing, self.shape[1])
+
+
+def unpack_int4(words: torch.Tensor, packing: str | None, k: int) -> torch.Tensor:
+    """int8 codes ``[..., K]`` of INT4 ``words`` stored as ``packing`` (see :data:`INT4_PACKINGS`);
+    unpacked codes (``packing=None``) are returned as they are. Any leading dims (experts, rows)."""
+    if packing is None:
+        return words
+    if packing == "ct":
+        return codecs.ct_int4_unpack(words, k)
+    return codecs.quark_int4_unpack(words, reorder=packing == "quark", k=k)
 
 
 @dataclass
@@ -123,11 +156,17 @@ class LinearOp(ABC):
 
     @abstractmethod
     def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
-        """Once, at load. May keep, relayout or dequantize ``weight``; it owns it afterwards."""
+        """Once, at load. May keep or relayout ``weight`` (it owns it afterwards), but a quantized
+        weight stays quantized: no backend keeps a dense copy of it (DESIGN.md, packed canonical
+        weights); dense values are made per call in a bounded scratch."""
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` -> ``[T, N]`` (compute dtype)."""
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the op keeps between calls, with its role (see :func:`weight_tensors`)."""
+        return []
 
 
 class MoEOp(ABC):
@@ -139,7 +178,11 @@ class MoEOp(ABC):
     @abstractmethod
     def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
                 act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
-        """Per-expert weights (index = expert id)."""
+        """Per-expert weights (index = expert id); kept packed, as :meth:`LinearOp.prepare`."""
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the op keeps between calls, with its role (see :func:`weight_tensors`)."""
+        return []
 
     @abstractmethod
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -171,7 +214,8 @@ class KernelBackend(ABC):
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A dense operand for :meth:`matmul` / :meth:`bmm`, rounded to the model ``dtype`` and laid
-        out as the backend computes with it (prepared once, at load)."""
+        out as the backend computes with it (prepared once, at load; a backend that computes in a
+        wider dtype widens it per call, so the resident copy stays the size of the model dtype)."""
         return w.to(dtype).contiguous()
 
     @abstractmethod
@@ -256,17 +300,21 @@ def concat_out_features(weights: list[LinearWeight]) -> LinearWeight:
                            torch.cat([w.scale for w in weights]), bias)  # type: ignore[union-attr]
     if isinstance(first, Int4Weight):
         ws: list[Int4Weight] = weights  # type: ignore[assignment]
+        packing, k = first.packing, first.shape[1]
+        if any(w.packing != packing or w.shape[1] != k for w in ws):
+            raise UsageError("cannot fuse INT4 weights stored in different packings or of different widths")
+        kw = {"packing": packing, "in_features": k if packing is not None else None}
         if first.group_size is not None:
             if any(w.group_size != first.group_size or w.tensor_scale is not None for w in ws):
                 raise UsageError("cannot fuse INT4 weights with different group sizes or tensor scales")
             return Int4Weight(torch.cat([w.codes for w in ws]), torch.cat([w.scale for w in ws]),
-                              first.group_size, None, bias)
+                              first.group_size, None, bias, **kw)
 
         def chan(w: Int4Weight) -> torch.Tensor:
             s = w.scale.float().reshape(-1)
             return s * w.tensor_scale.float().reshape(()) if w.tensor_scale is not None else s
 
-        return Int4Weight(torch.cat([w.codes for w in ws]), torch.cat([chan(w) for w in ws]), None, None, bias)
+        return Int4Weight(torch.cat([w.codes for w in ws]), torch.cat([chan(w) for w in ws]), None, None, bias, **kw)
     if isinstance(first, FP8Weight):
         fs: list[FP8Weight] = weights  # type: ignore[assignment]
         if first.block is not None:
@@ -300,28 +348,65 @@ def int4_channel_scale(w: Int4Weight) -> torch.Tensor:
     return s
 
 
-def dequantize(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
-    """Dense ``[N, K]`` weight in ``dtype`` (exact decode, one rounding to ``dtype``)."""
+def dequantize(w: LinearWeight, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense ``[N, K]`` weight in ``dtype`` (exact decode, one rounding to ``dtype``), or only its rows
+    ``rows[0] .. rows[1]-1`` (a row tile: the same values as those rows of the whole; FP8 block
+    weights need tiles aligned to the block). Element by element, so the bits never depend on the tile."""
+    n, k = w.shape
+    r0, r1 = rows if rows is not None else (0, n)
     if isinstance(w, DenseWeight):
-        return w.weight.to(dtype)
+        return w.weight[r0:r1].to(dtype)
     if isinstance(w, Int4Weight):
-        n, k = w.shape
+        codes = w.unpack(r0, r1)
         if w.group_size is not None:
             if w.scale.shape != (n, k // w.group_size):
                 raise ShapeError(f"INT4 group scale has shape {list(w.scale.shape)}, expected {[n, k // w.group_size]}")
             # compressed-tensors forms q * scale in the scale's dtype (bf16(q*s) for Kimi).
             sd = w.scale.dtype
-            out = w.codes.to(sd) * w.scale.repeat_interleave(w.group_size, dim=1)
+            out = codes.to(sd) * w.scale[r0:r1].repeat_interleave(w.group_size, dim=1)
             if w.tensor_scale is not None:
                 out = out.float() * w.tensor_scale.float().reshape(())
             return out.to(dtype)
-        return (w.codes.float() * int4_channel_scale(w)[:, None]).to(dtype)
+        return (codes.float() * int4_channel_scale(w)[r0:r1, None]).to(dtype)
     if isinstance(w, MXFP4Weight):
-        return codecs.mxfp4_dequantize(w.packed, w.scale, dtype=dtype)
+        return codecs.mxfp4_dequantize(w.packed[r0:r1], w.scale[r0:r1], dtype=dtype)
     if isinstance(w, FP8Weight):
         if w.block is not None:
-            return codecs.fp8_block_dequantize(w.weight, w.scale, block=w.block, dtype=dtype)
+            bn = w.block[0]
+            if r0 % bn or (r1 % bn and r1 != n):
+                raise UsageError(f"FP8 block rows {r0}..{r1} do not align to the {bn}-row block")
+            return codecs.fp8_block_dequantize(w.weight[r0:r1], w.scale[r0 // bn: -(-r1 // bn)], block=w.block,
+                                               dtype=dtype)
         s = w.scale.float()
-        s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)
-        return (w.weight.float() * s).to(dtype)
+        s = s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1)[r0:r1]
+        return (w.weight[r0:r1].float() * s).to(dtype)
     raise TypeError(f"not a canonical weight: {type(w).__name__}")
+
+
+def weight_to(w: LinearWeight, device: torch.device) -> LinearWeight:
+    """The same canonical weight with its tensors on ``device`` (no copy when they are there)."""
+    import dataclasses
+
+    moved = {f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)
+             if isinstance(getattr(w, f.name), torch.Tensor)}
+    return dataclasses.replace(w, **moved)
+
+
+def weight_tensors(w: LinearWeight) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a canonical weight holds, each with its role for memory accounting:
+    ``packed`` (quantized codes), ``scales`` (their scales) or ``dense`` (float weights, biases)."""
+    if isinstance(w, DenseWeight):
+        out = [("dense", w.weight)]
+    elif isinstance(w, Int4Weight):
+        out = [("packed", w.codes), ("scales", w.scale)]
+        if w.tensor_scale is not None:
+            out.append(("scales", w.tensor_scale))
+    elif isinstance(w, MXFP4Weight):
+        out = [("packed", w.packed), ("scales", w.scale)]
+    elif isinstance(w, FP8Weight):
+        out = [("packed", w.weight), ("scales", w.scale)]
+    else:
+        raise TypeError(f"not a canonical weight: {type(w).__name__}")
+    if w.bias is not None:
+        out.append(("dense", w.bias))
+    return out

@@ -41,9 +41,10 @@ combine in fp32); attention runs in fp32 with one softmax over the whole context
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -52,15 +53,17 @@ from eagle3.errors import ShapeError, UsageError
 from eagle3.formats import codecs
 from eagle3.runtime.kernels.base import (
     ActQuant,
+    DenseWeight,
     FP8Weight,
     Int4Weight,
     KernelBackend,
     LinearOp,
     LinearWeight,
     MoEOp,
-    dequantize,
+    MXFP4Weight,
     int4_channel_scale,
     register_backend,
+    unpack_int4,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -205,46 +208,233 @@ def _check_act(w: LinearWeight, act: ActQuant) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed weights, decoded per call
+# ---------------------------------------------------------------------------------------------
+#
+# Quantized weights stay as they are on disk (codes + scales); every call decodes the values it
+# needs into a per-call scratch, with the same codec functions, the same op order and the same
+# dtypes as a load-time decode, so the GEMMs see bit-identical operands. The scratch is bounded:
+# one Linear's weight (or a tile of LINEAR_SCRATCH_BYTES of its rows), the experts of one MoE
+# layer when they are smaller than _MOE_ALL_BYTES together, else the active experts in chunks of
+# at most MOE_SCRATCH_BYTES, or one expert at a time. Dense weights are kept in the model dtype;
+# on CPU they are widened to fp32 (compute_dtype) per call the same way.
+#
+# Row tiles: a GEMM over a tile of weight rows gives the same bits as those output columns of the
+# whole GEMM (measured for MKL here, 1 and 2 threads, K 128..7168, tiles of 64..2048 rows); tiles
+# depend on the weight's shape only, never on the batch, so batch invariance holds either way.
+
+LINEAR_SCRATCH_BYTES = 64 * 1024 * 1024  # dense rows of one Linear decoded at once, at most
+MOE_SCRATCH_BYTES = 64 * 1024 * 1024  # dense experts decoded at once (gathered path), at most
+_TILE_ALIGN = 128  # row tiles are multiples of this (FP8 128-row blocks, 8-row INT4 words)
+
+
+class _Bank:
+    """Canonical weights of one kind stacked over a leading expert dim (one entry for a Linear), kept
+    packed as on disk. Each entry may be several weights stacked along rows (gate then up); the bank
+    keeps their per-row scales so that the rows decode exactly as each weight alone would."""
+
+    def __init__(self, experts: list[list[LinearWeight]], dtype: torch.dtype, device: torch.device) -> None:
+        first = experts[0][0]
+        kinds = {type(w) for parts in experts for w in parts}
+        if len(kinds) != 1:
+            raise UsageError("cannot stack weights of different formats: " + ", ".join(sorted(k.__name__ for k in kinds)))
+        self.kind = type(first)
+        self.k = first.shape[1]
+        self.n = sum(w.shape[0] for w in experts[0])
+        if any(sum(w.shape[0] for w in parts) != self.n or any(w.shape[1] != self.k for w in parts)
+               for parts in experts):
+            raise ShapeError(f"experts are not all [{self.n}, {self.k}]")
+        self.num = len(experts)
+        self.dtype = dtype
+        self.device = device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.roles: dict[str, str] = {}
+
+        def put(name: str, role: str, per_expert: list[torch.Tensor]) -> None:
+            if len(per_expert) == 1:  # one weight: a view, no copy
+                t = per_expert[0].to(device)[None]
+            else:
+                t = torch.stack([x.to(device) for x in per_expert])
+            self.tensors[name] = t
+            self.roles[name] = role
+
+        def rows(get: Any) -> list[torch.Tensor]:
+            """Per expert, its parts' tensors concatenated along rows."""
+            return [p[0] if len(p) == 1 else torch.cat(p) for p in ([get(w) for w in parts] for parts in experts)]
+
+        if isinstance(first, DenseWeight):
+            put("weight", "dense", rows(lambda w: w.weight.to(dtype)))
+        elif isinstance(first, Int4Weight):
+            ws: list[Int4Weight] = [w for parts in experts for w in parts]  # type: ignore[misc]
+            if len({(w.packing, w.group_size) for w in ws}) != 1:
+                raise UsageError("cannot stack INT4 weights of different packings or group sizes")
+            self.packing, self.group = first.packing, first.group_size
+            put("codes", "packed", rows(lambda w: w.codes))
+            if self.group is not None:
+                if any(w.scale.shape != (w.shape[0], self.k // self.group) for w in ws):
+                    raise ShapeError(f"INT4 group scales do not fit [N, {self.k // self.group}]")
+                put("scale", "scales", rows(lambda w: w.scale))
+                self.row_ts = any(w.tensor_scale is not None for w in ws)
+                if self.row_ts:
+                    if any(w.tensor_scale is None for w in ws):
+                        raise UsageError("cannot stack INT4 weights with and without a tensor scale")
+                    put("row_ts", "scales", rows(lambda w: w.tensor_scale.float().reshape(1).expand(w.shape[0])))
+            else:
+                put("scale", "scales", rows(int4_channel_scale))  # fp32, stage scales merged
+        elif isinstance(first, MXFP4Weight):
+            put("packed", "packed", rows(lambda w: w.packed))
+            put("scale", "scales", rows(lambda w: w.scale))
+        elif isinstance(first, FP8Weight):
+            fs: list[FP8Weight] = [w for parts in experts for w in parts]  # type: ignore[misc]
+            self.block = first.block
+            if any(w.block != self.block for w in fs):
+                raise UsageError("cannot stack FP8 weights with different blocks")
+            put("weight", "packed", rows(lambda w: w.weight))
+            if self.block is not None:
+                bn = self.block[0]
+                if len(experts[0]) > 1 and any(w.shape[0] % bn for w in fs):
+                    # parts whose rows do not align to the block (gate + up of a small expert): one
+                    # scale row per weight row; W = fp8 * scale is the same fp32 product either way
+                    self.block = (1, self.block[1])
+                    put("scale", "scales", rows(lambda w: w.scale.float().repeat_interleave(bn, 0)[: w.shape[0]]))
+                else:
+                    put("scale", "scales", rows(lambda w: w.scale.float()))
+            else:
+                put("scale", "scales", rows(_fp8_channel_scale))
+        else:
+            raise TypeError(f"not a canonical weight: {type(first).__name__}")
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of one entry decoded to the compute dtype."""
+        return self.n * self.k * torch.empty(0, dtype=compute_dtype(self.dtype, self.device)).element_size()
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        return [(self.roles[k], t) for k, t in self.tensors.items()]
+
+    def decode(self, sel: torch.Tensor | None = None, rows: tuple[int, int] | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense ``[e, r, K]`` in ``dtype`` (default: the model dtype) of entries ``sel`` (all by
+        default) and rows ``rows``: the values (and bits) of ``dequantize`` element by element."""
+        r0, r1 = rows if rows is not None else (0, self.n)
+        dtype = dtype or self.dtype
+
+        def get(name: str, lo: int = r0, hi: int = r1) -> torch.Tensor:
+            t = self.tensors[name][:, lo:hi]
+            return t if sel is None else t.index_select(0, sel)
+
+        if self.kind is DenseWeight:
+            return get("weight").to(dtype)
+        if self.kind is Int4Weight:
+            words, g = get("codes"), self.group
+            if g is not None and self.packing == "ct" and not self.row_ts and words.dim() == 3:
+                # compressed-tensors' own decode (bf16(q * s) through fp32, a per-byte table): the
+                # same bits as the product in the scale dtype below, ~2x faster
+                e, r = words.shape[:2]
+                sc = get("scale")
+                out = codecs.ct_int4_dequantize(words.reshape(e * r, -1), sc.reshape(e * r, -1), (e * r, self.k))
+                return out.view(e, r, self.k).to(dtype)
+            codes = unpack_int4(words, self.packing, self.k)
+            if g is not None:
+                sc = get("scale")
+                # q * s in the scale's dtype (compressed-tensors' rule), the scale broadcast per group
+                out = (codes.to(sc.dtype).view(*codes.shape[:-1], -1, g) * sc[..., None]).view(codes.shape)
+                if self.row_ts:
+                    out = out.float() * get("row_ts")[..., None]
+                return out.to(dtype)
+            return (codes.float() * get("scale")[..., None]).to(dtype)
+        if self.kind is MXFP4Weight:
+            return codecs.mxfp4_dequantize(get("packed"), get("scale"), dtype=dtype)
+        if self.block is not None:  # FP8 blocks: the codec is 2-D, one entry at a time
+            bn = self.block[0]
+            if r0 % bn or (r1 % bn and r1 != self.n):
+                raise UsageError(f"FP8 block rows {r0}..{r1} do not align to the {bn}-row block")
+            w, sc = get("weight"), get("scale", r0 // bn, -(-r1 // bn))
+            return torch.stack([codecs.fp8_block_dequantize(w[e], sc[e], block=self.block, dtype=dtype)
+                                for e in range(w.shape[0])])
+        return (get("weight").float() * get("scale")[..., None]).to(dtype)
+
+    def codes(self, sel: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Integer / FP8 codes ``[e, r, K]`` of entries ``sel`` (int8 for INT4, FP8 as stored)."""
+        r0, r1 = rows if rows is not None else (0, self.n)
+        t = self.tensors["codes" if self.kind is Int4Weight else "weight"][:, r0:r1]
+        t = t if sel is None else t.index_select(0, sel)
+        return unpack_int4(t, self.packing, self.k).to(torch.int8) if self.kind is Int4Weight else t
+
+
+def _fp8_channel_scale(w: FP8Weight) -> torch.Tensor:
+    s = w.scale.float().reshape(-1)
+    return s.expand(w.shape[0]) if s.numel() == 1 else s
+
+
+def _row_tiles(n: int, row_bytes: int, budget: int, align: int = _TILE_ALIGN) -> list[tuple[int, int]]:
+    """Row ranges covering ``0..n-1``: the whole when it fits ``budget``, else equal tiles of a
+    multiple of ``align`` rows (a function of the weight's shape only)."""
+    if n * row_bytes <= budget:
+        return [(0, n)]
+    step = max(align, budget // row_bytes // align * align)
+    return [(r, min(n, r + step)) for r in range(0, n, step)]
+
+
+# ---------------------------------------------------------------------------------------------
 # Linear
 # ---------------------------------------------------------------------------------------------
 
 
 class TorchLinear(LinearOp):
-    """Float GEMM on row tiles, or an exact integer / float64 GEMM for quantized activations."""
+    """Float GEMM on row tiles, or an exact integer / float64 GEMM for quantized activations; the
+    weight stays packed and is decoded per call (see "Packed weights, decoded per call")."""
 
     def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
         self.out_features, self.in_features = weight.shape
         self.mode = _check_act(weight, act)
         self.dtype = dtype
+        self.cd = compute_dtype(dtype, device)
         self.bias = _bias(weight, dtype, device)
+        self.bank = _Bank([[weight]], dtype, device)
+        self.w_scale: torch.Tensor | None = None
         if self.mode in ("dense", "mxfp4"):
-            # round to the model dtype first (bf16(q*s) for INT4), then widen for the CPU GEMM
-            self.w = dequantize(weight, dtype).to(device=device, dtype=compute_dtype(dtype, device)).contiguous()
+            row_bytes = self.bank.dense_bytes // self.out_features
         elif self.mode == "int8":
             assert isinstance(weight, Int4Weight)
-            self.codes = weight.codes.to(device=device, dtype=torch.int8).contiguous()  # [N, K]
-            self.w_scale = int4_channel_scale(weight).to(device)
+            int4_channel_scale(weight)  # refuses group scales
+            self.w_scale = self.bank.tensors["scale"][0]  # fp32 [N], stage scales merged
             # torch._int_mm on CUDA needs M > 16 (kernel_backends.md 2.3): pad rows there.
             self.min_rows = 17 if device.type == "cuda" else 1
+            row_bytes = self.in_features
         else:  # fp8 activations, INT4 or per-channel FP8 weight: exact float64 accumulation
             if isinstance(weight, Int4Weight):
-                self.w64 = weight.codes.to(device=device, dtype=torch.float64).contiguous()
-                self.w_scale = int4_channel_scale(weight).to(device)
-            else:
-                assert isinstance(weight, FP8Weight)
-                self.w64 = weight.weight.to(device).to(torch.float64).contiguous()
-                s = weight.scale.float().reshape(-1)
-                self.w_scale = (s.expand(self.out_features) if s.numel() == 1 else s).to(device).contiguous()
+                int4_channel_scale(weight)  # refuses group scales
+            self.w_scale = self.bank.tensors["scale"][0]
+            row_bytes = 8 * self.in_features
+        block = getattr(self.bank, "block", None)
+        align = math.lcm(_TILE_ALIGN, block[0]) if block is not None else _TILE_ALIGN
+        self.tiles = _row_tiles(self.out_features, row_bytes, LINEAR_SCRATCH_BYTES, align)
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        return self.bank.resident() + ([] if self.bias is None else [("dense", self.bias)])
+
+    def dense(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight rows as the float GEMM's operand: model dtype first (bf16(q*s) for INT4),
+        then widened to the compute dtype. Per call, never kept."""
+        return self.bank.decode(None, rows)[0].to(self.cd)
+
+    def _rows(self, x: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
+        if self.mode in ("dense", "mxfp4"):
+            return mm_rows(x, self.dense(r).t())
+        assert self.w_scale is not None
+        codes = self.bank.codes(None, r)[0]
+        if self.mode == "int8":
+            return int8_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
+        return fp8_linear(x, codes.to(torch.float64), self.w_scale[r[0]: r[1]]).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "dense":
-            y = mm_rows(x, self.w.t())
-        elif self.mode == "mxfp4":
-            y = mm_rows(mxfp4_qdq(x), self.w.t())
-        elif self.mode == "int8":
-            y = int8_linear(x, self.codes, self.w_scale, self.min_rows).to(self.dtype)
+        if self.mode == "mxfp4":
+            x = mxfp4_qdq(x)
+        if len(self.tiles) == 1:
+            y = self._rows(x, self.tiles[0])
         else:
-            y = fp8_linear(x, self.w64, self.w_scale).to(self.dtype)
+            y = torch.cat([self._rows(x, r) for r in self.tiles], dim=-1)
         return y if self.bias is None else y + self.bias
 
 
@@ -274,8 +464,9 @@ def fp8_linear(x: torch.Tensor, w64: torch.Tensor, w_scale: torch.Tensor) -> tor
 
 class TorchMoE(MoEOp):
     """Routed experts. Token-expert pairs are grouped by expert; float experts run as row-tiled
-    GEMMs (all experts in one ``bmm`` when small, else a loop over the active experts); int8 /
-    fp8-activation experts run the exact linear per active expert."""
+    GEMMs (all experts in one ``bmm`` when small, else the active experts gathered per row tile or
+    one at a time), decoded per call from the packed weights; int8 / fp8-activation experts run the
+    exact linear per active expert."""
 
     def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
                 act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
@@ -283,32 +474,34 @@ class TorchMoE(MoEOp):
             raise ShapeError(f"MoE needs the same number of gate/up/down experts, got {len(gate)}/{len(up)}/{len(down)}")
         self.num_experts = len(gate)
         self.dtype = dtype
+        self.cd = compute_dtype(dtype, device)
         self.mode = _check_act(gate[0], act)
         self.path = "loop"
         self.inter = gate[0].shape[0]
         self.hidden = gate[0].shape[1]
         if self.mode in ("dense", "mxfp4"):
             # gate rows then up rows, as transformers' fused gate_up_proj.
-            cd = compute_dtype(dtype, device)
-            self.w13 = torch.stack([torch.cat([dequantize(g, dtype), dequantize(u, dtype)], 0)
-                                    for g, u in zip(gate, up, strict=True)]).to(device=device, dtype=cd).contiguous()
-            self.w2 = torch.stack([dequantize(d, dtype) for d in down]).to(device=device, dtype=cd).contiguous()
-            per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+            self.w13 = _Bank([[g, u] for g, u in zip(gate, up, strict=True)], dtype, device)
+            self.w2 = _Bank([[d] for d in down], dtype, device)
+            per_expert = self.w13.dense_bytes + self.w2.dense_bytes
             self.path = ("all" if per_expert * self.num_experts <= _MOE_ALL_BYTES
                          else "gather" if per_expert <= _MOE_GATHER_BYTES else "loop")
-            if self.path == "all":
-                self.w13_all_t = self.w13.view(-1, self.hidden).t()  # [H, E * 2I]
-                self.w2_t = self.w2.transpose(1, 2)  # [E, I, H]
-        else:
-            self.experts13 = []
-            self.experts2 = []
-            for g, u, d in zip(gate, up, down, strict=True):
-                l13 = TorchLinear()
-                l13.prepare(_concat_rows(g, u), act, dtype, device)
-                l2 = TorchLinear()
-                l2.prepare(d, act, dtype, device)
-                self.experts13.append(l13)
-                self.experts2.append(l2)
+            self.chunk = max(1, MOE_SCRATCH_BYTES // per_expert)  # experts decoded at once (gather)
+        else:  # int8 / fp8 activations: the exact linears, per-channel weights only
+            if isinstance(gate[0], Int4Weight):
+                int4_channel_scale(gate[0])  # refuses group scales
+            self.w13 = _Bank([[g, u] for g, u in zip(gate, up, strict=True)], dtype, device)
+            self.w2 = _Bank([[d] for d in down], dtype, device)
+            code_bytes = 1 if self.mode == "int8" else 8  # int8 codes, or float64 for the exact GEMM
+            self.chunk = max(1, MOE_SCRATCH_BYTES // ((self.w13.n + self.w2.n) * self.hidden * code_bytes))
+            self.min_rows = 17 if device.type == "cuda" else 1
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        return self.w13.resident() + self.w2.resident()
+
+    def _dense(self, sel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 ``[e, 2I, H]``, w2 ``[e, H, I]``) of experts ``sel`` in the compute dtype, per call."""
+        return self.w13.decode(sel).to(self.cd), self.w2.decode(sel).to(self.cd)
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
@@ -335,9 +528,18 @@ class TorchMoE(MoEOp):
         """Every expert on every token (row-tiled GEMMs), then pick the top-k rows: 3-4x the
         FLOPs of routing, but a handful of ops, which is what a small model's step costs."""
         t = x.shape[0]
+        active = torch.nonzero(torch.bincount(ids.reshape(-1), minlength=self.num_experts)).reshape(-1)
+        if 2 * active.numel() >= self.num_experts:  # most are used: one decode of all, no scatter
+            w13, w2 = self._dense(None)
+        else:
+            # Only the experts this call uses are decoded; the others' weights are zero, and their
+            # outputs, never picked, do not touch the used columns of the GEMMs (same bits).
+            d13, d2 = self._dense(active)
+            w13 = d13.new_zeros(self.num_experts, *d13.shape[1:]).index_copy_(0, active, d13)
+            w2 = d2.new_zeros(self.num_experts, *d2.shape[1:]).index_copy_(0, active, d2)
         xin = mxfp4_qdq(x) if self.mode == "mxfp4" else x
-        h = mm_rows(xin, self.w13_all_t).view(t, self.num_experts, 2 * self.inter)
-        o = bmm_rows(self._act(h).transpose(0, 1), self.w2_t)  # [E, T, H]
+        h = mm_rows(xin, w13.view(-1, self.hidden).t()).view(t, self.num_experts, 2 * self.inter)
+        o = bmm_rows(self._act(h).transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         picked = o.transpose(0, 1)[torch.arange(t, device=x.device)[:, None], ids]  # [T, k, H]
         return (picked.float() * w.float()[..., None]).sum(1).to(self.dtype)
 
@@ -356,45 +558,59 @@ class TorchMoE(MoEOp):
         xbuf = x.new_zeros(total, self.hidden)
         xbuf[dest] = xin
         nt = total // r
-        tile_e = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), padded // r,
-                                         output_size=nt)
-        h = _bmm(xbuf.view(nt, r, self.hidden), self.w13[tile_e].transpose(1, 2))
-        o = _bmm(self._act(h), self.w2[tile_e].transpose(1, 2))
+        xt = xbuf.view(nt, r, self.hidden)
+        o = x.new_empty(nt, r, self.hidden)
+        # The active experts in chunks (tiles are ordered by expert): decoded per chunk, then every
+        # tile of the chunk as one batched GEMM with its expert's weights, as one bmm over all tiles.
+        active = torch.nonzero(counts).reshape(-1)
+        tiles = (padded // r)[active].tolist()
+        t0 = 0
+        for c in range(0, active.numel(), self.chunk):
+            sel = active[c: c + self.chunk]
+            n_t = tiles[c: c + self.chunk]
+            t1 = t0 + sum(n_t)
+            local = torch.repeat_interleave(torch.arange(sel.numel(), device=x.device),
+                                            torch.tensor(n_t, device=x.device), output_size=t1 - t0)
+            w13, w2 = self._dense(sel)
+            h = _bmm(xt[t0:t1], w13[local].transpose(1, 2))
+            o[t0:t1] = _bmm(self._act(h), w2[local].transpose(1, 2))
+            t0 = t1
         return o.reshape(total, self.hidden)[dest]
 
     def _looped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
         out = x.new_empty(order.numel(), self.hidden)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            idx = slice(start, start + n)
-            rows = x[order[idx] // k]
-            if self.mode in ("dense", "mxfp4"):
-                if self.mode == "mxfp4":
-                    rows = mxfp4_qdq(rows)
-                h = mm_rows(rows, self.w13[e].t())
-                out[idx] = mm_rows(self._act(h), self.w2[e].t())
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        n_of = counts.tolist()
+        active = torch.nonzero(counts).reshape(-1)
+        exact = self.mode in ("int8", "fp8")
+        for c in range(0, active.numel(), self.chunk if exact else 1):
+            sel = active[c: c + (self.chunk if exact else 1)]
+            if exact:  # the active experts' codes of a chunk in one decode
+                c13, c2 = self.w13.codes(sel), self.w2.codes(sel)
+                if self.mode == "fp8":
+                    c13, c2 = c13.to(torch.float64), c2.to(torch.float64)
+                s13 = self.w13.tensors["scale"].index_select(0, sel)
+                s2 = self.w2.tensors["scale"].index_select(0, sel)
             else:
-                h = self.experts13[e](rows)
-                g, u = h.split(self.inter, dim=-1)
-                out[idx] = self.experts2[e](silu(g) * u)
-            start += n
+                w13, w2 = self._dense(sel)
+            for i, e in enumerate(sel.tolist()):
+                idx = slice(starts[e], starts[e] + n_of[e])
+                rows = x[order[idx] // k]
+                if not exact:
+                    if self.mode == "mxfp4":
+                        rows = mxfp4_qdq(rows)
+                    h = mm_rows(rows, w13[i].t())
+                    out[idx] = mm_rows(self._act(h), w2[i].t())
+                else:
+                    h = self._exact(rows, c13[i], s13[i])
+                    g, u = h.split(self.inter, dim=-1)
+                    out[idx] = self._exact(silu(g) * u, c2[i], s2[i])
         return out
 
-
-def _concat_rows(a: LinearWeight, b: LinearWeight) -> LinearWeight:
-    """Stack two per-channel quantized weights along the output dim (gate + up)."""
-    if isinstance(a, Int4Weight) and isinstance(b, Int4Weight):
-        sa = int4_channel_scale(a)
-        sb = int4_channel_scale(b)
-        return Int4Weight(torch.cat([a.codes, b.codes]), torch.cat([sa, sb]))
-    if isinstance(a, FP8Weight) and isinstance(b, FP8Weight):
-        def chan(w: FP8Weight) -> torch.Tensor:
-            s = w.scale.float().reshape(-1)
-            return s.expand(w.shape[0]) if s.numel() == 1 else s
-        return FP8Weight(torch.cat([a.weight, b.weight]), torch.cat([chan(a), chan(b)]))
-    raise UsageError(f"cannot fuse {type(a).__name__} and {type(b).__name__} expert weights")
+    def _exact(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            return int8_linear(x, codes, scale, self.min_rows).to(self.dtype)
+        return fp8_linear(x, codes, scale).to(self.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,13 +959,13 @@ class TorchBackend(KernelBackend):
         return TorchMoE()
 
     def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return mm_rows(x, w_t)
+        return mm_rows(x, w_t.to(compute_dtype(w_t.dtype, w_t.device)))  # widened per call (CPU bf16)
 
     def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return bmm_rows(x, w)
+        return bmm_rows(x, w.to(compute_dtype(w.dtype, w.device)))
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return w.to(dtype).to(compute_dtype(dtype, self.device)).contiguous()
+        return w.to(dtype).contiguous()  # kept in the model dtype; matmul / bmm widen it per call
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one op (bit-identical to the spelled-out

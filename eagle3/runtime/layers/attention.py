@@ -23,7 +23,16 @@ from torch import nn
 from eagle3.errors import ShapeError
 from eagle3.runtime.config import MHASpec, MLASpec
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, concat_out_features, dequantize
+from eagle3.runtime.kernels.base import (
+    ActQuant,
+    DenseWeight,
+    KernelBackend,
+    LinearWeight,
+    concat_out_features,
+    dequantize,
+    weight_tensors,
+    weight_to,
+)
 from eagle3.runtime.layers.linear import Linear
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.layers.rotary import RotaryEmbedding
@@ -53,7 +62,9 @@ class MLAAttention(nn.Module):
         self.o_proj = Linear(nh * spec.v_head_dim, out_dim, backend, name + ".o_proj")
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
         self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
-        self.register_buffer("kv_b", torch.zeros(nh * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank))
+        # A quantized kv_b_proj stays packed; the two absorbed matrices are decoded from it per call.
+        self.kv_b_packed: LinearWeight | None = None
+        self.dtype = torch.float32
         self.absorbed = True
 
     @property
@@ -78,17 +89,42 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa.load(kv_a, act_kv, dtype, device)
 
     def load_kv_b(self, weight: LinearWeight, dtype: torch.dtype, device: torch.device) -> None:
-        """``kv_b_proj`` is absorbed, so it is kept dense in the compute dtype (any format)."""
+        """``kv_b_proj`` is absorbed: a dense one is kept as its two per-head matrices (the same
+        values, one copy, in the model dtype); a quantized one stays packed and the matrices are
+        decoded from it per call (:meth:`absorbed_matrices`)."""
         s = self.spec
-        w = dequantize(weight, dtype).to(device)
         want = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
-        if tuple(w.shape) != want:
-            raise ShapeError(f"{self.name}.kv_b_proj: weight is {list(w.shape)}, expected {list(want)}")
+        if tuple(weight.shape) != want:
+            raise ShapeError(f"{self.name}.kv_b_proj: weight is {list(weight.shape)}, expected {list(want)}")
+        self.dtype = dtype
+        if isinstance(weight, DenseWeight):
+            self.kv_b_packed = None
+            self.w_uk, self.w_uv_t = self._split(dequantize(weight, dtype).to(device))
+        else:
+            self.kv_b_packed = weight_to(weight, device)
+            self.w_uk = self.w_uv_t = None
+
+    def _split(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, be = self.spec, self.backend
         per_head = w.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-        be = self.backend
-        self.kv_b = be.matrix(w, dtype)
-        self.w_uk = be.matrix(per_head[:, : s.qk_nope_head_dim], dtype)
-        self.w_uv_t = be.matrix(per_head[:, s.qk_nope_head_dim:].transpose(1, 2), dtype)
+        return (be.matrix(per_head[:, : s.qk_nope_head_dim], self.dtype),
+                be.matrix(per_head[:, s.qk_nope_head_dim:].transpose(1, 2), self.dtype))
+
+    def absorbed_matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``w_uk [nh, dn, rkv]``, ``w_uv_t [nh, rkv, dv]``), decoded per call when kv_b is packed."""
+        if self.kv_b_packed is None:
+            assert self.w_uk is not None and self.w_uv_t is not None
+            return self.w_uk, self.w_uv_t
+        return self._split(dequantize(self.kv_b_packed, self.dtype))
+
+    def kv_b_matrix(self) -> torch.Tensor:
+        """The whole ``kv_b_proj`` weight ``[nh * (dn + dv), rkv]`` (naive form), rebuilt per call."""
+        w_uk, w_uv_t = self.absorbed_matrices()
+        return torch.cat([w_uk, w_uv_t.transpose(1, 2)], dim=1).reshape(-1, self.spec.kv_lora_rank)
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors kept besides the registered buffers and the Linear sub-modules (the packed kv_b)."""
+        return [] if self.kv_b_packed is None else weight_tensors(self.kv_b_packed)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
@@ -113,10 +149,11 @@ class MLAAttention(nn.Module):
         flat = cache.view(-1, self.cache_dim)
         be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
         if self.absorbed:
-            q_abs = be.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, nh, rkv]
+            w_uk, w_uv_t = self.absorbed_matrices()
+            q_abs = be.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nh, rkv]
             q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.cache_dim)
             o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan)
-            o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), self.w_uv_t).transpose(0, 1)
+            o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), w_uv_t).transpose(0, 1)
         else:
             o = self._naive(q_nope, q_pe, flat, meta, plan)
         return self.o_proj(o.reshape(t, nh * s.v_head_dim))
@@ -126,7 +163,7 @@ class MLAAttention(nn.Module):
         """Expand every cached latent into per-head keys/values (the prefill form of 5.2)."""
         s, be = self.spec, self.backend
         t, nh = q_nope.shape[0], s.num_heads
-        kv = be.matmul(flat[:, : s.kv_lora_rank].contiguous(), self.kv_b.t()).view(-1, nh, s.qk_nope_head_dim + s.v_head_dim)
+        kv = be.matmul(flat[:, : s.kv_lora_rank].contiguous(), self.kv_b_matrix().t()).view(-1, nh, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
         k_pe = flat[:, None, s.kv_lora_rank:].expand(-1, nh, s.qk_rope_head_dim)
         k = torch.cat([k_nope, k_pe], dim=-1)

@@ -34,6 +34,10 @@ class Linear(nn.Module):
         self.kind = type(weight).__name__
         self.act = act
 
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        """The op's tensors (packed codes + scales for a quantized weight, never a dense copy)."""
+        return [] if self.op is None else self.op.resident()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.op is None:
             raise RuntimeError(f"{self.name}: weights not loaded")

@@ -52,15 +52,16 @@ class MoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.backend = backend
         self.name = name
-        self.register_buffer("gate_weight_t", torch.zeros(hidden, num_experts))  # fp32 [H, E]
+        self.register_buffer("gate_weight_t", torch.zeros(hidden, num_experts))  # [H, E], checkpoint dtype
         self.register_buffer("e_score_correction_bias", None)
         self.experts: MoEOp | None = None
         self.shared = DenseMLP(hidden, inter * n_shared, backend, name + ".shared_experts") if n_shared else None
         self.kind = "unloaded"
 
     def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
-        # The router runs in fp32 (transformers casts both operands); keep an fp32 copy, transposed.
-        self.gate_weight_t = weight.float().t().contiguous().to(device)
+        # The router runs in fp32 (transformers casts both operands): the weight is kept transposed in
+        # its checkpoint dtype and widened per call (exact), so it takes no more memory than on disk.
+        self.gate_weight_t = weight.t().contiguous().to(device)
         self.e_score_correction_bias = None if bias is None else bias.float().to(device)
 
     def load_experts(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
@@ -72,7 +73,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (topk_ids int64 [T, k], topk_weights fp32 [T, k])."""
-        logits = self.backend.matmul(x.float(), self.gate_weight_t)
+        logits = self.backend.matmul(x.float(), self.gate_weight_t.float())
         scores = self.backend.sigmoid(logits) if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1 and self.topk_group < self.n_group:
@@ -96,6 +97,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        """The routed experts' tensors (packed as on disk; see KernelBackend ops)."""
+        return [] if self.experts is None else self.experts.resident()
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts} top{self.top_k} inter={self.inter} ({self.kind})"
