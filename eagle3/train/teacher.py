@@ -74,7 +74,8 @@ class Teacher:
         assert aux is not None
         out, row = [], 0
         for s in seqs:
-            out.append(TeacherStates(aux[row: row + len(s)].clone(), hidden[row: row + len(s)].clone()))
+            # kept in host memory (the whole data set's states; a GPU holds the models)
+            out.append(TeacherStates(aux[row: row + len(s)].cpu().clone(), hidden[row: row + len(s)].cpu().clone()))
             row += len(s)
         return out
 

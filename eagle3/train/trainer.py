@@ -388,6 +388,7 @@ def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict
             shutil.rmtree(init, ignore_errors=True)
             _prepare_init(opts, init, target, data, eos)
         model, d2t = load_trainable(init, target.embed_tokens)
+        model.to(opts.device)
         model.embed_tokens.weight.requires_grad_(False)  # the target's table, frozen (SpecForge, EAGLE)
         vocab = VocabMap.from_d2t(d2t) if d2t is not None else None
         aux_ids = tuple(read_json(init / "config.json")["eagle_aux_hidden_state_layer_ids"])
