@@ -204,3 +204,25 @@ def test_init_from_an_existing_draft(tiny_dir: Path, tmp_path: Path, data_file: 
     delta = (got["fc.weight"].float() - before["fc.weight"].float()).abs().max()
     assert 0 < float(delta) < 0.1
     _check_serves(target, out)
+
+
+@pytest.mark.parametrize("variant", [["--arch", "llama"], ["--arch", "mla", "--eagle31", "--draft-vocab-size", "200"]],
+                         ids=["llama", "mla-eagle31-reduced-vocab"])
+def test_memorised_continuation_is_accepted_by_the_runtime(tiny_dir: Path, tmp_path: Path, data_file: Path,
+                                                           variant: list[str]) -> None:
+    """End to end alignment of training-time test with the runtime proposer: a draft trained on the
+    target's own greedy continuation of a prompt (``--regenerate``) and measured by the runtime on
+    that same prompt (a data file whose last, held-out row repeats a training row) is accepted
+    most of the time. An off-by-one in the token/aux/position pairing or in the hidden fed back
+    would leave the memorised chain unaccepted (a random draft of this target: ~0%)."""
+    rows = data_file.read_text(encoding="utf-8").splitlines()
+    mem = tmp_path / "mem.jsonl"
+    mem.write_text("\n".join([rows[0], rows[1], rows[0]]) + "\n", encoding="utf-8")
+    out = tmp_path / "draft"
+    _cli("train-draft", tiny_dir / "kimi-k2.5", out, "--data", mem, "--eval-prompts", "1", "--regenerate",
+         "--regen-tokens", "24", "--eval-tokens", "24", "--steps", "60", "--batch-size", "2", "--lr", "3e-3",
+         "--quiet", *variant)
+    heldout = json.loads((out / "train_report.json").read_text())["heldout"]
+    assert heldout["lossless"] is True
+    assert heldout["acceptance_rate"] > 0.5, heldout
+    assert heldout["per_position_acceptance"][0] > 0.8, heldout
