@@ -1,0 +1,138 @@
+"""Training-time test (EAGLE-3): K unrolled draft steps, each fed the draft's own hidden state.
+
+For a sequence of tokens ``x_0..x_{L-1}`` with target aux states ``a_t`` and target next-token
+distributions ``p_t`` (row ``t`` predicts ``x_{t+1}``), step ``i`` (0-based) of the chain that
+starts at index ``t``:
+
+* input token ``x_{t+1+i}`` (teacher forcing), at draft position ``t + i``;
+* hidden: ``fc(a_t)`` for step 0, else the previous step's ``next_hidden`` at index ``t`` (pre-norm
+  for EAGLE-3, post-norm for EAGLE-3.1 ``norm_output``: the module decides, like the runtime);
+* attention: step-0 keys of positions ``<= t`` plus this chain's keys of steps ``1..i``
+  (:func:`eagle3.train.draft_module.chain_attention`), which is what the runtime proposer's
+  chained steps see;
+* label: the target's distribution ``p_{t+1+i}`` of token ``x_{t+2+i}``; valid while ``t+1+i <= L-1``.
+
+Loss: soft cross-entropy ``-sum_v p(v) log q(v)`` averaged over valid positions, weighted
+``decay**i`` (0.8 in EAGLE-3 / SpecForge) and summed over steps. With a reduced draft vocabulary
+the target logits are restricted to the draft's tokens and renormalised, and positions whose
+target argmax lies outside the draft vocabulary are left out (SafeAILab ``cnets.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.train.draft_module import KVChain, TrainableDraft
+from eagle3.train.teacher import Teacher
+
+
+@dataclass
+class VocabMap:
+    """The reduced draft vocabulary: ``used[d]`` is the target id of draft id ``d`` (ascending)."""
+
+    used: torch.Tensor  # int64 [V_d]
+
+    @property
+    def size(self) -> int:
+        return int(self.used.shape[0])
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        """Offsets, as every engine stores them: ``target = draft + d2t[draft]``."""
+        return self.used - torch.arange(self.size, dtype=torch.int64)
+
+    def t2d(self, vocab_size: int) -> torch.Tensor:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.used] = True
+        return mask
+
+    @staticmethod
+    def from_d2t(d2t: torch.Tensor) -> VocabMap:
+        d2t = d2t.to(torch.int64)
+        return VocabMap(d2t + torch.arange(d2t.shape[0], dtype=torch.int64))
+
+    @staticmethod
+    def from_frequencies(seqs: Iterable[Sequence[int]], vocab_size: int, size: int,
+                         always: Iterable[int] = ()) -> VocabMap:
+        """The ``size`` most frequent tokens of ``seqs`` (ties: lower id first) plus ``always`` (stop
+        tokens: a draft that cannot propose EOS loses every sequence end), filled up with the
+        lowest unused ids when the data has fewer distinct tokens (SpecForge's frequency scan)."""
+        keep = {int(t) for t in always if 0 <= int(t) < vocab_size}
+        counts = Counter(t for s in seqs for t in s)
+        for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            if len(keep) >= size:
+                break
+            keep.add(int(tok))
+        i = 0
+        while len(keep) < size:
+            if i not in keep:
+                keep.add(i)
+            i += 1
+        return VocabMap(torch.tensor(sorted(keep)[:size], dtype=torch.int64))
+
+
+@dataclass
+class Batch:
+    """Right-padded training batch."""
+
+    input_ids: torch.Tensor  # int64 [B, T] (padding: 0)
+    lengths: torch.Tensor  # int64 [B]
+    aux: torch.Tensor  # [B, T, n*H_t]
+    hidden: torch.Tensor  # [B, T, H_t] target post-norm hidden
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar, differentiable
+    step_loss: list[float]  # per unrolled step (unweighted)
+    step_acc: list[float]  # per step: draft top-1 == target top-1 over valid positions
+
+
+def _shift(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
+    """``x[:, t + n]`` at ``t`` (dim 1), ``fill`` past the end."""
+    if n == 0:
+        return x
+    tail = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], tail], dim=1)
+
+
+def ttt_loss(model: TrainableDraft, teacher: Teacher, batch: Batch, steps: int, decay: float = 0.8,
+             vocab: VocabMap | None = None) -> TTTResult:
+    ids = batch.input_ids
+    b, t = ids.shape
+    dev = model.fc.weight.device
+    with torch.no_grad():
+        tlogits = teacher.logits(batch.hidden).to(dev)  # [B, T, V] float32
+        in_vocab = torch.ones(b, t, dtype=torch.bool, device=dev)
+        if vocab is not None:
+            used = vocab.used.to(dev)
+            in_vocab = vocab.t2d(tlogits.shape[-1]).to(dev)[tlogits.argmax(-1)]
+            tlogits = tlogits[..., used]
+        probs = torch.softmax(tlogits, dim=-1)
+    index = torch.arange(t, device=dev)
+    lengths = batch.lengths.to(dev)
+    positions = index[None, :].expand(b, t)
+    hidden = model.combine_aux(batch.aux.to(dev))
+    chain = KVChain()
+    total = torch.zeros((), device=dev)
+    step_loss, step_acc = [], []
+    for i in range(steps):
+        s = 1 + i
+        mask = ((index[None, :] + s) < lengths[:, None]) & _shift(in_vocab, s, False)
+        if not bool(mask.any()):
+            break
+        post, hidden = model.step(_shift(ids, s), hidden, positions + i, chain)
+        logp = torch.log_softmax(model.compute_logits(post), dim=-1)
+        p = _shift(probs, s)
+        ce = -(p * logp).sum(-1)
+        m = mask.float()
+        n = m.sum()
+        loss_i = (ce * m).sum() / n
+        total = total + decay**i * loss_i
+        step_loss.append(float(loss_i.detach()))
+        step_acc.append(float(((logp.argmax(-1) == p.argmax(-1)).float() * m).sum() / n))
+    return TTTResult(total, step_loss, step_acc)
