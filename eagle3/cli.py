@@ -123,6 +123,51 @@ def verify(
 
 
 # ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def plan(
+    target: Annotated[str, typer.Argument(help="Target checkpoint directory or its config.json (weights optional).")],
+    gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
+    gpu: Annotated[str | None, typer.Option(help="h100|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
+    memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
+    draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory or config.json (replicated).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp16|fp32 -- KV cache element type.")] = "bf16",
+    reserve: Annotated[str, typer.Option(help="Runtime reserve per GPU (context, buffers, activations).")] = "4GiB",
+    embedding: Annotated[str, typer.Option(help="replicated|vocab-split -- how the embedding is placed.")] = "replicated",
+    recipe: Annotated[str | None, typer.Option(help="Plan the checkpoint `eagle3 quantize --recipe` would write from TARGET.")] = None,
+    scope: Annotated[str | None, typer.Option(help="With --recipe: the recipe scope.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Sequence length the KV cache must hold at least once (default: the config's).")] = None,
+    report: Annotated[Path | None, typer.Option(help="Also write the plan as JSON to this file.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Memory plan: weight bytes per rank, KV-cache capacity, and whether it fits.
+
+    Works on a config.json alone (no weights needed); uses the safetensors headers when present.
+
+    Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
+    """
+    from eagle3.runtime import plan as plan_mod
+    from eagle3.serve.launcher import parse_bytes
+
+    p = plan_mod.plan(
+        target, gpus=gpus, gpu=gpu, gpu_memory=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None,
+        memory_fraction=memory_fraction, draft=draft, kv_cache_dtype=kv_cache_dtype,
+        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, recipe=recipe, scope=scope,
+        max_model_len=max_model_len)
+    if report is not None:
+        report.write_text(json.dumps(p.to_json(), indent=2) + "\n")
+    if json_out:
+        _print_json(p.to_json())
+    else:
+        for line in plan_mod.summary_lines(p):
+            typer.echo(line)
+
+
+# ---------------------------------------------------------------------------------------------
 # make-tiny
 # ---------------------------------------------------------------------------------------------
 
