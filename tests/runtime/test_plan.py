@@ -189,3 +189,16 @@ def test_tiny_plan_with_draft_on_two_ranks(tiny_dir: Path) -> None:
     # replicated, never lost
     tiny_experts = [t.nbytes for t in sizing.header_tensors(tiny_dir / "kimi-k2.5") or [] if ".mlp.experts." in t.name]
     assert sum(r["routed_experts"] for r in p.per_rank) == sum(tiny_experts)
+
+
+def test_kimi_with_the_lightseek_draft_config(kimi_models: dict[str, P.Model]) -> None:
+    """TorchSpec's init config of lightseekorg/kimi-k2.5-eagle3 (eagle3_formats.md 1.1): 3.18B bf16
+    parameters, replicated; its one MHA layer adds 2 x 64 heads x 128 values per token to the cache."""
+    draft = KIMI.parent / "kimi-k2.5-eagle3"
+    p = P.plan(kimi_models["int4"], gpus=8, gpu="h200", draft=draft)
+    assert p.draft_source == "config"
+    assert p.draft_bytes == 3_178_262_528 * 2 and all(r["draft"] == p.draft_bytes for r in p.per_rank)
+    assert p.kv_bytes_per_token == 70_272 + 2 * 64 * 128 * 2
+    alone = P.plan(kimi_models["int4"], gpus=8, gpu="h200")
+    assert p.max_weights_per_rank == alone.max_weights_per_rank + p.draft_bytes
+    assert p.kv_tokens == (alone.kv_cache_bytes - p.draft_bytes) // p.kv_bytes_per_token
