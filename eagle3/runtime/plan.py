@@ -385,7 +385,7 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
     elif kv_tokens < mml:
         fits, why = False, f"KV cache holds {kv_tokens} tokens, fewer than one {mml}-token sequence"
     else:
-        fits, why = True, f"KV cache holds {kv_tokens} tokens = {kv_tokens // mml} sequences of {mml} tokens"
+        fits, why = True, f"KV cache holds {kv_tokens} tokens = {kv_tokens // mml} x {mml}-token sequences"
     total, expert_bytes, expert_params = m.totals()
     return MemoryPlan(
         target=m.path, draft=str(draft) if draft is not None else None, source=m.source,
