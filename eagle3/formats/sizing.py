@@ -429,7 +429,9 @@ def resolver(cfg: dict[str, Any], where: str = "config.json") -> Resolver:
                                   f"{w.get('num_bits')}-bit {w.get('type')}; eagle3 sizes int4 and fp8")
 
         def ct(module: str, kind: str) -> LinearFormat:
-            if kind != "linear" or ignored(module):
+            # Moonshot ships the K2.5 vision tower and projector bf16 whatever the ignore list says
+            # (the K2-Thinking list does not name them; kimi_quant_formats.md 1.4).
+            if kind != "linear" or module.startswith(("vision_tower.", "mm_projector.")) or ignored(module):
                 return dense_fmt
             for targets, f in fmts:
                 if targets is None or targets(module):
