@@ -129,12 +129,12 @@ def verify(
 
 @app.command()
 def plan(
-    target: Annotated[str, typer.Argument(help="Target checkpoint directory or its config.json (weights optional).")],
+    target: Annotated[str, typer.Argument(help="Target checkpoint directory, its config.json, or a Hub repo id (weights optional).")],
     gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
     gpu: Annotated[str | None, typer.Option(help="h100|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
-    draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory or config.json (replicated).")] = None,
+    draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory, config.json or repo id (replicated).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp16|fp32 -- KV cache element type.")] = "bf16",
     reserve: Annotated[str, typer.Option(help="Runtime reserve per GPU (context, buffers, activations).")] = "4GiB",
     embedding: Annotated[str, typer.Option(help="replicated|vocab-split -- how the embedding is placed.")] = "replicated",
@@ -146,18 +146,29 @@ def plan(
 ) -> None:
     """Memory plan: weight bytes per rank, KV-cache capacity, and whether it fits.
 
-    Works on a config.json alone (no weights needed); uses the safetensors headers when present.
+    Works on a config.json alone (no weights needed); uses the safetensors headers when present
+    (for a Hub repo id: its config and headers, read without downloading the weights).
 
     Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
     """
+    from eagle3 import hub
     from eagle3.runtime import plan as plan_mod
     from eagle3.serve.launcher import parse_bytes
 
+    mem = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
+    plan_mod.check_options(gpus=gpus, gpu=gpu, gpu_memory=mem, memory_fraction=memory_fraction,
+                           kv_cache_dtype=kv_cache_dtype, embedding=embedding)
+    # A repo id is planned from its config and safetensors headers (range requests), like inspect.
+    where, reader = hub.header_view(target)
+    model = plan_mod.load_model(where, "TARGET", recipe, scope, reader=reader, name=target)
+    dmodel = None
+    if draft is not None:
+        dwhere, dreader = hub.header_view(draft)
+        dmodel = plan_mod.load_model(dwhere, "--draft", reader=dreader, name=draft)
     p = plan_mod.plan(
-        target, gpus=gpus, gpu=gpu, gpu_memory=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None,
-        memory_fraction=memory_fraction, draft=draft, kv_cache_dtype=kv_cache_dtype,
-        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, recipe=recipe, scope=scope,
-        max_model_len=max_model_len)
+        model, gpus=gpus, gpu=gpu, gpu_memory=mem,
+        memory_fraction=memory_fraction, draft=dmodel, kv_cache_dtype=kv_cache_dtype,
+        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, max_model_len=max_model_len)
     if report is not None:
         report.write_text(json.dumps(p.to_json(), indent=2) + "\n")
     if json_out:

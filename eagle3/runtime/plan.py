@@ -237,16 +237,21 @@ def project_config(cfg: dict[str, Any], recipe: str, scope: str | None = None,
 
 
 def load_model(path: str | Path, flag: str = "TARGET", recipe: str | None = None,
-               scope: str | None = None) -> Model:
+               scope: str | None = None, reader: Any | None = None, name: str | None = None) -> Model:
+    """A checkpoint's config and tensors. ``reader``: a header-only
+    :class:`~eagle3.checkpoint.CheckpointReader` of a remote repo (``eagle3.hub.header_view``),
+    whose small files sit in ``path``; ``name`` is what the report calls it (the repo id)."""
     f = _config_file(path, flag)
     cfg = _read_config(f)
+    path = name or path
     if recipe is not None:
         cfg = project_config(cfg, recipe, scope, str(f))
     tensors, formats = sizing.config_inventory(cfg, str(f))
     if recipe is not None:
         return Model(str(path), cfg, tensors, f"config+recipe:{recipe}", formats)
-    headers = sizing.header_tensors(f.parent)
-    if headers is not None:
+    headers = (sizing.header_tensors(f.parent) if reader is None else
+               [TensorSpec(i.name, i.dtype, tuple(i.shape)) for i in reader.infos()])
+    if headers:
         return Model(str(path), cfg, headers, "headers", formats)
     return Model(str(path), cfg, tensors, "config", formats)
 
@@ -332,12 +337,9 @@ def _expert_params(tensors: Iterable[TensorSpec]) -> int:
     return n
 
 
-def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, gpu_memory: int | None = None,
-         memory_fraction: float = 0.9, draft: str | Path | None = None, kv_cache_dtype: str = "bf16",
-         reserve: int = DEFAULT_RESERVE, embedding: str = "replicated", recipe: str | None = None,
-         scope: str | None = None, max_model_len: int | None = None) -> MemoryPlan:
-    """The memory plan of ``target`` (+ ``draft``) on ``gpus`` devices (one rank each). ``target``
-    may be a :class:`Model` from :func:`load_model` (then ``recipe``/``scope`` are not used)."""
+def check_options(*, gpus: int, gpu: str | None, gpu_memory: int | None, memory_fraction: float,
+                  kv_cache_dtype: str, embedding: str) -> tuple[str, int]:
+    """Refuse bad options before any file is read; (device name, memory per device)."""
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: must be at least 1")
     if not 0 < memory_fraction <= 1:
@@ -356,7 +358,19 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
         name, mem = "custom", gpu_memory
     else:
         raise UsageError("give --gpu (h100, h200, mi300x, mi325x, mi355x) or --gpu-memory")
+    return name, mem
 
+
+def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, gpu_memory: int | None = None,
+         memory_fraction: float = 0.9, draft: str | Path | Model | None = None, kv_cache_dtype: str = "bf16",
+         reserve: int = DEFAULT_RESERVE, embedding: str = "replicated", recipe: str | None = None,
+         scope: str | None = None, max_model_len: int | None = None,
+         draft_reader: Any | None = None, draft_name: str | None = None) -> MemoryPlan:
+    """The memory plan of ``target`` (+ ``draft``) on ``gpus`` devices (one rank each). ``target``
+    and ``draft`` may be :class:`Model` objects from :func:`load_model` (a repo's header-only view;
+    then ``recipe``/``scope`` are not used)."""
+    name, mem = check_options(gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction,
+                              kv_cache_dtype=kv_cache_dtype, embedding=embedding)
     m = target if isinstance(target, Model) else load_model(target, "TARGET", recipe, scope)
     where = m.path
     tc = _text_config(m.config)
@@ -367,7 +381,7 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
 
     d = None
     if draft is not None:
-        d = load_model(draft, "--draft")
+        d = draft if isinstance(draft, Model) else load_model(draft, "--draft", reader=draft_reader, name=draft_name)
         dbytes = sum(t.nbytes for t in d.tensors)
         for r in per:
             r["draft"] += dbytes
@@ -388,7 +402,7 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
         fits, why = True, f"KV cache holds {kv_tokens} tokens = {kv_tokens // mml} x {mml}-token sequences"
     total, expert_bytes, expert_params = m.totals()
     return MemoryPlan(
-        target=m.path, draft=str(draft) if draft is not None else None, source=m.source,
+        target=m.path, draft=d.path if d is not None else None, source=m.source,
         draft_source=d.source if d is not None else None, linear_formats=m.linear_formats,
         gpus=gpus, gpu=name, gpu_memory=mem, memory_fraction=memory_fraction, usable_memory=usable,
         reserve=reserve, embedding=embedding, checkpoint_bytes=total, loaded_bytes=total - unloaded,
@@ -436,4 +450,4 @@ def summary_lines(p: MemoryPlan) -> list[str]:
 
 
 __all__ = ["GPUS", "CATEGORIES", "MemoryPlan", "plan", "rank_bytes", "classify", "load_model", "project_config",
-           "kv_values_per_token", "summary_lines", "DEFAULT_RESERVE"]
+           "kv_values_per_token", "summary_lines", "DEFAULT_RESERVE", "check_options"]

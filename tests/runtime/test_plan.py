@@ -202,3 +202,25 @@ def test_kimi_with_the_lightseek_draft_config(kimi_models: dict[str, P.Model]) -
     alone = P.plan(kimi_models["int4"], gpus=8, gpu="h200")
     assert p.max_weights_per_rank == alone.max_weights_per_rank + p.draft_bytes
     assert p.kv_tokens == (alone.kv_cache_bytes - p.draft_bytes) // p.kv_bytes_per_token
+
+
+def test_plan_accepts_a_repo_id(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hub repo is planned from its config and safetensors headers; no shard is downloaded."""
+    from huggingface_hub import constants
+
+    from eagle3.testing.fakehub import FakeHub
+
+    with FakeHub() as hub:
+        hub.add_repo("moonshotai/Kimi-K2.5", tiny_dir / "kimi-k2.5")
+        hub.add_repo("lightseekorg/kimi-k2.5-eagle3", tiny_dir / "kimi-k2.5-eagle3")
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        code, out, err = _main(capsys, "plan", "moonshotai/Kimi-K2.5", "--draft", "lightseekorg/kimi-k2.5-eagle3",
+                               "--gpus", "2", "--gpu-memory", "1GiB", "--json")
+    assert code == 0, err
+    remote = json.loads(out)
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+    assert remote["target"] == "moonshotai/Kimi-K2.5" and remote["source"] == remote["draft_source"] == "headers"
+    local = P.plan(tiny_dir / "kimi-k2.5", gpus=2, gpu_memory=2**30, draft=tiny_dir / "kimi-k2.5-eagle3")
+    assert remote["per_rank"] == local.per_rank and remote["kv_tokens"] == local.kv_tokens
