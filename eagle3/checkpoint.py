@@ -895,6 +895,21 @@ class ShardFile:
             with writing(self.path):
                 _pwrite_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), slot.offset)
 
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows ``start : start + len(rows)`` (along dim 0) of a planned tensor, so that a
+        tensor too large to hold (a full-width embedding) is filled a block of rows at a time."""
+        slot = self.layout.tensors.get(name)
+        if slot is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the planned layout")
+        t = rows.detach().to("cpu").contiguous()
+        if tag_from_dtype(t.dtype) != slot.dtype or tuple(t.shape[1:]) != slot.shape[1:] \
+                or start < 0 or start + t.shape[0] > slot.shape[0]:
+            raise CheckpointError(f"{self.path}: rows {start}..{start + t.shape[0]} of {name!r} "
+                                  f"({tag_from_dtype(t.dtype)}{list(t.shape)}) do not fit {slot.dtype}{list(slot.shape)}")
+        row_bytes = slot.nbytes // slot.shape[0] if slot.shape[0] else 0
+        if t.numel():
+            _pwrite_all(self._fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), slot.offset + start * row_bytes)
+
     def copy_raw(self, name: str, info: TensorInfo) -> None:
         """Copy a source tensor's bytes into its slot, in the kernel where the platform allows it."""
         slot = self._slot(name, info.dtype, info.shape)

@@ -125,6 +125,62 @@ def verify(
 
 
 # ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+
+@app.command()
+def plan(
+    target: Annotated[str, typer.Argument(help="Target checkpoint directory, its config.json, or a Hub repo id (weights optional).")],
+    gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
+    gpu: Annotated[str | None, typer.Option(help="h100|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
+    memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
+    draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory, config.json or repo id (replicated).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp16|fp32 -- KV cache element type.")] = "bf16",
+    reserve: Annotated[str, typer.Option(help="Runtime reserve per GPU (context, buffers, activations).")] = "4GiB",
+    embedding: Annotated[str, typer.Option(help="replicated|vocab-split -- how the embedding is placed.")] = "replicated",
+    recipe: Annotated[str | None, typer.Option(help="Plan the checkpoint `eagle3 quantize --recipe` would write from TARGET.")] = None,
+    scope: Annotated[str | None, typer.Option(help="With --recipe: the recipe scope.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Sequence length the KV cache must hold at least once (default: the config's).")] = None,
+    report: Annotated[Path | None, typer.Option(help="Also write the plan as JSON to this file.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Memory plan: weight bytes per rank, KV-cache capacity, and whether it fits.
+
+    Works on a config.json alone (no weights needed); uses the safetensors headers when present
+    (for a Hub repo id: its config and headers, read without downloading the weights).
+
+    Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
+    """
+    from eagle3 import hub
+    from eagle3.runtime import plan as plan_mod
+    from eagle3.serve.launcher import parse_bytes
+
+    mem = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
+    plan_mod.check_options(gpus=gpus, gpu=gpu, gpu_memory=mem, memory_fraction=memory_fraction,
+                           kv_cache_dtype=kv_cache_dtype, embedding=embedding)
+    # A repo id is planned from its config and safetensors headers (range requests), like inspect.
+    where, reader = hub.header_view(target)
+    model = plan_mod.load_model(where, "TARGET", recipe, scope, reader=reader, name=target)
+    dmodel = None
+    if draft is not None:
+        dwhere, dreader = hub.header_view(draft)
+        dmodel = plan_mod.load_model(dwhere, "--draft", reader=dreader, name=draft)
+    p = plan_mod.plan(
+        model, gpus=gpus, gpu=gpu, gpu_memory=mem,
+        memory_fraction=memory_fraction, draft=dmodel, kv_cache_dtype=kv_cache_dtype,
+        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, max_model_len=max_model_len)
+    if report is not None:
+        report.write_text(json.dumps(p.to_json(), indent=2) + "\n")
+    if json_out:
+        _print_json(p.to_json())
+    else:
+        for line in plan_mod.summary_lines(p):
+            typer.echo(line)
+
+
+# ---------------------------------------------------------------------------------------------
 # make-tiny
 # ---------------------------------------------------------------------------------------------
 
@@ -148,6 +204,30 @@ def make_tiny(
     paths = tiny.make_tiny(out, seed=seed, only=only, overwrite=overwrite)
     for name, p in paths.items():
         typer.echo(f"{name:28s} {p}")
+
+
+@app.command("make-slice")
+def make_slice(
+    out: Annotated[Path, typer.Argument(help="Directory to create (the slice checkpoint).")],
+    layers: Annotated[int, typer.Option(help="Decoder layers (layer 0 dense when >= 2, the rest MoE).")] = 2,
+    experts: Annotated[int, typer.Option(help="Routed experts per MoE layer (Moonshot INT4).")] = 8,
+    seed: Annotated[int, typer.Option(help="Random seed (the output is a pure function of it).")] = 0,
+    vocab: Annotated[int, typer.Option(hidden=True, help="Vocabulary rows (tests only; the real one is 163840).")] = 163840,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT.")] = False,
+) -> None:
+    """Write a Kimi-K2.5 slice at the real tensor shapes in Moonshot's format (streaming).
+
+    Hidden 7168, 64 MLA heads, vocab 163840, expert width 2048, INT4 group-32 routed experts;
+    2 layers x 32 experts is 6.8 GB.
+
+    Example: eagle3 make-slice /tmp/k25-slice --layers 2 --experts 8 && eagle3 inspect /tmp/k25-slice
+    """
+    from eagle3.testing import slice as slice_mod
+    from eagle3.units import human_bytes
+
+    p = slice_mod.make_slice(out, layers=layers, experts=experts, seed=seed, vocab=vocab, overwrite=overwrite)
+    typer.echo(f"kimi-k2.5 slice ({layers} layers, {experts} experts, "
+               f"{human_bytes(slice_mod.slice_bytes(layers, experts, vocab))}) {p}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""A Kimi-K2.5 slice at the real tensor shapes, in Moonshot's on-disk format (``eagle3 make-slice``).
+
+The tiny fixtures (:mod:`eagle3.testing.tiny`) prove formats and numerics; they cannot show what the
+runtime does with real sizes (memory per rank, load time, tokens/s). A slice keeps every real width
+(hidden 7168, 64 MLA heads, q_lora 1536, kv_lora 512, qk_nope 128 / qk_rope 64 / v 128, vocab
+163840, expert width 2048, dense width 18432, one shared expert, noaux_tc sigmoid routing) and cuts
+only the depth and the expert count: ``layers`` decoder layers (layer 0 dense when there are two or
+more, the rest MoE; a 1-layer slice is one MoE layer so that it still has experts) with ``experts``
+routed experts each (top-``min(8, experts)``).
+
+The files are what :mod:`eagle3.testing.tiny` writes for the tiny ``kimi-k2.5``, at full width: the
+``KimiK25ForConditionalGeneration`` wrapper config, ``language_model.*`` text stack in bf16 with
+compressed-tensors pack-quantized INT4 group-32 routed experts (int32 ``weight_packed``, bf16
+``weight_scale``, ``weight_shape``), the ``e_score_correction_bias`` in fp32, the tiny MoonViT tower
+and projector (projecting to 7168), the tiny tokenizer and side files (token ids < 1024 of the
+163840-row embedding are the ones in use).
+
+Written streaming: the tensor list comes from the config (:func:`eagle3.formats.sizing.config_tensors`,
+the same accounting ``eagle3 plan`` uses), shards are planned up front (:class:`ShardLayout`) and each
+tensor is generated and written a block of rows at a time (at most ~64 MB in memory), so a 2-layer
+32-expert slice (6.8 GB) never sits in memory. Every byte is a pure function of ``seed`` (one random
+stream per tensor name, fixed row blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    ShardFile,
+    ShardLayout,
+    atomic_output,
+    check_output,
+    dtype_from_tag,
+    write_json,
+)
+from eagle3.errors import UsageError
+from eagle3.formats import sizing
+from eagle3.formats.files import INDEX_FILE
+from eagle3.formats.sizing import TensorSpec
+from eagle3.testing import tiny
+
+# The real Kimi-K2.5 text widths (kimi_quant_formats.md 1.2).
+KIMI_K25_DIMS: dict[str, int] = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_shared_experts": 1,
+}
+MAX_TOP_K = 8
+BLOCK_ELEMENTS = 16 * 1024 * 1024  # values generated per row block (fp32 working set ~64 MB)
+
+
+def slice_config(layers: int, experts: int, vocab: int = KIMI_K25_DIMS["vocab_size"]) -> dict[str, Any]:
+    """The slice's config.json: the tiny K2.5 wrapper config with the real widths, ``layers``
+    layers and ``experts`` routed experts. ``vocab`` exists for fast tests of the writer only."""
+    if layers < 1:
+        raise UsageError(f"--layers {layers}: a slice needs at least one layer")
+    if experts < 1:
+        raise UsageError(f"--experts {experts}: a slice needs at least one routed expert")
+    if vocab < tiny.VOCAB_SIZE:
+        raise UsageError(f"--vocab {vocab}: must hold the tokenizer's {tiny.VOCAB_SIZE} ids")
+    cfg = tiny.kimi_k25_config()
+    tc = cfg["text_config"]
+    tc.update(KIMI_K25_DIMS)
+    tc.update({"vocab_size": vocab, "num_hidden_layers": layers, "first_k_dense_replace": 1 if layers >= 2 else 0,
+               "n_routed_experts": experts, "num_experts_per_tok": min(MAX_TOP_K, experts)})
+    cfg["vision_config"]["text_hidden_size"] = KIMI_K25_DIMS["hidden_size"]
+    return cfg
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return tiny._generator(seed, f"slice/{name}")
+
+
+def _rows_per_block(shape: tuple[int, ...]) -> int:
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, BLOCK_ELEMENTS // max(row, 1))
+
+
+def _fill(t: TensorSpec, seed: int) -> Callable[[int, int], torch.Tensor]:
+    """``rows(r0, r1)`` -> rows r0:r1 of tensor ``t`` (called in order, from one random stream)."""
+    g = _generator(seed, t.name)
+    shape, name = t.shape, t.name
+    tail = shape[1:]
+
+    if name.endswith(".weight_packed"):
+        # Uniform random words = uniform INT4 codes in [-8, 7] in every nibble.
+        return lambda r0, r1: torch.randint(0, 256, (r1 - r0, tail[0] * 4), generator=g,
+                                            dtype=torch.uint8).view(torch.int32)
+    if name.endswith(".weight_shape"):
+        return lambda r0, r1: torch.zeros(r1 - r0, dtype=torch.int32)  # replaced in _write_tensor
+    if name.endswith(".weight_scale") and t.dtype == "BF16":
+        k = tail[0] * 32
+        base = k**-0.5 / 4.6  # std of uniform codes in [-8, 7] is ~4.6: W = q * s has std ~ 1/sqrt(k)
+        return lambda r0, r1: (base * torch.exp(0.25 * torch.randn((r1 - r0, *tail), generator=g))).to(torch.bfloat16)
+    if name.endswith("e_score_correction_bias"):
+        return lambda r0, r1: 0.05 * torch.randn(r1 - r0, generator=g)
+    dt = dtype_from_tag(t.dtype)
+    if len(shape) == 1:
+        if "norm" in name and name.endswith(".weight"):
+            return lambda r0, r1: (1.0 + 0.1 * torch.randn(r1 - r0, generator=g)).to(dt)
+        return lambda r0, r1: (0.02 * torch.randn(r1 - r0, generator=g)).to(dt)
+    if "embed_tokens" in name:
+        return lambda r0, r1: torch.randn((r1 - r0, *tail), generator=g).to(dt)
+    scale = math.prod(tail) ** -0.5
+    return lambda r0, r1: (torch.randn((r1 - r0, *tail), generator=g) * scale).to(dt)
+
+
+def _write_tensor(f: ShardFile, t: TensorSpec, seed: int, logical: dict[str, tuple[int, int]]) -> None:
+    if t.name.endswith(".weight_shape"):
+        f.write(t.name, torch.tensor(logical[t.name[: -len(".weight_shape")]], dtype=torch.int32))
+        return
+    rows = _fill(t, seed)
+    n = t.shape[0] if t.shape else 1
+    step = _rows_per_block(t.shape)
+    for r0 in range(0, n, step):
+        f.write_rows(t.name, r0, rows(r0, min(n, r0 + step)))
+
+
+def _plan_shards(tensors: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Shards in tensor order, capped at ``max_shard_bytes``; the vision tower and projector get a
+    shard of their own, as in Moonshot's layout."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for t in tensors:
+        first_vision = t.name.startswith(("vision_tower.", "mm_projector.")) and shards[-1] and \
+            not shards[-1][-1].name.startswith(("vision_tower.", "mm_projector."))
+        if shards[-1] and (size + t.nbytes > max_shard_bytes or first_vision):
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def make_slice(out: str | Path, layers: int = 2, experts: int = 8, seed: int = 0, *,
+               vocab: int = KIMI_K25_DIMS["vocab_size"], overwrite: bool = False,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+               progress: Callable[[str, int], None] | None = None) -> Path:
+    """Write a full-width Kimi-K2.5 slice into ``out`` (atomically, with ``manifest.json``).
+
+    ``progress(name, nbytes)`` is called after each tensor (for a benchmark's or the CLI's log)."""
+    cfg = slice_config(layers, experts, vocab)
+    out = check_output(out, overwrite)
+    tensors = sizing.config_tensors(cfg, "slice config")
+    logical = {t.name[: -len(".weight_packed")]: (t.shape[0], t.shape[1] * 8)
+               for t in tensors if t.name.endswith(".weight_packed")}
+    shards = _plan_shards(tensors, max_shard_bytes)
+    tokenizer = tiny.build_tokenizer()
+    with atomic_output(out, overwrite=overwrite) as tmp:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for fname, group in zip(names, shards, strict=True):
+            layout = ShardLayout([(t.name, t.dtype, t.shape) for t in group])
+            f = ShardFile(tmp / fname, layout)
+            try:
+                for t in group:
+                    _write_tensor(f, t, seed, logical)
+                    if progress is not None:
+                        progress(t.name, t.nbytes)
+            finally:
+                f.close()
+        write_json(tmp / INDEX_FILE, {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": dict(sorted((t.name, fname) for fname, group in zip(names, shards, strict=True)
+                                      for t in group)),
+        })
+        write_json(tmp / "config.json", cfg)
+        tiny._write_tokenizer(tmp, tokenizer, "[EOS]", [tiny.EOS_ID, tiny.IM_END_ID, tiny.EOT_ID])
+    return out
+
+
+def slice_bytes(layers: int, experts: int, vocab: int = KIMI_K25_DIMS["vocab_size"]) -> int:
+    """Tensor bytes of a slice (what ``make_slice`` writes, before headers and side files)."""
+    return sum(t.nbytes for t in sizing.config_tensors(slice_config(layers, experts, vocab), "slice config"))
+
+
+__all__ = ["KIMI_K25_DIMS", "slice_config", "make_slice", "slice_bytes"]
