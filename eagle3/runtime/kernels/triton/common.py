@@ -48,3 +48,13 @@ def dot_dtype(dtype: torch.dtype) -> torch.dtype:
 def block(n: int, minimum: int = 16) -> int:
     """Power-of-two block covering ``n`` (``tl.dot`` needs every dim >= 16 on GPUs)."""
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
+
+
+@triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    """``tl.dot`` with fp32 accumulation; fp32 operands in full IEEE precision (not TF32: the
+    reference is fp32) when ``IEEE``."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
