@@ -7,15 +7,18 @@ values are the first ``kv_lora`` dims of that same row. So one kernel serves dec
 ``b`` at position ``p`` attends the cached keys at positions ``0..p`` through ``block_tables[b]``
 (causal by absolute position, which is also the mask inside a verify window).
 
-Grid: (query token, block of ``BLOCK_H`` heads). A program walks its own keys in tiles of
-``BLOCK_N`` with an online softmax in fp32: scores ``[BLOCK_H, BLOCK_N]`` as two dots (latent part
-and rope part, so 576 is not padded to 1024), ``p`` cast to the dot dtype times the latent tile
-(the key tile is reused as the value tile: the cache is read once). Batch invariance: tile sizes
-are constants, there is no split over keys, and a token's loop runs over keys ``0..p`` in order
-whatever other tokens share the launch, so its output bits depend only on its own query and keys.
+Grid: (chunk of up to ``QT`` query tokens of one sequence, block of ``BLOCK_H`` heads). The score
+tile has ``BLOCK_M = QT * BLOCK_H`` rows (token-major), so a verify window reads each latent key
+tile once for all its queries and heads. A program walks key tiles of ``BLOCK_N`` from position 0
+up to its last token's position with an online softmax in fp32: scores as two dots (latent part
+and rope part, so 576 is not padded to 1024), then ``p`` (cast to the dot dtype) times the latent
+tile, which doubles as the value tile (the cache is read once).
 
-Not yet (docs/kernels.md): stacking the k+1 verify queries of a sequence into one tile (reads the
-latent once per verify instead of k+1 times) and a fixed-size split-KV for long decode contexts.
+Batch invariance: ``BLOCK_M/H/N`` follow from the head count only; there is no split over keys;
+a row's key tiles are visited in the same order whatever shares its chunk, and tiles past its own
+position add exact zeros (``p = exp(-inf) = 0``, ``alpha = exp(0) = 1``), so its output bits
+depend only on its own query and keys. Every row sees key 0, so ``m`` is finite after tile 0.
+Not yet (docs/kernels.md): a fixed-size split-KV for long decode contexts at small batch.
 """
 
 from __future__ import annotations
@@ -27,39 +30,51 @@ import triton.language as tl
 from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, widen
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan
 
-BLOCK_H = 16  # query heads per program (rows of the score tile; tl.dot needs >= 16)
+BLOCK_M = 64  # score-tile rows: query tokens x heads (Kimi: 4 verify tokens x 16 heads)
+BLOCK_H_MAX = 16  # heads per program at most
 BLOCK_N = 32  # keys per tile
 
 
+def tile_shape(heads: int) -> tuple[int, int]:
+    """(heads per program, query tokens per program) for ``heads`` query heads: model constants."""
+    bh = min(BLOCK_H_MAX, triton.next_power_of_2(heads))
+    return bh, BLOCK_M // bh
+
+
 @triton.jit
-def _mla_kernel(q_ptr, kv_ptr, o_ptr, seq_ptr, pos_ptr, bt_ptr, stride_qt, stride_qh, stride_kv, stride_ot,
+def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, stride_qt, stride_qh, stride_kv, stride_ot,
                 stride_oh, stride_bt, heads, d_lat, d_rope, block_size, scale,
-                DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_H: tl.constexpr, QT: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    c = tl.program_id(0)
     hb = tl.program_id(1)
-    b = tl.load(seq_ptr + t).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    t0 = tl.load(chunk_ptr + 3 * c).to(tl.int64)
+    nt = tl.load(chunk_ptr + 3 * c + 1)
+    b = tl.load(chunk_ptr + 3 * c + 2).to(tl.int64)
+    r = tl.arange(0, BLOCK_H * QT)
+    tok = r // BLOCK_H
+    h = hb * BLOCK_H + r % BLOCK_H
+    rm = (tok < nt) & (h < heads)
+    pos = tl.load(pos_ptr + t0 + tok, mask=tok < nt, other=0)  # pad rows see key 0 only: finite
+    last = tl.max(pos, axis=0)
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
-    hm = h < heads
-    qrow = q_ptr + t * stride_qt + h[:, None] * stride_qh
-    q_lat = tl.load(qrow + dl[None, :], mask=hm[:, None] & (dl[None, :] < d_lat), other=0.0).to(DOT)
-    q_pe = tl.load(qrow + d_lat + dr[None, :], mask=hm[:, None] & (dr[None, :] < d_rope), other=0.0).to(DOT)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    for start in range(0, pos + 1, BLOCK_N):
+    qrow = q_ptr + (t0 + tok)[:, None] * stride_qt + h[:, None] * stride_qh
+    q_lat = tl.load(qrow + dl[None, :], mask=rm[:, None] & (dl[None, :] < d_lat), other=0.0).to(DOT)
+    q_pe = tl.load(qrow + d_lat + dr[None, :], mask=rm[:, None] & (dr[None, :] < d_rope), other=0.0).to(DOT)
+    m = tl.full([BLOCK_H * QT], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H * QT], tl.float32)
+    acc = tl.zeros([BLOCK_H * QT, BLOCK_L], tl.float32)
+    for start in range(0, last + 1, BLOCK_N):
         k = start + tl.arange(0, BLOCK_N)
-        km = k <= pos
+        km = k <= last
         blk = tl.load(bt_ptr + b * stride_bt + k // block_size, mask=km, other=0).to(tl.int64)
         slot = blk * block_size + k % block_size
         krow = kv_ptr + slot[:, None] * stride_kv
         k_lat = tl.load(krow + dl[None, :], mask=km[:, None] & (dl[None, :] < d_lat), other=0.0).to(DOT)
         k_pe = tl.load(krow + d_lat + dr[None, :], mask=km[:, None] & (dr[None, :] < d_rope), other=0.0).to(DOT)
         s = mma(q_lat, tl.trans(k_lat), IEEE) + mma(q_pe, tl.trans(k_pe), IEEE)
-        s = tl.where(km[None, :], s * scale, float("-inf"))
+        s = tl.where(k[None, :] <= pos[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -67,8 +82,8 @@ def _mla_kernel(q_ptr, kv_ptr, o_ptr, seq_ptr, pos_ptr, bt_ptr, stride_qt, strid
         acc = acc * alpha[:, None] + mma(p.to(DOT), k_lat, IEEE)
         m = m_new
     o = acc / den[:, None]
-    tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + dl[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=hm[:, None] & (dl[None, :] < d_lat))
+    tl.store(o_ptr + (t0 + tok)[:, None] * stride_ot + h[:, None] * stride_oh + dl[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & (dl[None, :] < d_lat))
 
 
 def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: TritonAttnPlan,
@@ -85,9 +100,12 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
         kv = kv.contiguous()
     out = torch.empty((t, heads, d_lat), dtype=qs.dtype, device=q.device)
     if t:
-        grid = (t, triton.cdiv(heads, BLOCK_H))
-        _mla_kernel[grid](qs, kv, out, plan.seq_ids, plan.positions, plan.block_tables, qs.stride(0), qs.stride(1),
-                          kv.stride(0), out.stride(0), out.stride(1), plan.block_tables.stride(0), heads, d_lat,
-                          d - d_lat, plan.block_size, float(scale), DOT=tl_dtype(dot_dtype(qs.dtype)), IEEE=dot_dtype(qs.dtype) == torch.float32,
-                          BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat))
+        bh, qt = tile_shape(heads)
+        chunks = plan.chunks(qt)
+        dd = dot_dtype(qs.dtype)
+        _mla_kernel[(chunks.shape[0], triton.cdiv(heads, bh))](
+            qs, kv, out, chunks, plan.positions, plan.block_tables, qs.stride(0), qs.stride(1), kv.stride(0),
+            out.stride(0), out.stride(1), plan.block_tables.stride(0), heads, d_lat, d - d_lat, plan.block_size,
+            float(scale), DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_H=bh, QT=qt, BLOCK_N=BLOCK_N,
+            BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat))
     return out if out.dtype == dtype else out.to(dtype)

@@ -5,7 +5,7 @@ The cos/sin tables come from the runtime's :class:`~eagle3.runtime.layers.rotary
 this kernel only rotates: ``x [T, H, D]``, ``cos/sin [T, D/2]`` in the activation dtype. Output is
 in rotate-half order (``[x1*c - x2*s, x2*c + x1*s]``) for both layouts, as the reference. Every
 product and difference is rounded to the activation dtype as torch does it elementwise; one
-program per token, so a row never sees its neighbours.
+elementwise op, so a row never sees its neighbours.
 """
 
 from __future__ import annotations
@@ -19,27 +19,30 @@ from eagle3.runtime.kernels.triton.common import block, widen
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_ot,
-                 stride_oh, heads, half, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
+                 stride_oh, ntok, heads, half, INTERLEAVED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    r = tl.arange(0, TOKENS * BLOCK_H)
+    t = tl.program_id(0).to(tl.int64) * TOKENS + r // BLOCK_H  # rows: tokens x heads
+    h = r % BLOCK_H
     i = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < heads) & (i[None, :] < half)
+    rm = (t < ntok) & (h < heads)
+    mask = rm[:, None] & (i[None, :] < half)
     if INTERLEAVED:
         o1, o2 = 2 * i, 2 * i + 1
     else:
         o1, o2 = i, i + half
-    base = x_ptr + t * stride_xt + h[:, None] * stride_xh
+    base = x_ptr + t[:, None] * stride_xt + h[:, None] * stride_xh
     x1 = tl.load(base + o1[None, :], mask=mask, other=0.0)
     x2 = tl.load(base + o2[None, :], mask=mask, other=0.0)
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=i < half, other=0.0)[None, :].to(x1.dtype)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=i < half, other=0.0)[None, :].to(x1.dtype)
+    c = tl.load(cos_ptr + t[:, None] * stride_ct + i[None, :], mask=mask, other=0.0).to(x1.dtype)
+    s = tl.load(sin_ptr + t[:, None] * stride_st + i[None, :], mask=mask, other=0.0).to(x1.dtype)
     a = x1 * c
     b = x2 * s
     y1 = a - b
     a2 = x2 * c
     b2 = x1 * s
     y2 = a2 + b2
-    obase = out_ptr + t * stride_ot + h[:, None] * stride_oh
+    obase = out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh
     tl.store(obase + i[None, :], y1, mask=mask)
     tl.store(obase + half + i[None, :], y2, mask=mask)
 
@@ -58,7 +61,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         s = s.contiguous()
     out = torch.empty((t, heads, d), dtype=xs.dtype, device=x.device)
     if t:
-        _rope_kernel[(t,)](xs, c, s, out, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), out.stride(0),
-                           out.stride(1), heads, d // 2, INTERLEAVED=interleaved, BLOCK_H=block(heads, 1),
-                           BLOCK_D=block(d // 2, 1))
+        bh, bd = block(heads, 1), block(d // 2, 1)
+        tokens = max(1, min(16, 2048 // (bh * bd)))  # rows per program from the head layout only
+        _rope_kernel[(triton.cdiv(t, tokens),)](
+            xs, c, s, out, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), out.stride(0), out.stride(1), t,
+            heads, d // 2, INTERLEAVED=interleaved, TOKENS=tokens, BLOCK_H=bh, BLOCK_D=bd)
     return out if out.dtype == dtype else out.to(dtype)
