@@ -32,7 +32,9 @@ def _round_to_e4m3_grid(v):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # binade; E4M3 subnormals share 2^-6's ulp
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     inv = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-    return ((v * inv + 12582912.0) - 12582912.0) * ulp
+    mag = ((tl.abs(v) * inv + 12582912.0) - 12582912.0) * ulp
+    # keep the sign bit, so that tiny negatives round to -0 as the hardware conversion does
+    return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
