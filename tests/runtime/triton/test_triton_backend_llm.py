@@ -36,32 +36,47 @@ def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
         TritonBackend("cpu")
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_dir: Path) -> tuple[LLM, list[list[int]]]:
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def plain(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[LLM, list[list[int]]]:
+    """Plain greedy on the Triton backend; bf16 is the real models' dtype (on the CPU it runs
+    through the interpreter shim of kernels/triton/common.py)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="triton", dtype=torch.float32, device=dev,
+    llm = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="triton", dtype=request.param, device=dev,
               num_blocks=32, block_size=4)
     assert isinstance(llm.target.backend, TritonBackend)
     return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 def test_plain_greedy_matches_the_torch_backend(plain: tuple[LLM, list[list[int]]], tiny_dir: Path) -> None:
-    """fp32: the Triton attention differs from the reference by a few ulps only, which leaves the
-    tiny model's greedy tokens unchanged on these prompts."""
+    """On the CPU the Triton norm / rotary match the reference bit for bit and the attention
+    within a few fp32 ulps, which leaves the tiny model's greedy tokens unchanged here."""
     if torch.cuda.is_available():
-        pytest.skip("the comparison is tuned to the CPU interpreter's fp32 numerics")
-    ref = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="torch", dtype=torch.float32, num_blocks=32,
+        pytest.skip("the comparison is tuned to the CPU interpreter's numerics")
+    llm, expected = plain
+    dtype = llm.target.kv_cache_spec().dtype
+    ref = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="torch", dtype=dtype, num_blocks=32,
               block_size=4)
-    assert [o.token_ids for o in ref.generate(PROMPTS, GREEDY)] == plain[1]
+    assert [o.token_ids for o in ref.generate(PROMPTS, GREEDY)] == expected
 
 
-@pytest.mark.parametrize("draft", ["kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"], ids=["llama-draft", "mla-draft"])
-def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path,
-                                                draft: str) -> None:
+CASES = [  # (draft, k, engine kwargs)
+    ("kimi-k2.5-eagle3", 3, {}),
+    ("kimi-k2.6-eagle3.1-mla", 3, {}),
+    ("kimi-k2.5-eagle3-d2t", 5, {"block_size": 2, "max_num_batched_tokens": 8}),  # chunked prefill
+    ("kimi-k2.6-eagle3.1-mla", 2, {"num_blocks": 7}),  # preemption
+]
+
+
+@pytest.mark.parametrize(("draft", "k", "kw"), CASES,
+                         ids=["llama-draft", "mla-draft", "d2t-chunked-prefill", "mla-preemption"])
+def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path, draft: str,
+                                                k: int, kw: dict) -> None:
     target_llm, expected = plain
-    llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=3, tokenizer=None, num_blocks=32,
-              block_size=4)
+    kw = {"num_blocks": 32, "block_size": 4, **kw}
+    llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=k, tokenizer=None, **kw)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert llm.stats.num_drafts > 0
     assert isinstance(llm.draft.backend, TritonBackend)
+    if kw["num_blocks"] < 32:
+        assert sum(o.num_preemptions for o in outs) > 0

@@ -8,8 +8,8 @@ values are the first ``kv_lora`` dims of that same row. So one kernel serves dec
 (causal by absolute position, which is also the mask inside a verify window).
 
 Grid: (chunk of up to ``QT`` query tokens of one sequence, block of ``BLOCK_H`` heads). The score
-tile has ``BLOCK_M = QT * BLOCK_H`` rows (token-major), so a verify window reads each latent key
-tile once for all its queries and heads. A program walks key tiles of ``BLOCK_N`` from position 0
+tile has ``QT * BLOCK_H`` rows (token-major), so the queries of a verify window share each latent
+key tile they read. A program walks key tiles of ``BLOCK_N`` from position 0
 up to its last token's position with an online softmax in fp32: scores as two dots (latent part
 and rope part, so 576 is not padded to 1024), then ``p`` (cast to the dot dtype) times the latent
 tile, which doubles as the value tile (the cache is read once).
@@ -30,15 +30,18 @@ import triton.language as tl
 from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, widen
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan
 
-BLOCK_M = 64  # score-tile rows: query tokens x heads (Kimi: 4 verify tokens x 16 heads)
 BLOCK_H_MAX = 16  # heads per program at most
 BLOCK_N = 32  # keys per tile
+ACC_FLOATS = 16384  # fp32 accumulator elements per program (rows x latent block): register budget
 
 
-def tile_shape(heads: int) -> tuple[int, int]:
-    """(heads per program, query tokens per program) for ``heads`` query heads: model constants."""
+def tile_shape(heads: int, d_lat: int) -> tuple[int, int]:
+    """(heads per program, query tokens per program): model constants. Score-tile rows =
+    tokens x heads, 16..64 within the accumulator budget (Kimi, latent 512: 16 heads x 2 tokens;
+    the tiny models, latent 32: 4 heads x 16 tokens)."""
+    rows = max(16, min(64, ACC_FLOATS // block(d_lat)))
     bh = min(BLOCK_H_MAX, triton.next_power_of_2(heads))
-    return bh, BLOCK_M // bh
+    return bh, max(1, rows // bh)
 
 
 @triton.jit
@@ -100,12 +103,13 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
         kv = kv.contiguous()
     out = torch.empty((t, heads, d_lat), dtype=qs.dtype, device=q.device)
     if t:
-        bh, qt = tile_shape(heads)
+        bh, qt = tile_shape(heads, d_lat)
+        big = bh * qt * block(d_lat) >= 8192  # unmeasured guess: more warps for the 512-wide latent
         chunks = plan.chunks(qt)
         dd = dot_dtype(qs.dtype)
         _mla_kernel[(chunks.shape[0], triton.cdiv(heads, bh))](
             qs, kv, out, chunks, plan.positions, plan.block_tables, qs.stride(0), qs.stride(1), kv.stride(0),
             out.stride(0), out.stride(1), plan.block_tables.stride(0), heads, d_lat, d - d_lat, plan.block_size,
             float(scale), DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_H=bh, QT=qt, BLOCK_N=BLOCK_N,
-            BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat))
+            BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat), num_warps=8 if big else 4)
     return out if out.dtype == dtype else out.to(dtype)
