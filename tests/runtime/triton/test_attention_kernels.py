@@ -16,6 +16,7 @@ from eagle3.runtime.context import AttnMetadata  # noqa: E402
 from eagle3.runtime.kernels import get_backend, torch_ref  # noqa: E402
 
 REF = torch_ref.TorchBackend()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter on CPU
 
 # fp32: online softmax (rescaled per 32-key tile) vs the reference's two-pass softmax, and
 # q.k then * scale vs (q * scale).k: a few fp32 ulps of values of size ~1.
@@ -40,9 +41,9 @@ def _meta(seqs: list[tuple[int, int]], block_size: int, seed: int = 0) -> AttnMe
             pos.append(p)
             slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
         cu.append(cu[-1] + ql)
-    return AttnMetadata(torch.tensor(pos), torch.tensor(cu, dtype=torch.int32),
-                        torch.tensor([c for c, _ in seqs], dtype=torch.int32), torch.tensor(slots), tables,
-                        block_size)
+    return AttnMetadata(torch.tensor(pos, device=DEVICE), torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+                        torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=DEVICE),
+                        torch.tensor(slots, device=DEVICE), tables.to(DEVICE), block_size)
 
 
 def _slots(meta: AttnMetadata) -> int:
@@ -51,8 +52,8 @@ def _slots(meta: AttnMetadata) -> int:
 
 def _one_token(meta: AttnMetadata, t: int) -> AttnMetadata:
     """``meta`` restricted to query token ``t`` (a decode step of that token alone)."""
-    b = int(torch.searchsorted(meta.cu_seqlens_q[1:].long(), torch.tensor(t), right=True))
-    return AttnMetadata(meta.positions[t: t + 1], torch.tensor([0, 1], dtype=torch.int32),
+    b = int(torch.searchsorted(meta.cu_seqlens_q[1:].long().cpu(), torch.tensor(t), right=True))
+    return AttnMetadata(meta.positions[t: t + 1], torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
                         meta.context_lens[b: b + 1], meta.slot_mapping[t: t + 1], meta.block_tables[b: b + 1],
                         meta.block_size)
 
@@ -64,13 +65,13 @@ SEQS = [  # (context, query tokens): decode, verify windows, prefill chunks, a l
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(("case", "block_size"), [(0, 4), (0, 16), (1, 1)])
 def test_mla_attention_matches_reference(dtype: torch.dtype, case: int, block_size: int) -> None:
-    be = get_backend("triton")
+    be = get_backend("triton", DEVICE)
     meta = _meta(SEQS[case], block_size, seed=case)
     heads, d_lat, d_rope = 4, 32, 16  # the tiny models' latent layout
     cache = _randn(_slots(meta), d_lat + d_rope, dtype=dtype, seed=1)
@@ -84,7 +85,7 @@ def test_mla_attention_matches_reference(dtype: torch.dtype, case: int, block_si
 
 def test_mla_attention_at_kimi_head_shapes() -> None:
     """64 heads, latent 512 + rope 64 (4 programs of 16 heads x 4 query tokens), short contexts."""
-    be = get_backend("triton")
+    be = get_backend("triton", DEVICE)
     meta = _meta([(3, 1), (37, 4)], 16)
     dtype = torch.float16
     cache = _randn(_slots(meta), 576, dtype=dtype, seed=3) * 0.2
@@ -96,7 +97,7 @@ def test_mla_attention_at_kimi_head_shapes() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(("hkv", "group", "head_dim"), [(4, 1, 32), (2, 4, 24), (1, 3, 16)])
 def test_paged_gqa_attention_matches_reference(dtype: torch.dtype, hkv: int, group: int, head_dim: int) -> None:
-    be = get_backend("triton")
+    be = get_backend("triton", DEVICE)
     meta = _meta(SEQS[0], 4)
     kv = _randn(_slots(meta), 2, hkv, head_dim, dtype=dtype, seed=5)  # the draft's [S, 2, Hkv, D] cache
     q = _randn(meta.num_tokens, hkv, group, head_dim, dtype=dtype, seed=6)
@@ -109,7 +110,7 @@ def test_paged_gqa_attention_matches_reference(dtype: torch.dtype, hkv: int, gro
 def test_attention_rows_are_batch_invariant(kind: str) -> None:
     """A token's output is bit-identical alone (decode) and among any other tokens (verify windows,
     prefill chunks, other sequences), including chunk-mates with later positions."""
-    be = get_backend("triton")
+    be = get_backend("triton", DEVICE)
     meta = _meta(SEQS[0], 4)
     if kind == "mla":
         cache = _randn(_slots(meta), 48, dtype=torch.float32, seed=7)
@@ -131,10 +132,11 @@ def test_attention_rows_are_batch_invariant(kind: str) -> None:
     cu = meta.cu_seqlens_q.tolist()
     q2 = torch.cat([q[cu[i]: cu[i + 1]] for i in order])
     if kind == "mla":
-        k2 = torch.zeros(_slots(meta2), 1, 48)
+        k2 = torch.zeros(_slots(meta2), 1, 48, device=DEVICE)
         v2 = k2[..., :32]  # the latent prefix, as the model passes it
     else:
-        k2, v2 = torch.zeros(_slots(meta2), *k.shape[1:]), torch.zeros(_slots(meta2), *v.shape[1:])
+        k2 = torch.zeros(_slots(meta2), *k.shape[1:], device=DEVICE)
+        v2 = torch.zeros(_slots(meta2), *v.shape[1:], device=DEVICE)
     for nb, ob in enumerate(order):
         c = seqs[nb][0]
         bs = 4

@@ -74,5 +74,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         tokens = max(1, min(16, 2048 // (bh * bd)))  # rows per program from the head layout only
         _rope_kernel[(triton.cdiv(t, tokens),)](
             xs, c, s, out, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), out.stride(0), out.stride(1), t,
-            heads, d // 2, INTERLEAVED=interleaved, BF16=xs.dtype != dtype, TOKENS=tokens, BLOCK_H=bh, BLOCK_D=bd)
+            heads, d // 2, INTERLEAVED=interleaved, BF16=xs.dtype != dtype, TOKENS=tokens, BLOCK_H=bh, BLOCK_D=bd,
+            enable_fp_fusion=False)  # no FMA contraction: round every product as torch does
     return out if out.dtype == dtype else out.to(dtype)
