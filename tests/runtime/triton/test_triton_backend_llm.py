@@ -30,6 +30,23 @@ def test_backend_is_selected_by_name(device: torch.device) -> None:
     assert isinstance(be, TritonBackend) and be.name == "triton" and be.batch_invariant
 
 
+def test_backend_extra_ops(device: torch.device) -> None:
+    """The ops the models do not call yet: fused residual + norm, per-token activation quant."""
+    from eagle3.runtime.kernels import torch_ref
+
+    be = get_backend("triton", device)
+    g = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(*s, generator=g).to(device) for s in ((5, 64), (5, 64), (64,)))
+    y, summed = be.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r)
+    torch.testing.assert_close(y, torch_ref.TorchBackend(device).rms_norm(x + r, w, 1e-6), rtol=2.4e-7, atol=2.4e-7)
+    q, s = be.quantize_act(x, "int8")
+    assert torch.equal(q, torch_ref.quantize_int8_per_token(x)[0]) and s.shape == (5,)
+    assert be.quantize_act(x, "fp8")[0].dtype == torch.float8_e4m3fn
+    with pytest.raises(UsageError, match="mxfp4"):
+        be.quantize_act(x, "mxfp4")
+
+
 def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "INTERPRET", False)
     with pytest.raises(UsageError, match="TRITON_INTERPRET=1"):

@@ -20,13 +20,19 @@ import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.kernels.base import KernelBackend, LinearOp, MoEOp, register_backend
+from eagle3.runtime.kernels.base import register_backend
 from eagle3.runtime.kernels.torch_ref import TorchBackend
 from eagle3.runtime.kernels.triton import act_quant, common, mla_attention, paged_attention, rmsnorm, rotary
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan, plan_attention
 
 
-class TritonBackend(KernelBackend):
+class TritonBackend(TorchBackend):
+    """Inherits from the torch reference every op it does not override (below): Linear and MoE,
+    ``matmul`` / ``bmm`` / ``matrix`` (router, MLA absorption), SiLU / sigmoid, ``cos_sin`` (once per
+    forward; the YaRN math stays in layers/rotary.py) and ``write_cache``. The quantized GEMM and
+    fused MoE kernels replace ``linear()`` / ``moe()`` next, once the packed canonical weights land;
+    inheriting keeps this backend complete whatever the interface gains meanwhile."""
+
     name = "triton"
     batch_invariant = True
 
@@ -35,38 +41,6 @@ class TritonBackend(KernelBackend):
         if self.device.type == "cpu" and not common.INTERPRET:
             raise UsageError("kernel backend 'triton' needs a GPU, or TRITON_INTERPRET=1 set before triton is "
                              "imported to run its kernels on the CPU")
-        # Weighted ops and small dense products: the exact reference until the Triton GEMM / fused
-        # MoE kernels land (they need the packed canonical weights).
-        self.ref = TorchBackend(device)
-
-    # -- delegated to the torch reference (next: quantized GEMM and fused MoE kernels) ----------
-    def linear(self) -> LinearOp:
-        return self.ref.linear()
-
-    def moe(self) -> MoEOp:
-        return self.ref.moe()
-
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return self.ref.matmul(x, w_t)
-
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.ref.bmm(x, w)
-
-    def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.ref.matrix(w, dtype)
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ref.silu(x)
-
-    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ref.sigmoid(x)
-
-    def cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # once per forward for all layers; the YaRN math stays in layers/rotary.py
-        return self.ref.cos_sin(angles)
-
-    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-        self.ref.write_cache(cache, slot_mapping, values)
 
     # -- Triton kernels ----------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
