@@ -1,0 +1,102 @@
+"""Ahead-of-time compile check of every Triton kernel for Hopper (sm90) and MI300 (gfx942), with no
+GPU: Triton lowers to PTX / cubin and AMDGCN / hsaco on the CPU. It catches what the interpreter
+cannot (dot shape and dtype rules, constexpr branches, fp8 types, shared-memory use) at the shapes
+the runtime launches for Kimi-K2.5 (bf16, 64 MLA heads, latent 512 + rope 64, hidden 7168).
+
+    TRITON_INTERPRET=0 python -m eagle3.runtime.kernels.triton.aot_check [--bf16-only] [cuda:90] [hip:gfx942]
+
+Prints one line per (target, kernel) and exits 1 when a compile fails or a bf16 (production) kernel
+needs more shared memory / LDS than the target has; fp32-compute variants (tests, not serving) only
+warn. It does not run anything: speed and numerics on real GPUs are unverified until a GPU session
+runs the tests there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+# Shared memory (NVIDIA, opt-in maximum per block) / LDS (AMD, per workgroup) in bytes.
+SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx942": 65536, "hip:gfx950": 163840}
+
+
+def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
+    import triton.language as tl
+
+    from eagle3.runtime.kernels.triton import act_quant, mla_attention, paged_attention, rmsnorm, rotary
+
+    bf, i32 = "*bf16", "*i32"
+    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32)
+    bh, qt = mla_attention.tile_shape(64, 512)
+    bg, gqt = paged_attention.tile_shape(8)
+    return [
+        ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel,
+         dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, r_out_ptr=bf),
+         dict(HAS_RES=True, HAS_W=True, ROWS=rmsnorm.rows_per_program(7168), BLOCK=8192), ("eps",)),
+        ("rope interleaved 64 heads x 64", rotary._rope_kernel, dict(x_ptr=bf, cos_ptr=bf, sin_ptr=bf, out_ptr=bf),
+         dict(INTERLEAVED=True, BF16=False, TOKENS=1, BLOCK_H=64, BLOCK_D=32), ()),
+        ("act quant int8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*i8", s_ptr="*fp32"),
+         dict(QMAX=127.0, TO_INT8=True, BLOCK=8192), ()),
+        ("act quant fp8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32"),
+         dict(QMAX=448.0, TO_INT8=False, BLOCK=8192), ()),
+        ("mla bf16 64 heads 512+64", mla_attention._mla_kernel, mla_ptrs,
+         dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
+              BLOCK_R=64, _warps=8), ("scale",)),
+        ("mla fp32 ieee 512+64", mla_attention._mla_kernel, {k: "*fp32" if v == bf else v for k, v in mla_ptrs.items()},
+         dict(DOT=tl.float32, IEEE=True, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
+              BLOCK_R=64, _warps=8), ("scale",)),
+        ("paged gqa bf16 group 8 d128", paged_attention._paged_kernel,
+         dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32),
+         dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
+              BLOCK_V=128), ("scale",)),
+    ]
+
+
+def main(argv: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("aot_check: unset TRITON_INTERPRET (the interpreter replaces the compiler)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bf16_only = "--bf16-only" in argv
+    specs = [a for a in argv if not a.startswith("--")]
+    targets = []
+    for spec in specs or ["cuda:90", "hip:gfx942"]:
+        backend, arch = spec.split(":")
+        targets.append(GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64))
+    failed = 0
+    for target in targets:
+        for label, fn, ptrs, consts, floats in _cases():
+            if bf16_only and "fp32" in label:
+                continue
+            consts = dict(consts)
+            warps = consts.pop("_warps", 4)
+            sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32")
+                   for a in fn.arg_names}
+            name = f"{target.backend}:{target.arch}"
+            t0 = time.time()
+            try:
+                k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target,
+                                   options={"num_warps": warps})
+            except Exception as exc:  # report every kernel, then fail
+                failed += 1
+                print(f"{name} {label}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            shared, limit = int(k.metadata.shared), SHARED_LIMIT.get(name)
+            note = ""
+            if limit is not None and shared > limit:
+                if "fp32" in label:
+                    note = f" (WARNING: over the {limit} B limit; fp32 compute is for tests only)"
+                else:
+                    failed += 1
+                    note = f" (FAILED: over the {limit} B limit)"
+            print(f"{name} {label}: compiled, {shared} B shared, {time.time() - t0:.1f} s{note}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

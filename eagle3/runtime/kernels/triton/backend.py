@@ -1,0 +1,84 @@
+"""``backend="triton"``: the runtime's GPU path (Hopper and MI300-class GPUs from one source).
+
+This step implements the weightless ops with Triton kernels: RMSNorm (+ fused residual add),
+rotary, per-token int8 / fp8 activation quantization, MLA attention over the paged latent cache
+and paged MHA / GQA attention. The weighted ops (Linear, MoE) and the small dense products
+(router, MLA absorption ``bmm``) still delegate to the exact torch reference: the fused MoE and
+quantized GEMM kernels come next, on top of the packed canonical weights that land in parallel
+(docs/kernels.md lists what is designed but not built). Every op here keeps the reference's
+batch-invariance contract, so speculative greedy output equals plain greedy output.
+
+On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
+is imported); that is how CI checks them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eagle3.errors import UsageError
+from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.kernels.base import register_backend
+from eagle3.runtime.kernels.torch_ref import TorchBackend
+from eagle3.runtime.kernels.triton import act_quant, common, mla_attention, paged_attention, rmsnorm, rotary
+from eagle3.runtime.kernels.triton.plan import TritonAttnPlan, plan_attention
+
+
+class TritonBackend(TorchBackend):
+    """Inherits from the torch reference every op it does not override (below): Linear and MoE,
+    ``matmul`` / ``bmm`` / ``matrix`` (router, MLA absorption), SiLU / sigmoid, ``cos_sin`` (once per
+    forward; the YaRN math stays in layers/rotary.py) and ``write_cache``. The quantized GEMM and
+    fused MoE kernels replace ``linear()`` / ``moe()`` next, once the packed canonical weights land;
+    inheriting keeps this backend complete whatever the interface gains meanwhile."""
+
+    name = "triton"
+    batch_invariant = True
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        if self.device.type == "cpu" and not common.INTERPRET:
+            raise UsageError("kernel backend 'triton' needs a GPU, or TRITON_INTERPRET=1 set before triton is "
+                             "imported to run its kernels on the CPU")
+
+    # -- Triton kernels ----------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rmsnorm.rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)`` in one pass (not in the base interface yet:
+        the models call norm and add separately)."""
+        y, summed = rmsnorm.rms_norm(x, weight, eps, residual)
+        assert summed is not None
+        return y, summed
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        return rotary.apply_rope(x, cos, sin, interleaved)
+
+    def quantize_act(self, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``int8`` / ``fp8`` codes and fp32 scales (for the quantized GEMMs to come)."""
+        if kind == "int8":
+            return act_quant.quantize_int8_per_token(x)
+        if kind == "fp8":
+            return act_quant.quantize_fp8_per_token(x)
+        raise UsageError(f"unknown per-token activation quantization {kind!r} (int8, fp8)")
+
+    def plan_attention(self, meta: AttnMetadata) -> TritonAttnPlan:
+        return plan_attention(meta)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                  scale: float, plan: Any = None) -> torch.Tensor:
+        p = plan if isinstance(plan, TritonAttnPlan) else plan_attention(meta)
+        t, hkv, g, d = q.shape
+        dv = v_cache.shape[-1]
+        latent = (hkv == 1 and v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+                  and dv <= d)
+        if latent:  # MLA: the values are the first kv_lora dims of the cached latent row
+            o = mla_attention.mla_attention(q.view(t, g, d), k_cache[:, 0], dv, p, scale)
+            return o.view(t, 1, g, dv)
+        return paged_attention.paged_attention(q, k_cache, v_cache, p, scale)
+
+
+register_backend("triton", TritonBackend)

@@ -1,0 +1,99 @@
+"""``backend="triton"`` end to end: selection through the kernel registry, and through ``LLM`` on
+the tiny Kimi-K2.5 target greedy speculative decoding equals plain greedy decoding with the
+Llama-style draft and with the MLA draft (so every Triton op kept batch invariance: the target
+verifies k+1 tokens per sequence with the same bits as decoding them one by one).
+
+Kept to two prompts and a few tokens: under the interpreter every kernel program is Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eagle3.errors import UsageError  # noqa: E402
+from eagle3.runtime.engine.llm import LLM  # noqa: E402
+from eagle3.runtime.kernels import get_backend  # noqa: E402
+from eagle3.runtime.kernels.triton import common  # noqa: E402
+from eagle3.runtime.kernels.triton.backend import TritonBackend  # noqa: E402
+from eagle3.runtime.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12]]
+
+
+def test_backend_is_selected_by_name(device: torch.device) -> None:
+    be = get_backend("triton", device)
+    assert isinstance(be, TritonBackend) and be.name == "triton" and be.batch_invariant
+
+
+def test_backend_extra_ops(device: torch.device) -> None:
+    """The ops the models do not call yet: fused residual + norm, per-token activation quant."""
+    from eagle3.runtime.kernels import torch_ref
+
+    be = get_backend("triton", device)
+    g = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(*s, generator=g).to(device) for s in ((5, 64), (5, 64), (64,)))
+    y, summed = be.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r)
+    torch.testing.assert_close(y, torch_ref.TorchBackend(device).rms_norm(x + r, w, 1e-6), rtol=2.4e-7, atol=2.4e-7)
+    q, s = be.quantize_act(x, "int8")
+    assert torch.equal(q, torch_ref.quantize_int8_per_token(x)[0]) and s.shape == (5,)
+    assert be.quantize_act(x, "fp8")[0].dtype == torch.float8_e4m3fn
+    with pytest.raises(UsageError, match="mxfp4"):
+        be.quantize_act(x, "mxfp4")
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "INTERPRET", False)
+    with pytest.raises(UsageError, match="TRITON_INTERPRET=1"):
+        TritonBackend("cpu")
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def plain(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[LLM, list[list[int]]]:
+    """Plain greedy on the Triton backend; bf16 is the real models' dtype (on the CPU it runs
+    through the interpreter shim of kernels/triton/common.py)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="triton", dtype=request.param, device=dev,
+              num_blocks=32, block_size=4)
+    assert isinstance(llm.target.backend, TritonBackend)
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_plain_greedy_matches_the_torch_backend(plain: tuple[LLM, list[list[int]]], tiny_dir: Path) -> None:
+    """On the CPU the Triton norm / rotary match the reference bit for bit and the attention
+    within a few fp32 ulps, which leaves the tiny model's greedy tokens unchanged here."""
+    if torch.cuda.is_available():
+        pytest.skip("the comparison is tuned to the CPU interpreter's numerics")
+    llm, expected = plain
+    dtype = llm.target.kv_cache_spec().dtype
+    ref = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="torch", dtype=dtype, num_blocks=32,
+              block_size=4)
+    assert [o.token_ids for o in ref.generate(PROMPTS, GREEDY)] == expected
+
+
+CASES = [  # (draft, k, engine kwargs)
+    ("kimi-k2.5-eagle3", 3, {}),
+    ("kimi-k2.6-eagle3.1-mla", 3, {}),
+    ("kimi-k2.5-eagle3-d2t", 5, {"block_size": 2, "max_num_batched_tokens": 8}),  # chunked prefill
+    ("kimi-k2.6-eagle3.1-mla", 2, {"num_blocks": 7}),  # preemption
+]
+
+
+@pytest.mark.parametrize(("draft", "k", "kw"), CASES,
+                         ids=["llama-draft", "mla-draft", "d2t-chunked-prefill", "mla-preemption"])
+def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path, draft: str,
+                                                k: int, kw: dict) -> None:
+    target_llm, expected = plain
+    kw = {"num_blocks": 32, "block_size": 4, **kw}
+    llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=k, tokenizer=None, **kw)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats.num_drafts > 0
+    assert isinstance(llm.draft.backend, TritonBackend)
+    if kw["num_blocks"] < 32:
+        assert sum(o.num_preemptions for o in outs) > 0
