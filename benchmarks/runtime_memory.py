@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
         _child_main(args.child)
         return
     t_start = time.perf_counter()
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared box skews wall times
     ckpts = prepare(args)
     rows: list[dict[str, Any]] = []
     reads: dict[str, dict[str, Any]] = {}
@@ -540,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {"schema_version": 1, "argv": sys.argv, "machine": {
         "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "torch_threads": args.threads or torch.get_num_threads()},
+        "torch_threads": args.threads or torch.get_num_threads(), "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
         "reads": reads, "rows": rows, "goals": {
             "resident_per_rank_over_ckpt": RESIDENT_GOAL, "runtime_allowance_bytes": RUNTIME_ALLOWANCE,
