@@ -63,6 +63,7 @@ from eagle3.runtime.layers.moe import MoE
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
 from eagle3.runtime.models.eagle3 import Eagle3DraftModel
+from eagle3.runtime.parallel import SINGLE, TPGroup, slice_in, slice_out
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -72,8 +73,9 @@ class WeightReader:
     """Reads named tensors and decodes one Linear module into a canonical weight."""
 
     def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
-                 act_override: ActQuant = None) -> None:
+                 act_override: ActQuant = None, tp: TPGroup = SINGLE) -> None:
         self.reader = CheckpointReader(path)
+        self.tp = tp
         self.path = self.reader.path
         self.quant = quant
         self.dtype = dtype
@@ -114,10 +116,24 @@ class WeightReader:
             act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
         return w, act
 
-    def load_linear(self, layer: Linear, module: str) -> None:
-        w, act = self.linear(module)
+    def load_linear(self, layer: Linear, module: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> None:
+        w, act = self.linear_part(module, rows, cols)
         with _named(self, module):
             layer.load(w, act, self.dtype, self.device)
+
+    def linear_part(self, module: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
+        """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
+        ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
+        w, act = self.linear(module)
+        if rows is not None:
+            w = slice_out(w, *rows)
+        if cols is not None:
+            w = slice_in(w, *cols, keep_bias=self.tp.rank == 0)
+            if isinstance(w, DenseWeight) and act is not None:
+                act = None  # decoded fallback of slice_in: runs as a float weight
+        return w, act
 
     def _decode(self, m: str) -> LinearWeight:
         n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
@@ -221,18 +237,19 @@ def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = No
 
 def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 backend: str = "torch", *, act_override: ActQuant = None,
-                latent_norm_eps: float | None = None) -> DeepseekV3Model:
+                latent_norm_eps: float | None = None, tp: TPGroup = SINGLE) -> DeepseekV3Model:
     """Load a DeepSeek-V3 / Kimi target from any supported format.
 
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
-    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1)."""
+    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1).
+    ``tp``: this process's rank of a tensor-parallel group: only its shard is built (parallel.py)."""
     _check_act_override(act_override)
     spec = target_spec(path, latent_norm_eps)
     dev = _device(device)
     be = get_backend(backend, dev)
-    model = DeepseekV3Model(spec, be, dtype)
-    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
+    model = DeepseekV3Model(spec, be, dtype, tp)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override, tp)
     p = spec.prefix
     with torch.no_grad():
         embed = wr.get(f"{p}{keys.TARGET_EMBED}")
@@ -244,10 +261,11 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
+        vocab = model.vocab_range
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
-            wr.load_linear(model.lm_head, head)
+            wr.load_linear(model.lm_head, head, rows=vocab)
         elif spec.tie_word_embeddings:
-            model.lm_head.load(DenseWeight(embed), None, dtype, dev)
+            model.lm_head.load(DenseWeight(embed[vocab[0]: vocab[1]]), None, dtype, dev)
         else:
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
@@ -259,7 +277,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
     wr.norm(layer.input_layernorm, p + "input_layernorm.weight")
     wr.norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-    _load_mla(wr, layer.self_attn, p + "self_attn.")
+    _load_mla(wr, layer.self_attn, p + "self_attn.", sharded=True)
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         gate_w = wr.get(p + "mlp.gate.weight")
@@ -269,7 +287,7 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
         bias_name = p + "mlp.gate.e_score_correction_bias"
         mlp.load_router(gate_w, wr.get(bias_name) if wr.has(bias_name) else None, wr.device)
         gates, ups, downs, acts = [], [], [], set()
-        for e in range(mlp.num_experts):
+        for e in range(*mlp.expert_range):  # expert parallel: only this rank's experts are read
             for proj, out in (("gate_proj", gates), ("up_proj", ups), ("down_proj", downs)):
                 w, act = wr.linear(f"{p}mlp.experts.{e}.{proj}")
                 out.append(w)
@@ -282,13 +300,20 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
                 raise ShapeError(f"{wr.path}: {p}mlp.experts: expert weights are not all {list(want[name])}")
         mlp.load_experts(gates, ups, downs, acts.pop(), wr.dtype, wr.device)
         if mlp.shared is not None:
-            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.")
+            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.", sharded=True)
     else:
-        _load_mlp(wr, mlp, p + "mlp.")
+        _load_mlp(wr, mlp, p + "mlp.", sharded=True)
 
 
-def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
-    (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
+def _load_mlp(wr: WeightReader, mlp: Any, p: str, sharded: bool = False) -> None:
+    """gate/up/down of a SwiGLU MLP; ``sharded``: this rank's intermediate columns (gate/up rows,
+    down input columns), as the target's MLPs are built (``mlp.inter`` is the local width)."""
+    if sharded and wr.tp.world > 1:
+        lo, hi = wr.tp.split(mlp.full_inter)
+        (g, ag), (u, au) = (wr.linear_part(p + n, rows=(lo, hi)) for n in ("gate_proj", "up_proj"))
+        d, ad = wr.linear_part(p + "down_proj", cols=(lo, hi))
+    else:
+        (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
     if ag != au:
         raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
     with _named(wr, p + "gate_proj/up_proj"):
@@ -306,21 +331,31 @@ def _named(wr: WeightReader, what: str) -> Iterator[None]:
         raise FormatError(f"{wr.path}: {what}: {e}") from None
 
 
-def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
+def _load_mla(wr: WeightReader, attn: Any, p: str, sharded: bool = False) -> None:
+    """MLA weights; ``sharded``: this rank's heads (attn.spec.num_heads of them, see DecoderLayer):
+    q_b / q / kv_b rows, o_proj input columns; q_a / kv_a whole (replicated)."""
+    s = attn.spec
+    q_rows = kv_rows = o_cols = None
+    if sharded and wr.tp.world > 1:
+        h0 = wr.tp.rank * s.num_heads
+        h1 = h0 + s.num_heads
+        q_rows = (h0 * s.qk_head_dim, h1 * s.qk_head_dim)
+        kv_rows = (h0 * (s.qk_nope_head_dim + s.v_head_dim), h1 * (s.qk_nope_head_dim + s.v_head_dim))
+        o_cols = (h0 * s.v_head_dim, h1 * s.v_head_dim)
     if attn.spec.q_lora_rank is not None:
         (qa, act_q), (kva, act_kv) = wr.linear(p + "q_a_proj"), wr.linear(p + "kv_a_proj_with_mqa")
         with _named(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
             attn.load_a(qa, act_q, kva, act_kv, wr.dtype, wr.device)
         wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
-        wr.load_linear(attn.q_b_proj, p + "q_b_proj")
+        wr.load_linear(attn.q_b_proj, p + "q_b_proj", rows=q_rows)
     else:
-        wr.load_linear(attn.q_proj, p + "q_proj")
+        wr.load_linear(attn.q_proj, p + "q_proj", rows=q_rows)
         wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
-    kv_b, _ = wr.linear(p + "kv_b_proj")
+    kv_b, _ = wr.linear_part(p + "kv_b_proj", rows=kv_rows)
     with _named(wr, p + "kv_b_proj"):
         attn.load_kv_b(kv_b, wr.dtype, wr.device)
-    wr.load_linear(attn.o_proj, p + "o_proj")
+    wr.load_linear(attn.o_proj, p + "o_proj", cols=o_cols)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +439,9 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
         wr.norm(model.norm, keys.DRAFT_NORM)
         if spec.own_lm_head:
             wr.load_linear(model.lm_head, "lm_head")
+        elif getattr(target, "tp", SINGLE).world > 1:
+            raise UsageError(f"{where}: the draft has no lm_head of its own and shares the target's, which is split "
+                             f"over the tensor-parallel ranks; not supported yet at tensor_parallel_size > 1")
         else:
             model.lm_head = target.lm_head
         if wr.has(keys.D2T) and spec.draft_vocab_size != spec.vocab_size:

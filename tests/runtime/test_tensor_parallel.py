@@ -1,0 +1,200 @@
+"""Tensor + expert parallelism (``LLM(..., tensor_parallel_size=2)``, gloo on CPU, 2 ranks).
+
+TP=2 must give TP=1's greedy tokens (fp32) with and without speculation, for the INT4 source and a
+quantized (W4A8) one; a dead worker must fail the requests in flight with a clear error, not hang.
+Each TP=2 LLM spawns a worker process (~3-5 s here), so the tests reuse them across asserts. Only
+one tensor-parallel LLM can live in a process at a time (one torch.distributed group), so each is
+closed before the next one starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.runtime.engine.llm import LLM
+from eagle3.runtime.engine.model_runner import build_attn_metadata
+from eagle3.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# TP=2 sums each reduced layer output as (rank 0's partial + rank 1's partial) where TP=1 sums all
+# the terms in one GEMM: the same values in a different order, so fp32 logits differ by rounding
+# only. Measured on the tiny target: max |diff| ~1e-6 on logits of magnitude ~1; the bound leaves
+# room for the error to grow through 7 layers (fp32 eps * sqrt(terms) * layers).
+LOGITS_ATOL = 1e-4
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 768, (n,), generator=g).tolist() for n in (3, 11, 6, 19)]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def w4a8(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from eagle3.quantize import pipeline
+
+    out = tmp_path_factory.mktemp("tp-formats") / "w4a8"
+    pipeline.quantize(str(tiny_dir / "kimi-k2.5"), out, "w4a8", None, workers=1, engine="native", verify=False,
+                      progress=False)
+    return out
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Last-row logits of one prompt run straight through the target (blocks 0.., free when idle)."""
+    assert not llm.has_unfinished()
+    bs = llm.config.block_size
+    meta = build_attn_metadata([list(range(-(-len(ids) // bs)))], [0], [len(ids)], bs)
+    hidden, _ = llm.target.forward(torch.tensor(ids), meta, llm.runner.target_kv)
+    rows = torch.tensor([len(ids) - 1])
+    at = getattr(llm.target, "compute_logits_at", None)
+    return at(hidden, rows) if at is not None else llm.target.compute_logits(hidden[rows])
+
+
+def _llm(target: Path, draft: Path | None = None, tp: int = 1) -> LLM:
+    return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
+    target = tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue("w4a8")
+    drafts = [tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"] if fmt == "int4" else \
+        [tiny_dir / "kimi-k2.5-eagle3"]
+    one = _llm(target)
+    ref = _tokens(one)
+    ref_logits = _logits(one, PROMPTS[3])
+    del one
+
+    plain = _llm(target, tp=2)
+    try:
+        assert plain.tensor_parallel_size == 2
+        assert _tokens(plain) == ref  # TP=2 == TP=1, plain decoding
+        diff = (_logits(plain, PROMPTS[3]) - ref_logits).abs().max().item()
+        assert diff <= LOGITS_ATOL, diff
+        # The shard really is a shard: half the heads, half the experts, half the vocabulary.
+        m = plain.target.model
+        assert m.lm_head.out_features == m.vocab_size // 2
+        assert m.layers[1].self_attn.spec.num_heads == m.spec.mla.num_heads // 2
+        assert m.layers[1].mlp.expert_range == (0, m.spec.n_routed_experts // 2)
+    finally:
+        plain.close()
+    for draft in drafts:
+        spec = _llm(target, draft, tp=2)
+        try:
+            assert _tokens(spec) == ref  # speculative at TP=2 == plain at TP=1 (== plain at TP=2)
+            assert spec.stats.num_drafts > 0
+        finally:
+            spec.close()
+
+
+def test_dead_worker_fails_requests_cleanly(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", tp=2)
+    try:
+        proc = llm._workers.procs[0]
+        assert llm.healthy is None
+        for p in PROMPTS:
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        llm.step()  # in flight
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        t0 = time.monotonic()
+        done = {}
+        while llm.has_unfinished() and time.monotonic() - t0 < 60:
+            for o in llm.step():
+                if o.finished:
+                    done[o.request_id] = o
+        assert len(done) == len(PROMPTS)
+        assert all(o.finish_reason == "error" and "rank 1" in o.error for o in done.values())
+        assert "rank 1" in llm.healthy
+        # New requests fail at once with the same reason instead of waiting on the dead rank.
+        (out,) = llm.generate([PROMPTS[0]], GREEDY)
+        assert out.finish_reason == "error" and "died" in out.error
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm._workers.procs)
+
+
+_DRIVER = """
+import os, sys, time
+import torch
+from eagle3.runtime.engine.llm import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", tokenizer=None, num_blocks=8, tensor_parallel_size=2)
+    print(" ".join(str(p.pid) for p in llm._workers.procs), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_exit_with_the_driver(how: int, tiny_dir: Path, tmp_path: Path) -> None:
+    """No orphans: a driver killed outright (SIGKILL) or stopped (SIGTERM) takes its workers along."""
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.Popen([sys.executable, str(script), str(tiny_dir / "kimi-k2.5")], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert pids
+        p.send_signal(how)
+        p.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
+    from tests.validate import lmeval
+
+    repo = Path(__file__).resolve().parents[2]
+    # shared/ beside the clone (lmeval's place), or beside the worktrees' parent for a worktree
+    data = next((d for d in (lmeval.GSM8K_DIR, repo.parents[1] / "shared" / "data" / "gsm8k")
+                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft",
+                        str(tiny_dir / "kimi-k2.5-eagle3"), "--tensor-parallel-size", "2", "--dtype", "float32",
+                        "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", "--concurrency", "4",
+                        "--dataset", str(data), "--report", str(report)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(report.read_text())
+    assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 4
+    assert rep["server"]["tensor_parallel_size"] == 2
+    assert "result: PASS" in r.stdout
