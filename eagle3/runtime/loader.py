@@ -81,7 +81,7 @@ class WeightReader:
         self.dtype = dtype
         self.device = device
         self.act_override = act_override
-        self.used: set[str] = set()
+        self.used: dict[str, int] = {}  # tensor -> bytes read of it (a shard's rows only, when sliced)
 
     def has(self, name: str) -> bool:
         return name in self.reader
@@ -89,11 +89,20 @@ class WeightReader:
     @property
     def used_bytes(self) -> int:
         """Bytes of the checkpoint tensors read so far (what the model was built from)."""
-        return sum(self.reader.info(n).nbytes for n in self.used)
+        return sum(self.used.values())
 
     def get(self, name: str) -> torch.Tensor:
-        self.used.add(name)
+        self.used[name] = self.reader.info(name).nbytes
         return self.reader.get(name)
+
+    def get_part(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows / columns of one tensor, reading only those bytes (a tensor-parallel shard)."""
+        info = self.reader.info(name)
+        r0, r1 = rows if rows is not None else (0, info.shape[0])
+        c0, c1 = cols if cols is not None else (None, None)
+        t = self.reader.get_rows(name, r0, r1, c0, c1)
+        self.used[name] = self.used.get(name, 0) + t.numel() * t.element_size()
+        return t
 
     def norm(self, module: RMSNorm, name: str) -> None:
         t = self.get(name)
@@ -126,6 +135,10 @@ class WeightReader:
                     cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
         """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
         ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
+        if rows is not None or cols is not None:
+            part = self._decode_part(module, rows, cols)
+            if part is not None:
+                return part
         w, act = self.linear(module)
         if rows is not None:
             w = slice_out(w, *rows)
@@ -133,6 +146,100 @@ class WeightReader:
             w = slice_in(w, *cols, keep_bias=self.tp.rank == 0)
             if isinstance(w, DenseWeight) and act is not None:
                 act = None  # decoded fallback of slice_in: runs as a float weight
+        return w, act
+
+    def _decode_part(self, m: str, rows: tuple[int, int] | None,
+                     cols: tuple[int, int] | None) -> tuple[LinearWeight, ActQuant] | None:
+        """This rank's rows (output features) or input columns of module ``m``, read straight from
+        the shard's bytes (:meth:`CheckpointReader.get_rows`): packed words and scale groups are
+        cut on their boundaries. None when the format or the range does not allow it (then the
+        caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
+        a range across a packing boundary)."""
+        n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
+        if self.has(f"{m}.{keys.ZERO_POINT}") or (self.has(n_w) and self.reader.info(n_w).torch_dtype == torch.int32
+                                                   and self.quant.int4_per_group):
+            return None
+
+        def ok(lo: int, hi: int, total: int, step: int) -> bool:
+            return lo % step == 0 and (hi % step == 0 or hi == total)
+
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        w: LinearWeight
+        if self.has(n_packed):
+            n, k = (int(x) for x in self.get(f"{m}.{keys.CT_SHAPE}").tolist())
+            sk = self.reader.info(n_scale).shape
+            if len(sk) != 2 or not sk[1] or k % sk[1]:
+                return None
+            g = k // sk[1]
+            r, c = rows or (0, n), cols or (0, k)
+            if not (ok(*c, k, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
+                return None
+            packed = self.get_part(n_packed, r, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+            scale = self.get_part(n_scale, r, (c[0] // g, c[1] // g) if cols else None)
+            w = Int4Weight(packed, scale, group_size=g, packing="ct", in_features=c[1] - c[0])
+        elif self.has(n_w):
+            info = self.reader.info(n_w)
+            if len(info.shape) != 2:
+                return None
+            dt = info.torch_dtype
+            n = info.shape[0]
+            if dt in _FLOATS:
+                k = info.shape[1]
+                w = DenseWeight(self.get_part(n_w, rows, cols))
+            elif dt == torch.int32:  # Quark INT4 per-channel / W4A8: words along the input dim
+                k = info.shape[1] * 8
+                c = cols or (0, k)
+                if not ok(*c, k, 8):
+                    return None
+                words = self.get_part(n_w, rows, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+                # The scales as _quark_int4 reads them (a stride-0 stand-in for the words: no memory).
+                full = self._quark_int4(m, torch.zeros((), dtype=torch.int32).expand(n, info.shape[1]))
+                r = rows or (0, n)
+                scale = full.scale[r[0]: r[1]]
+                w = Int4Weight(words, scale, None, tensor_scale=full.tensor_scale, packing=full.packing,
+                               in_features=c[1] - c[0])
+            elif dt == torch.uint8:  # MXFP4
+                k = info.shape[1] * 2
+                c = cols or (0, k)
+                if not ok(*c, k, 32):
+                    return None
+                w = MXFP4Weight(self.get_part(n_w, rows, (c[0] // 2, c[1] // 2) if cols else None),
+                                self.get_part(n_scale, rows, (c[0] // 32, c[1] // 32) if cols else None))
+            elif dt in _FP8:
+                k = info.shape[1]
+                r, c = rows or (0, n), cols or (0, k)
+                n_inv = f"{m}.{keys.SCALE_INV}"
+                if self.has(n_inv):
+                    bn, bk = self.quant.fp8_block or (128, 128)
+                    if not (ok(*r, n, bn) and ok(*c, k, bk)):
+                        return None
+                    scale = self.get_part(n_inv, (r[0] // bn, cdiv(r[1], bn)),
+                                          (c[0] // bk, cdiv(c[1], bk)) if cols else None).float()
+                    w = FP8Weight(self.get_part(n_w, rows, cols), scale, block=(bn, bk))
+                else:
+                    s = self.get(n_scale).float()
+                    if s.dim() >= 1 and s.shape[0] == n and n > 1:
+                        s = s[r[0]: r[1]]
+                    w = FP8Weight(self.get_part(n_w, rows, cols), s)
+            else:
+                return None
+        else:
+            return None
+        bias_name = f"{m}.bias"
+        if self.has(bias_name):
+            if rows is not None:
+                w.bias = self.get_part(bias_name, rows)
+            elif self.tp.rank == 0:  # row parallel: the bias is added once, on rank 0
+                w.bias = self.get(bias_name)
+        if isinstance(w, DenseWeight):
+            return w, None
+        act = self.quant.act_for(m)
+        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
+            act = self.act_override
+        if isinstance(w, FP8Weight) and w.block is not None:
+            act = None
         return w, act
 
     def _decode(self, m: str) -> LinearWeight:

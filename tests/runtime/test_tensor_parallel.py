@@ -198,3 +198,36 @@ def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
     assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 4
     assert rep["server"]["tensor_parallel_size"] == 2
     assert "result: PASS" in r.stdout
+
+
+_SHARDED = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_each_rank_reads_only_its_shard(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharded loading: a rank reads its rows / columns of every split tensor (``get_rows``) and its
+    own experts, and never a whole tensor that it splits; what it reads is its share of the bytes."""
+    from eagle3.checkpoint import CheckpointReader
+    from eagle3.runtime.loader import load_target
+    from eagle3.runtime.parallel import TPGroup
+
+    target = tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue("w4a8")
+    whole = load_target(target, dtype=torch.float32).checkpoint_bytes
+    read_whole: list[str] = []
+    get = CheckpointReader.get
+    monkeypatch.setattr(CheckpointReader, "get", lambda self, name: read_whole.append(name) or get(self, name))
+    per_rank = []
+    for rank in (0, 1):
+        read_whole.clear()
+        m = load_target(target, dtype=torch.float32, tp=TPGroup(rank, 2))  # loading needs no process group
+        lo, hi = m.layers[1].mlp.expert_range
+        experts = {f".experts.{e}." for e in range(m.spec.n_routed_experts)}
+        mine = {f".experts.{e}." for e in range(lo, hi)}
+        assert not [n for n in read_whole if any(e in n for e in experts - mine)]  # other ranks' experts
+        assert not [n for n in read_whole if ".experts." not in n and not n.endswith("weight_shape")
+                    and any(s in n for s in _SHARDED)]
+        per_rank.append(m.checkpoint_bytes)
+    # Each rank reads its half of the split tensors plus the replicated ones (embedding, q_a/kv_a,
+    # router, norms): well under the whole, and together no more than whole + replicated.
+    assert all(b < 0.65 * whole for b in per_rank), (per_rank, whole)
