@@ -135,6 +135,8 @@ class WeightReader:
                     cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
         """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
         ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
+        if self.tp.world == 1:  # the whole weight (TP=1 reads exactly as it always did)
+            rows = cols = None
         if rows is not None or cols is not None:
             part = self._decode_part(module, rows, cols)
             if part is not None:
