@@ -158,9 +158,10 @@ class WeightReader:
         caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
         a range across a packing boundary)."""
         n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
-        if self.has(f"{m}.{keys.ZERO_POINT}") or (self.has(n_w) and self.reader.info(n_w).torch_dtype == torch.int32
-                                                   and self.quant.int4_per_group):
-            return None
+        n_zp = f"{m}.{keys.ZERO_POINT}"
+        # Zero points are one small tensor per module (Quark writes all-zero ones): read whole, checked.
+        if self.has(n_zp) and bool(self.get(n_zp).any()):
+            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
 
         def ok(lo: int, hi: int, total: int, step: int) -> bool:
             return lo % step == 0 and (hi % step == 0 or hi == total)
@@ -190,6 +191,23 @@ class WeightReader:
             if dt in _FLOATS:
                 k = info.shape[1]
                 w = DenseWeight(self.get_part(n_w, rows, cols))
+            elif dt == torch.int32 and self.quant.int4_per_group:
+                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. This rank's
+                # output rows are stored columns (whole words of 8), its input columns stored rows.
+                k, n = info.shape[0], info.shape[1] * 8
+                sk = self.reader.info(n_scale).shape
+                if len(sk) != 2 or not sk[0] or k % sk[0]:
+                    return None
+                g = k // sk[0]
+                r, c = rows or (0, n), cols or (0, k)
+                if not (ok(*r, n, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
+                    return None
+                stored = self.get_part(n_w, c, (r[0] // 8, cdiv(r[1], 8)) if rows else None)
+                st_scale = self.get_part(n_scale, (c[0] // g, c[1] // g), r if rows else None)
+                reorder = self.quant.pack_method == "reorder"
+                codes = codecs.quark_int4_unpack(stored, reorder=reorder)[:, : r[1] - r[0]].t().contiguous()
+                w = Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), st_scale.float().t().contiguous(),
+                               group_size=g, packing="quark" if reorder else "quark_order", in_features=c[1] - c[0])
             elif dt == torch.int32:  # Quark INT4 per-channel / W4A8: words along the input dim
                 k = info.shape[1] * 8
                 c = cols or (0, k)

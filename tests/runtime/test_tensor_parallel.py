@@ -59,6 +59,34 @@ def w4a8(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# Quark INT4 per-group, which Quark stores transposed ([K, N/8] words, [K/G, N] scales).
+_INT4_G32 = """name: int4-g32
+description: Quark INT4 per-group 32, every Linear of the decoder layers
+schema_version: 1
+weight: {format: int4, qscheme: per_group, group_size: 32}
+activation: {format: none}
+scope:
+  include: ['re:\\.(mlp|self_attn)\\.']
+  exclude: ["*lm_head*", "*norm*", "*.gate"]
+export: {zero_point: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def int4g(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from eagle3.quantize import pipeline
+
+    root = tmp_path_factory.mktemp("tp-int4g")
+    (root / "int4-g32.yaml").write_text(_INT4_G32)
+    pipeline.quantize(str(tiny_dir / "kimi-k2.5"), root / "int4g", str(root / "int4-g32.yaml"), None, workers=1,
+                      engine="native", verify=False, progress=False)
+    return root / "int4g"
+
+
+def _source(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> Path:
+    return tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue(fmt)
+
+
 def _tokens(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
@@ -80,11 +108,11 @@ def _llm(target: Path, draft: Path | None = None, tp: int = 1) -> LLM:
     return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g"])
 def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
-    target = tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue("w4a8")
-    drafts = [tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"] if fmt == "int4" else \
-        [tiny_dir / "kimi-k2.5-eagle3"]
+    target = _source(fmt, tiny_dir, request)
+    drafts = {"int4": [tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"],
+              "w4a8": [tiny_dir / "kimi-k2.5-eagle3"], "int4g": []}[fmt]
     one = _llm(target)
     ref = _tokens(one)
     ref_logits = _logits(one, PROMPTS[3])
@@ -204,16 +232,17 @@ def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
 _SHARDED = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
-@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g"])
 def test_each_rank_reads_only_its_shard(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Sharded loading: a rank reads its rows / columns of every split tensor (``get_rows``) and its
-    own experts, and never a whole tensor that it splits; what it reads is its share of the bytes."""
+    own experts, and never a whole tensor that it splits (but Quark's all-zero zero points, 1/G of
+    the weight, read whole to check them); what it reads is its share of the bytes."""
     from eagle3.checkpoint import CheckpointReader
     from eagle3.runtime.loader import load_target
     from eagle3.runtime.parallel import TPGroup
 
-    target = tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue("w4a8")
+    target = _source(fmt, tiny_dir, request)
     whole = load_target(target, dtype=torch.float32).checkpoint_bytes
     read_whole: list[str] = []
     get = CheckpointReader.get
@@ -226,7 +255,7 @@ def test_each_rank_reads_only_its_shard(fmt: str, tiny_dir: Path, request: pytes
         experts = {f".experts.{e}." for e in range(m.spec.n_routed_experts)}
         mine = {f".experts.{e}." for e in range(lo, hi)}
         assert not [n for n in read_whole if any(e in n for e in experts - mine)]  # other ranks' experts
-        assert not [n for n in read_whole if ".experts." not in n and not n.endswith("weight_shape")
+        assert not [n for n in read_whole if ".experts." not in n and not n.endswith(("weight_shape", "zero_point"))
                     and any(s in n for s in _SHARDED)]
         per_rank.append(m.checkpoint_bytes)
     # Each rank reads its half of the split tensors plus the replicated ones (embedding, q_a/kv_a,
