@@ -83,6 +83,24 @@ def int4g(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "int4g"
 
 
+@pytest.fixture(scope="module")
+def mxfp4(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from eagle3.quantize import pipeline
+
+    out = tmp_path_factory.mktemp("tp-mxfp4") / "mxfp4"
+    pipeline.quantize(str(tiny_dir / "kimi-k2.5"), out, "mxfp4", None, workers=1, engine="native", verify=False,
+                      progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek block-FP8 routed experts (the text-only Kimi-K2-Thinking tiny, requantized)."""
+    from tests.runtime.model_kit import requantize_target
+
+    return requantize_target(tiny_dir / "kimi-k2-thinking", tmp_path_factory.mktemp("tp-fp8") / "fp8", "fp8-block")
+
+
 def _source(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> Path:
     return tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue(fmt)
 
@@ -108,11 +126,11 @@ def _llm(target: Path, draft: Path | None = None, tp: int = 1) -> LLM:
     return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g"])
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4", "fp8"])
 def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
     target = _source(fmt, tiny_dir, request)
     drafts = {"int4": [tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"],
-              "w4a8": [tiny_dir / "kimi-k2.5-eagle3"], "int4g": []}[fmt]
+              "w4a8": [tiny_dir / "kimi-k2.5-eagle3"]}.get(fmt, [])
     one = _llm(target)
     ref = _tokens(one)
     ref_logits = _logits(one, PROMPTS[3])
@@ -232,7 +250,7 @@ def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
 _SHARDED = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
-@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g"])
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4", "fp8"])
 def test_each_rank_reads_only_its_shard(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Sharded loading: a rank reads its rows / columns of every split tensor (``get_rows``) and its
