@@ -343,3 +343,44 @@ def test_serve_foreground_ctrl_c_stops_every_worker(tiny_dir: Path, tmp_path: Pa
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4"])
+def test_shard_reads_decode_to_the_slices_of_the_whole(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
+    """Every split weight read in part (rows of a column-parallel one, input columns of a
+    row-parallel one) decodes to exactly those rows / columns of the whole weight."""
+    from eagle3.runtime.kernels.base import dequantize
+    from eagle3.runtime.loader import WeightReader, target_spec
+    from eagle3.runtime.parallel import TPGroup
+
+    target = _source(fmt, tiny_dir, request)
+    spec = target_spec(target)
+    whole = WeightReader(target, spec.quant, torch.float32, torch.device("cpu"))
+    p = f"{spec.prefix}model.layers."
+    modules = [(f"{p}1.self_attn.q_b_proj", "rows"), (f"{p}1.self_attn.kv_b_proj", "rows"),
+               (f"{p}1.self_attn.o_proj", "cols"), (f"{p}0.mlp.gate_proj", "rows"), (f"{p}0.mlp.down_proj", "cols"),
+               (f"{p}1.mlp.shared_experts.down_proj", "cols"), (f"{p}1.mlp.shared_experts.up_proj", "rows")]
+    for rank in (0, 1):
+        part = WeightReader(target, spec.quant, torch.float32, torch.device("cpu"), tp=TPGroup(rank, 2))
+        for m, how in modules:
+            full, act = whole.linear(m)
+            n, k = full.shape
+            lo, hi = TPGroup(rank, 2).split(n if how == "rows" else k)
+            got, got_act = part.linear_part(m, rows=(lo, hi)) if how == "rows" else part.linear_part(m, cols=(lo, hi))
+            ref = dequantize(full, torch.float32)
+            ref = ref[lo:hi] if how == "rows" else ref[:, lo:hi]
+            assert type(got) is type(full) and got_act == act, m
+            assert torch.equal(dequantize(got, torch.float32), ref), m
+
+
+def test_bench_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
+    report = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), "--draft",
+                        str(tiny_dir / "kimi-k2.5-eagle3"), "--tensor-parallel-size", "2", "--dtype", "float32",
+                        "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--report", str(report)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(report.read_text())
+    assert rep["tensor_parallel_size"] == 2
+    assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
