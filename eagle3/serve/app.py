@@ -359,7 +359,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def health() -> Response:
         if not engine.alive:
             return error_response(503, "the engine thread is not running", type_="service_unavailable")
-        broken = getattr(engine.llm, "healthy", None)  # e.g. a dead tensor-parallel worker
+        broken = getattr(engine.llm, "broken", None)  # e.g. a dead tensor-parallel worker
         if isinstance(broken, str):
             return error_response(503, broken, type_="service_unavailable")
         body: dict[str, Any] = {"status": "ok"}

@@ -162,7 +162,7 @@ def test_dead_worker_fails_requests_cleanly(tiny_dir: Path) -> None:
     llm = _llm(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", tp=2)
     try:
         proc = llm._workers.procs[0]
-        assert llm.healthy is None
+        assert llm.broken is None
         for p in PROMPTS:
             llm.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         llm.step()  # in flight
@@ -176,7 +176,7 @@ def test_dead_worker_fails_requests_cleanly(tiny_dir: Path) -> None:
                     done[o.request_id] = o
         assert len(done) == len(PROMPTS)
         assert all(o.finish_reason == "error" and "rank 1" in o.error for o in done.values())
-        assert "rank 1" in llm.healthy
+        assert "rank 1" in llm.broken
         # New requests fail at once with the same reason instead of waiting on the dead rank.
         (out,) = llm.generate([PROMPTS[0]], GREEDY)
         assert out.finish_reason == "error" and "died" in out.error

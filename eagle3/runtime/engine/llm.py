@@ -212,7 +212,7 @@ class LLM:
             self._finalizer()
 
     @property
-    def healthy(self) -> str | None:
+    def broken(self) -> str | None:
         """None while the engine can run steps; else why not (a dead tensor-parallel worker)."""
         w = self._workers
         if w is None:
