@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -234,7 +235,7 @@ def _worker_main(rank: int, world: int, port: int, target: str, load_kw: dict[st
         with torch.inference_mode():
             while True:
                 try:
-                    msg = conn.recv()
+                    msg = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     return  # the driver is gone
                 op = msg[0]
@@ -260,9 +261,12 @@ def _worker_main(rank: int, world: int, port: int, target: str, load_kw: dict[st
                 pass
 
 
-def _send_quietly(conn: Any, msg: Any) -> None:
+def _send_quietly(conn: Any, msg: Any, raw: bool = False) -> None:
     try:
-        conn.send(msg)
+        if raw:
+            conn.send_bytes(pickle.dumps(msg))
+        else:
+            conn.send(msg)
     except Exception:  # noqa: BLE001
         pass
 
@@ -342,9 +346,12 @@ class TPWorkers:
 
     def broadcast(self, msg: tuple[Any, ...]) -> None:
         self.check()
+        # Plain pickle, by value: Connection.send's pickler would move each tensor to shared memory
+        # and pass a file descriptor (torch.multiprocessing's reducers), far more than a few KB cost.
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, c in enumerate(self.conns, start=1):
             try:
-                c.send(msg)
+                c.send_bytes(data)
             except (BrokenPipeError, EOFError, OSError) as err:
                 self.dead = f"tensor-parallel worker rank {rank} is gone ({type(err).__name__})"
                 self.check()
@@ -372,7 +379,7 @@ class TPWorkers:
 
         with self._lock:
             for c in self.conns:
-                _send_quietly(c, ("exit",))
+                _send_quietly(c, ("exit",), raw=True)
             for p in self.procs:
                 p.join(timeout=5)
                 if p.is_alive():

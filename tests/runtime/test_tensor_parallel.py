@@ -129,7 +129,8 @@ def _llm(target: Path, draft: Path | None = None, tp: int = 1) -> LLM:
 @pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4", "fp8"])
 def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
     target = _source(fmt, tiny_dir, request)
-    drafts = {"int4": [tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"],
+    drafts = {"int4": [tiny_dir / d for d in ("kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla", "kimi-k2.5-eagle3-d2t",
+                                              "speculators-eagle3")],
               "w4a8": [tiny_dir / "kimi-k2.5-eagle3"]}.get(fmt, [])
     one = _llm(target)
     ref = _tokens(one)
