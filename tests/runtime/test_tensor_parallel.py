@@ -385,3 +385,24 @@ def test_bench_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
     rep = json.loads(report.read_text())
     assert rep["tensor_parallel_size"] == 2
     assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
+
+
+def test_a_size_that_does_not_split_is_refused_in_one_line(tiny_dir: Path) -> None:
+    from eagle3.errors import Eagle3Error, UsageError
+
+    with pytest.raises(UsageError, match="tensor_parallel_size must be"):
+        LLM(tiny_dir / "kimi-k2.5", tokenizer=None, tensor_parallel_size=0)
+    with pytest.raises(Eagle3Error, match="4 attention heads do not split over tensor_parallel_size=3") as e:
+        _llm(tiny_dir / "kimi-k2.5", tp=3)
+    assert "\n" not in str(e.value)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group is gone: the next LLM can form its own
+    assert not [p for p in _children(os.getpid()) if _alive(p) and "spawn_main" in _cmdline(p)]  # workers stopped
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
