@@ -111,6 +111,9 @@ class LLM:
     :class:`~eagle3.runtime.interfaces.DraftModel`). ``draft=None`` runs plain decoding.
     ``tokenizer`` is ``"auto"`` (AutoTokenizer from the target directory when it has one), a path,
     a tokenizer object, or None (token-id prompts only).
+    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.parallel`): this
+    process is rank 0 and spawns N-1 worker processes; ``close()`` (or exit) stops them. Only one such
+    LLM can run in a process at a time (one torch.distributed group).
     """
 
     def __init__(self, target: str | os.PathLike[str] | TargetModel,
