@@ -505,7 +505,7 @@ def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = Non
 def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, backend: str | None = None, *,
                act_override: ActQuant = None, latent_norm_eps: float | None = None,
-               aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3DraftModel:
+               aux_layer_ids: tuple[int, ...] | None = None, lm_head: Linear | None = None) -> Eagle3DraftModel:
     """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device and backend default to the
     target's). Shares the target's embedding (and lm_head) when the draft has none.
     ``aux_layer_ids`` overrides the config's ids (input-to-layer convention)."""
@@ -566,9 +566,11 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
         wr.norm(model.norm, keys.DRAFT_NORM)
         if spec.own_lm_head:
             wr.load_linear(model.lm_head, "lm_head")
+        elif lm_head is not None:  # the target's, whole (its own lm_head is split over tensor-parallel ranks)
+            model.lm_head = lm_head
         elif getattr(target, "tp", SINGLE).world > 1:
-            raise UsageError(f"{where}: the draft has no lm_head of its own and shares the target's, which is split "
-                             f"over the tensor-parallel ranks; not supported yet at tensor_parallel_size > 1")
+            raise UsageError(f"{where}: the draft shares the target's lm_head, which is split over the "
+                             f"tensor-parallel ranks; pass the whole one (lm_head=load_lm_head(target_dir))")
         else:
             model.lm_head = target.lm_head
         if wr.has(keys.D2T) and spec.draft_vocab_size != spec.vocab_size:
@@ -588,6 +590,25 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
     model.eval()
     model.checkpoint_bytes = wr.used_bytes
     return model
+
+
+def load_lm_head(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", backend: str = "torch") -> Linear:
+    """The target's whole ``lm_head`` (or its tied embedding) as a Linear: for a draft that shares
+    it when the target's own is split over tensor-parallel ranks (the draft runs on rank 0)."""
+    spec = target_spec(path)
+    dev = _device(device)
+    wr = WeightReader(path, spec.quant, dtype, dev)
+    head = Linear(spec.hidden_size, spec.vocab_size, get_backend(backend, dev), f"{spec.prefix}lm_head")
+    name = f"{spec.prefix}lm_head"
+    with torch.no_grad():
+        if wr.has(f"{name}.weight") or wr.has(f"{name}.{keys.CT_PACKED}"):
+            wr.load_linear(head, name)
+        elif spec.tie_word_embeddings:
+            head.load(DenseWeight(wr.get(f"{spec.prefix}{keys.TARGET_EMBED}")), None, dtype, dev)
+        else:
+            raise FormatError(f"{wr.path}: no tensor {name + '.weight'!r} and tie_word_embeddings is false")
+    return head
 
 
 def _replace(spec: DraftSpec, **kw: Any) -> DraftSpec:

@@ -101,6 +101,27 @@ def fp8(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return requantize_target(tiny_dir / "kimi-k2-thinking", tmp_path_factory.mktemp("tp-fp8") / "fp8", "fp8-block")
 
 
+@pytest.fixture(scope="module")
+def shared_head_draft(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama draft without an lm_head of its own: it shares the target's (full vocabulary)."""
+    import shutil
+
+    from eagle3.checkpoint import CheckpointReader, CheckpointWriter
+
+    src = tiny_dir / "kimi-k2.5-eagle3"
+    out = tmp_path_factory.mktemp("tp-draft") / "shared-head"
+    out.mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith((".safetensors", ".index.json")):
+            shutil.copy(f, out / f.name)
+    reader = CheckpointReader(src)
+    with CheckpointWriter(out) as w:
+        for name in reader.names():
+            if name != "lm_head.weight":
+                w.add(name, reader.get(name))
+    return out
+
+
 def _source(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> Path:
     return tiny_dir / "kimi-k2.5" if fmt == "int4" else request.getfixturevalue(fmt)
 
@@ -150,6 +171,8 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
         assert m.layers[1].mlp.expert_range == (0, m.spec.n_routed_experts // 2)
     finally:
         plain.close()
+    if fmt == "int4":
+        drafts.append(request.getfixturevalue("shared_head_draft"))  # the draft gets a whole lm_head on rank 0
     for draft in drafts:
         spec = _llm(target, draft, tp=2)
         try:

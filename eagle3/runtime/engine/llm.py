@@ -231,9 +231,14 @@ class LLM:
     def _load_draft(self, draft: Any) -> DraftModel:
         if _is_model(draft):
             return draft
-        from eagle3.runtime.loader import load_draft
+        from eagle3.runtime.loader import draft_spec, load_draft, load_lm_head
 
-        return load_draft(Path(draft), self.target)
+        head = None
+        if self._workers is not None and self.target_path is not None and not draft_spec(draft).own_lm_head:
+            # The draft (rank 0 only) needs the whole vocabulary projection; the target's is split.
+            t = self.target
+            head = load_lm_head(self.target_path, t.dtype, t.backend.device, t.backend.name)
+        return load_draft(Path(draft), self.target, lm_head=head)
 
     def _load_tokenizer(self, tokenizer: Any, trust_remote_code: bool) -> Any:
         if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
