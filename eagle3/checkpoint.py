@@ -509,6 +509,48 @@ class CheckpointReader:
             raise CheckpointError(f"{info.file}: truncated shard while reading tensor {name!r}")
         return buf.view(dt).reshape(info.shape)
 
+    def get_rows(self, name: str, r0: int, r1: int, c0: int | None = None, c1: int | None = None) -> torch.Tensor:
+        """Rows ``r0 .. r1-1`` (dim 0) of one tensor, reading only their bytes; with ``c0``/``c1``
+        (2-D tensors) only columns ``c0 .. c1-1`` of those rows, one read per row. For a
+        tensor-parallel rank's shard: it never reads the parts other ranks own."""
+        info = self.info(name)
+        if info.offset < 0:
+            raise CheckpointError(f"{info.file}: tensor {name!r} is not downloaded (header-only view)")
+        shape = info.shape
+        if not shape or not 0 <= r0 <= r1 <= shape[0]:
+            raise CheckpointError(f"{info.file}: tensor {name!r} of shape {list(shape)} has no rows {r0}..{r1}")
+        cols = c0 is not None or c1 is not None
+        if cols:
+            c0 = 0 if c0 is None else c0
+            c1 = shape[1] if c1 is None else c1
+            if len(shape) != 2 or not 0 <= c0 <= c1 <= shape[1]:
+                raise CheckpointError(f"{info.file}: tensor {name!r} of shape {list(shape)} has no columns {c0}..{c1}")
+        dt = info.torch_dtype
+        row_bytes = info.nbytes // shape[0] if shape[0] else 0
+        if cols and (c0, c1) != (0, shape[1]):
+            el = row_bytes // shape[1] if shape[1] else 0
+            out = torch.empty(r1 - r0, (c1 - c0) * el, dtype=torch.uint8)
+            try:
+                with open_regular(info.file, buffering=0) as f:
+                    view = out.numpy()
+                    for i in range(r1 - r0):
+                        n = _pread_into(f.fileno(), memoryview(view[i]), info.offset + (r0 + i) * row_bytes + c0 * el)
+                        if n != view.shape[1]:
+                            raise CheckpointError(f"{info.file}: truncated shard while reading tensor {name!r}")
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e.strerror or e})") from None
+            return out.view(dt).reshape(r1 - r0, c1 - c0)
+        buf = torch.empty((r1 - r0) * row_bytes, dtype=torch.uint8)
+        if buf.numel():
+            try:
+                with open_regular(info.file, buffering=0) as f:
+                    n = _pread_into(f.fileno(), memoryview(buf.numpy()), info.offset + r0 * row_bytes)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: cannot read tensor {name!r} ({e.strerror or e})") from None
+            if n != buf.numel():
+                raise CheckpointError(f"{info.file}: truncated shard while reading tensor {name!r}")
+        return buf.view(dt).reshape(r1 - r0, *shape[1:])
+
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names() if names is None else names:
             yield n, self.get(n)

@@ -389,7 +389,7 @@ def serve(
     baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="--engine: tensor parallel size.")] = 1,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = 1,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
 ) -> None:
@@ -427,7 +427,8 @@ def serve(
     eopts = launcher.EngineOptions(
         num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
         kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
-        max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code)
+        max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tensor_parallel_size)
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
@@ -517,6 +518,7 @@ def bench(
     device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = "cpu",
     dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = 1,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
@@ -551,10 +553,15 @@ def bench(
         from eagle3.serve import launcher
 
         eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
-                                       trust_remote_code=trust_remote_code)
-        api = launcher.build_app(launcher.build_llm(target, draft, eopts), target.resolve().name, root=str(target))
-        with launcher.ServerThread(api) as url:
-            result = b.run_bench(url, opts, tok)
+                                       trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size)
+        llm = launcher.build_llm(target, draft, eopts)
+        try:
+            api = launcher.build_app(llm, target.resolve().name, root=str(target))
+            with launcher.ServerThread(api) as url:
+                result = b.run_bench(url, opts, tok)
+                result["tensor_parallel_size"] = tensor_parallel_size
+        finally:
+            launcher.close_llm(llm)
     else:
         result = b.run_bench(base_url, opts, tok)
     for line in b.bench_lines(result):

@@ -63,6 +63,7 @@ from eagle3.runtime.layers.moe import MoE
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
 from eagle3.runtime.models.eagle3 import Eagle3DraftModel
+from eagle3.runtime.parallel import SINGLE, TPGroup, slice_in, slice_out
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -72,14 +73,15 @@ class WeightReader:
     """Reads named tensors and decodes one Linear module into a canonical weight."""
 
     def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
-                 act_override: ActQuant = None) -> None:
+                 act_override: ActQuant = None, tp: TPGroup = SINGLE) -> None:
         self.reader = CheckpointReader(path)
+        self.tp = tp
         self.path = self.reader.path
         self.quant = quant
         self.dtype = dtype
         self.device = device
         self.act_override = act_override
-        self.used: set[str] = set()
+        self.used: dict[str, int] = {}  # tensor -> bytes read of it (a shard's rows only, when sliced)
 
     def has(self, name: str) -> bool:
         return name in self.reader
@@ -87,11 +89,20 @@ class WeightReader:
     @property
     def used_bytes(self) -> int:
         """Bytes of the checkpoint tensors read so far (what the model was built from)."""
-        return sum(self.reader.info(n).nbytes for n in self.used)
+        return sum(self.used.values())
 
     def get(self, name: str) -> torch.Tensor:
-        self.used.add(name)
+        self.used[name] = self.reader.info(name).nbytes
         return self.reader.get(name)
+
+    def get_part(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows / columns of one tensor, reading only those bytes (a tensor-parallel shard)."""
+        info = self.reader.info(name)
+        r0, r1 = rows if rows is not None else (0, info.shape[0])
+        c0, c1 = cols if cols is not None else (None, None)
+        t = self.reader.get_rows(name, r0, r1, c0, c1)
+        self.used[name] = self.used.get(name, 0) + t.numel() * t.element_size()
+        return t
 
     def norm(self, module: RMSNorm, name: str) -> None:
         t = self.get(name)
@@ -114,10 +125,142 @@ class WeightReader:
             act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
         return w, act
 
-    def load_linear(self, layer: Linear, module: str) -> None:
-        w, act = self.linear(module)
+    def load_linear(self, layer: Linear, module: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> None:
+        w, act = self.linear_part(module, rows, cols)
         with _named(self, module):
             layer.load(w, act, self.dtype, self.device)
+
+    def linear_part(self, module: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
+        """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
+        ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
+        if self.tp.world == 1:  # the whole weight (TP=1 reads exactly as it always did)
+            rows = cols = None
+        if rows is not None or cols is not None:
+            part = self._decode_part(module, rows, cols)
+            if part is not None:
+                return part
+        w, act = self.linear(module)
+        if rows is not None:
+            w = slice_out(w, *rows)
+        if cols is not None:
+            w = slice_in(w, *cols, keep_bias=self.tp.rank == 0)
+            if isinstance(w, DenseWeight) and act is not None:
+                act = None  # decoded fallback of slice_in: runs as a float weight
+        return w, act
+
+    def _decode_part(self, m: str, rows: tuple[int, int] | None,
+                     cols: tuple[int, int] | None) -> tuple[LinearWeight, ActQuant] | None:
+        """This rank's rows (output features) or input columns of module ``m``, read straight from
+        the shard's bytes (:meth:`CheckpointReader.get_rows`): packed words and scale groups are
+        cut on their boundaries. None when the format or the range does not allow it (then the
+        caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
+        a range across a packing boundary)."""
+        n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
+        n_zp = f"{m}.{keys.ZERO_POINT}"
+        # Zero points are one small tensor per module (Quark writes all-zero ones): read whole, checked.
+        if self.has(n_zp) and bool(self.get(n_zp).any()):
+            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+
+        def ok(lo: int, hi: int, total: int, step: int) -> bool:
+            return lo % step == 0 and (hi % step == 0 or hi == total)
+
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        w: LinearWeight
+        if self.has(n_packed):
+            n, k = (int(x) for x in self.get(f"{m}.{keys.CT_SHAPE}").tolist())
+            sk = self.reader.info(n_scale).shape
+            if len(sk) != 2 or not sk[1] or k % sk[1]:
+                return None
+            g = k // sk[1]
+            r, c = rows or (0, n), cols or (0, k)
+            if not (ok(*c, k, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
+                return None
+            packed = self.get_part(n_packed, r, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+            scale = self.get_part(n_scale, r, (c[0] // g, c[1] // g) if cols else None)
+            w = Int4Weight(packed, scale, group_size=g, packing="ct", in_features=c[1] - c[0])
+        elif self.has(n_w):
+            info = self.reader.info(n_w)
+            if len(info.shape) != 2:
+                return None
+            dt = info.torch_dtype
+            n = info.shape[0]
+            if dt in _FLOATS:
+                k = info.shape[1]
+                w = DenseWeight(self.get_part(n_w, rows, cols))
+            elif dt == torch.int32 and self.quant.int4_per_group:
+                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. This rank's
+                # output rows are stored columns (whole words of 8), its input columns stored rows.
+                k, n = info.shape[0], info.shape[1] * 8
+                sk = self.reader.info(n_scale).shape
+                if len(sk) != 2 or not sk[0] or k % sk[0]:
+                    return None
+                g = k // sk[0]
+                r, c = rows or (0, n), cols or (0, k)
+                if not (ok(*r, n, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
+                    return None
+                stored = self.get_part(n_w, c, (r[0] // 8, cdiv(r[1], 8)) if rows else None)
+                st_scale = self.get_part(n_scale, (c[0] // g, c[1] // g), r if rows else None)
+                reorder = self.quant.pack_method == "reorder"
+                codes = codecs.quark_int4_unpack(stored, reorder=reorder)[:, : r[1] - r[0]].t().contiguous()
+                w = Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), st_scale.float().t().contiguous(),
+                               group_size=g, packing="quark" if reorder else "quark_order", in_features=c[1] - c[0])
+            elif dt == torch.int32:  # Quark INT4 per-channel / W4A8: words along the input dim
+                k = info.shape[1] * 8
+                c = cols or (0, k)
+                if not ok(*c, k, 8):
+                    return None
+                words = self.get_part(n_w, rows, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+                # The scales as _quark_int4 reads them (a stride-0 stand-in for the words: no memory).
+                full = self._quark_int4(m, torch.zeros((), dtype=torch.int32).expand(n, info.shape[1]))
+                r = rows or (0, n)
+                scale = full.scale[r[0]: r[1]]
+                w = Int4Weight(words, scale, None, tensor_scale=full.tensor_scale, packing=full.packing,
+                               in_features=c[1] - c[0])
+            elif dt == torch.uint8:  # MXFP4
+                k = info.shape[1] * 2
+                c = cols or (0, k)
+                if not ok(*c, k, 32):
+                    return None
+                w = MXFP4Weight(self.get_part(n_w, rows, (c[0] // 2, c[1] // 2) if cols else None),
+                                self.get_part(n_scale, rows, (c[0] // 32, c[1] // 32) if cols else None))
+            elif dt in _FP8:
+                k = info.shape[1]
+                r, c = rows or (0, n), cols or (0, k)
+                n_inv = f"{m}.{keys.SCALE_INV}"
+                if self.has(n_inv):
+                    bn, bk = self.quant.fp8_block or (128, 128)
+                    if not (ok(*r, n, bn) and ok(*c, k, bk)):
+                        return None
+                    scale = self.get_part(n_inv, (r[0] // bn, cdiv(r[1], bn)),
+                                          (c[0] // bk, cdiv(c[1], bk)) if cols else None).float()
+                    w = FP8Weight(self.get_part(n_w, rows, cols), scale, block=(bn, bk))
+                else:
+                    s = self.get(n_scale).float()
+                    if s.dim() >= 1 and s.shape[0] == n and n > 1:
+                        s = s[r[0]: r[1]]
+                    w = FP8Weight(self.get_part(n_w, rows, cols), s)
+            else:
+                return None
+        else:
+            return None
+        bias_name = f"{m}.bias"
+        if self.has(bias_name):
+            if rows is not None:
+                w.bias = self.get_part(bias_name, rows)
+            elif self.tp.rank == 0:  # row parallel: the bias is added once, on rank 0
+                w.bias = self.get(bias_name)
+        if isinstance(w, DenseWeight):
+            return w, None
+        act = self.quant.act_for(m)
+        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
+            act = self.act_override
+        if isinstance(w, FP8Weight) and w.block is not None:
+            act = None
+        return w, act
 
     def _decode(self, m: str) -> LinearWeight:
         n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
@@ -221,18 +364,19 @@ def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = No
 
 def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 backend: str = "torch", *, act_override: ActQuant = None,
-                latent_norm_eps: float | None = None) -> DeepseekV3Model:
+                latent_norm_eps: float | None = None, tp: TPGroup = SINGLE) -> DeepseekV3Model:
     """Load a DeepSeek-V3 / Kimi target from any supported format.
 
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
-    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1)."""
+    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1).
+    ``tp``: this process's rank of a tensor-parallel group: only its shard is built (parallel.py)."""
     _check_act_override(act_override)
     spec = target_spec(path, latent_norm_eps)
     dev = _device(device)
     be = get_backend(backend, dev)
-    model = DeepseekV3Model(spec, be, dtype)
-    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
+    model = DeepseekV3Model(spec, be, dtype, tp)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override, tp)
     p = spec.prefix
     with torch.no_grad():
         embed = wr.get(f"{p}{keys.TARGET_EMBED}")
@@ -244,10 +388,11 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
+        vocab = model.vocab_range
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
-            wr.load_linear(model.lm_head, head)
+            wr.load_linear(model.lm_head, head, rows=vocab)
         elif spec.tie_word_embeddings:
-            model.lm_head.load(DenseWeight(embed), None, dtype, dev)
+            model.lm_head.load(DenseWeight(embed[vocab[0]: vocab[1]]), None, dtype, dev)
         else:
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
@@ -259,7 +404,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
     wr.norm(layer.input_layernorm, p + "input_layernorm.weight")
     wr.norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-    _load_mla(wr, layer.self_attn, p + "self_attn.")
+    _load_mla(wr, layer.self_attn, p + "self_attn.", sharded=True)
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         gate_w = wr.get(p + "mlp.gate.weight")
@@ -269,7 +414,7 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
         bias_name = p + "mlp.gate.e_score_correction_bias"
         mlp.load_router(gate_w, wr.get(bias_name) if wr.has(bias_name) else None, wr.device)
         gates, ups, downs, acts = [], [], [], set()
-        for e in range(mlp.num_experts):
+        for e in range(*mlp.expert_range):  # expert parallel: only this rank's experts are read
             for proj, out in (("gate_proj", gates), ("up_proj", ups), ("down_proj", downs)):
                 w, act = wr.linear(f"{p}mlp.experts.{e}.{proj}")
                 out.append(w)
@@ -282,13 +427,20 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
                 raise ShapeError(f"{wr.path}: {p}mlp.experts: expert weights are not all {list(want[name])}")
         mlp.load_experts(gates, ups, downs, acts.pop(), wr.dtype, wr.device)
         if mlp.shared is not None:
-            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.")
+            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.", sharded=True)
     else:
-        _load_mlp(wr, mlp, p + "mlp.")
+        _load_mlp(wr, mlp, p + "mlp.", sharded=True)
 
 
-def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
-    (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
+def _load_mlp(wr: WeightReader, mlp: Any, p: str, sharded: bool = False) -> None:
+    """gate/up/down of a SwiGLU MLP; ``sharded``: this rank's intermediate columns (gate/up rows,
+    down input columns), as the target's MLPs are built (``mlp.inter`` is the local width)."""
+    if sharded and wr.tp.world > 1:
+        lo, hi = wr.tp.split(mlp.full_inter)
+        (g, ag), (u, au) = (wr.linear_part(p + n, rows=(lo, hi)) for n in ("gate_proj", "up_proj"))
+        d, ad = wr.linear_part(p + "down_proj", cols=(lo, hi))
+    else:
+        (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
     if ag != au:
         raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
     with _named(wr, p + "gate_proj/up_proj"):
@@ -306,21 +458,31 @@ def _named(wr: WeightReader, what: str) -> Iterator[None]:
         raise FormatError(f"{wr.path}: {what}: {e}") from None
 
 
-def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
+def _load_mla(wr: WeightReader, attn: Any, p: str, sharded: bool = False) -> None:
+    """MLA weights; ``sharded``: this rank's heads (attn.spec.num_heads of them, see DecoderLayer):
+    q_b / q / kv_b rows, o_proj input columns; q_a / kv_a whole (replicated)."""
+    s = attn.spec
+    q_rows = kv_rows = o_cols = None
+    if sharded and wr.tp.world > 1:
+        h0 = wr.tp.rank * s.num_heads
+        h1 = h0 + s.num_heads
+        q_rows = (h0 * s.qk_head_dim, h1 * s.qk_head_dim)
+        kv_rows = (h0 * (s.qk_nope_head_dim + s.v_head_dim), h1 * (s.qk_nope_head_dim + s.v_head_dim))
+        o_cols = (h0 * s.v_head_dim, h1 * s.v_head_dim)
     if attn.spec.q_lora_rank is not None:
         (qa, act_q), (kva, act_kv) = wr.linear(p + "q_a_proj"), wr.linear(p + "kv_a_proj_with_mqa")
         with _named(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
             attn.load_a(qa, act_q, kva, act_kv, wr.dtype, wr.device)
         wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
-        wr.load_linear(attn.q_b_proj, p + "q_b_proj")
+        wr.load_linear(attn.q_b_proj, p + "q_b_proj", rows=q_rows)
     else:
-        wr.load_linear(attn.q_proj, p + "q_proj")
+        wr.load_linear(attn.q_proj, p + "q_proj", rows=q_rows)
         wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
-    kv_b, _ = wr.linear(p + "kv_b_proj")
+    kv_b, _ = wr.linear_part(p + "kv_b_proj", rows=kv_rows)
     with _named(wr, p + "kv_b_proj"):
         attn.load_kv_b(kv_b, wr.dtype, wr.device)
-    wr.load_linear(attn.o_proj, p + "o_proj")
+    wr.load_linear(attn.o_proj, p + "o_proj", cols=o_cols)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +505,7 @@ def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = Non
 def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, backend: str | None = None, *,
                act_override: ActQuant = None, latent_norm_eps: float | None = None,
-               aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3DraftModel:
+               aux_layer_ids: tuple[int, ...] | None = None, lm_head: Linear | None = None) -> Eagle3DraftModel:
     """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device and backend default to the
     target's). Shares the target's embedding (and lm_head) when the draft has none.
     ``aux_layer_ids`` overrides the config's ids (input-to-layer convention)."""
@@ -404,6 +566,11 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
         wr.norm(model.norm, keys.DRAFT_NORM)
         if spec.own_lm_head:
             wr.load_linear(model.lm_head, "lm_head")
+        elif lm_head is not None:  # the target's, whole (its own lm_head is split over tensor-parallel ranks)
+            model.lm_head = lm_head
+        elif getattr(target, "tp", SINGLE).world > 1:
+            raise UsageError(f"{where}: the draft shares the target's lm_head, which is split over the "
+                             f"tensor-parallel ranks; pass the whole one (lm_head=load_lm_head(target_dir))")
         else:
             model.lm_head = target.lm_head
         if wr.has(keys.D2T) and spec.draft_vocab_size != spec.vocab_size:
@@ -423,6 +590,25 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
     model.eval()
     model.checkpoint_bytes = wr.used_bytes
     return model
+
+
+def load_lm_head(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", backend: str = "torch") -> Linear:
+    """The target's whole ``lm_head`` (or its tied embedding) as a Linear: for a draft that shares
+    it when the target's own is split over tensor-parallel ranks (the draft runs on rank 0)."""
+    spec = target_spec(path)
+    dev = _device(device)
+    wr = WeightReader(path, spec.quant, dtype, dev)
+    head = Linear(spec.hidden_size, spec.vocab_size, get_backend(backend, dev), f"{spec.prefix}lm_head")
+    name = f"{spec.prefix}lm_head"
+    with torch.no_grad():
+        if wr.has(f"{name}.weight") or wr.has(f"{name}.{keys.CT_PACKED}"):
+            wr.load_linear(head, name)
+        elif spec.tie_word_embeddings:
+            head.load(DenseWeight(wr.get(f"{spec.prefix}{keys.TARGET_EMBED}")), None, dtype, dev)
+        else:
+            raise FormatError(f"{wr.path}: no tensor {name + '.weight'!r} and tie_word_embeddings is false")
+    return head
 
 
 def _replace(spec: DraftSpec, **kw: Any) -> DraftSpec:

@@ -359,6 +359,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def health() -> Response:
         if not engine.alive:
             return error_response(503, "the engine thread is not running", type_="service_unavailable")
+        broken = getattr(engine.llm, "broken", None)  # e.g. a dead tensor-parallel worker
+        if isinstance(broken, str):
+            return error_response(503, broken, type_="service_unavailable")
         body: dict[str, Any] = {"status": "ok"}
         bm = getattr(engine.llm, "block_manager", None)
         if bm is not None:  # for load tests: blocks all free again once idle = nothing leaked
@@ -383,7 +386,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "eagle3",
-            "root": root or model_name, "parent": None, "max_model_len": engine.context_limit}]}
+            "root": root or model_name, "parent": None, "max_model_len": engine.context_limit,
+            "tensor_parallel_size": int(getattr(engine.llm, "tensor_parallel_size", 1))}]}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -38,6 +38,7 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1  # ranks of the bundled runtime (worker processes, parallel.py)
 
 
 def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
@@ -66,7 +67,7 @@ def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions)
                device=opts.device, backend=opts.backend, tokenizer=tokenizer,
                trust_remote_code=opts.trust_remote_code, kv_cache_memory=opts.kv_cache_memory,
                max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-               max_model_len=opts.max_model_len, seed=opts.seed)
+               max_model_len=opts.max_model_len, seed=opts.seed, tensor_parallel_size=opts.tensor_parallel_size)
 
 
 def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None,
@@ -221,7 +222,8 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, v
     vopts.api_key = api_key
     meta = {"target": str(target), "draft": None if draft is None else str(draft),
             "num_speculative_tokens": eopts.num_speculative_tokens if draft is not None else 0,
-            "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype}
+            "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
+            "tensor_parallel_size": eopts.tensor_parallel_size}
 
     def one_run(with_draft: bool, label: str) -> Any:
         echo(f"loading {target}" + (f" + draft {draft}" if with_draft else " (no speculation)"))
@@ -232,6 +234,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, v
                 echo(f"{label}: {len(prep.prompts)} GSM8K prompts to {url} at concurrency {vopts.concurrency}")
                 run = validate.evaluate(url, prep, vopts, label)
         finally:
+            close_llm(llm)  # its tensor-parallel workers, before the next run forms its own group
             del app, llm
             gc.collect()
             _empty_device_cache(eopts.device)
@@ -240,6 +243,12 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, v
     run = one_run(draft is not None, "speculative" if draft is not None else "run")
     base = one_run(False, "baseline") if draft is not None and baseline else None
     return validate.finish(run, base, prep, vopts, meta)
+
+
+def close_llm(llm: Any) -> None:
+    close = getattr(llm, "close", None)
+    if callable(close):
+        close()
 
 
 def _empty_device_cache(device: str) -> None:

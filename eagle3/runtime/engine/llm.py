@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -110,6 +111,9 @@ class LLM:
     :class:`~eagle3.runtime.interfaces.DraftModel`). ``draft=None`` runs plain decoding.
     ``tokenizer`` is ``"auto"`` (AutoTokenizer from the target directory when it has one), a path,
     a tokenizer object, or None (token-id prompts only).
+    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.parallel`): this
+    process is rank 0 and spawns N-1 worker processes; ``close()`` (or exit) stops them. Only one such
+    LLM can run in a process at a time (one torch.distributed group).
     """
 
     def __init__(self, target: str | os.PathLike[str] | TargetModel,
@@ -119,7 +123,8 @@ class LLM:
                  trust_remote_code: bool = False, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False) -> None:
+                 draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -127,6 +132,10 @@ class LLM:
             draft_sampling=draft_sampling, seed=seed, log_stats=log_stats)
         self.device = torch.device(device)
         self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        self.tensor_parallel_size = tensor_parallel_size
+        self._workers: Any = None  # parallel.TPWorkers at tensor_parallel_size > 1
         self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
         self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
         self.k = self.config.num_speculative_tokens if self.draft is not None else 0
@@ -147,6 +156,8 @@ class LLM:
         self.max_model_len = min(self.max_model_len, room)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.config.seed)
+        if self._workers is not None:
+            self.target.allocate_kv(num_blocks, self.config.block_size)  # the workers' latent caches
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids)
@@ -171,17 +182,63 @@ class LLM:
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:
         if _is_model(target):
+            if self.tensor_parallel_size > 1:
+                raise UsageError("tensor_parallel_size > 1 needs the target as a checkpoint directory (each rank "
+                                 "loads its own shard), not a loaded model")
             return target
         from eagle3.runtime.loader import load_target
 
-        return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
+        if self.tensor_parallel_size == 1:
+            return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
+        from eagle3.runtime.parallel import TPGroup, TPTarget, TPWorkers
+
+        world = self.tensor_parallel_size
+        if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + world:
+            raise UsageError(f"tensor_parallel_size={world} needs {world} GPUs from {self.device}; "
+                             f"{torch.cuda.device_count()} visible")
+        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend}, self.device)
+        try:
+            self.device = workers.init_driver_rank(self.device)
+            model = load_target(Path(target), dtype=dtype, device=self.device, backend=backend,
+                                tp=TPGroup(0, world))
+            workers.wait_ready()
+        except BaseException:
+            workers.close()
+            raise
+        self._workers = workers
+        self._finalizer = weakref.finalize(self, workers.close)
+        return TPTarget(model, workers)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size 1). Also at exit."""
+        if self._workers is not None:
+            self._finalizer()
+
+    @property
+    def broken(self) -> str | None:
+        """None while the engine can run steps; else why not (a dead tensor-parallel worker)."""
+        w = self._workers
+        if w is None:
+            return None
+        if not w.alive:
+            try:
+                w.check()
+            except Exception as err:  # noqa: BLE001 - the reason is the answer
+                return str(err)
+            return w.dead or "tensor-parallel workers stopped"
+        return None
 
     def _load_draft(self, draft: Any) -> DraftModel:
         if _is_model(draft):
             return draft
-        from eagle3.runtime.loader import load_draft
+        from eagle3.runtime.loader import draft_spec, load_draft, load_lm_head
 
-        return load_draft(Path(draft), self.target)
+        head = None
+        if self._workers is not None and self.target_path is not None and not draft_spec(draft).own_lm_head:
+            # The draft (rank 0 only) needs the whole vocabulary projection; the target's is split.
+            t = self.target
+            head = load_lm_head(self.target_path, t.dtype, t.backend.device, t.backend.name)
+        return load_draft(Path(draft), self.target, lm_head=head)
 
     def _load_tokenizer(self, tokenizer: Any, trust_remote_code: bool) -> Any:
         if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):

@@ -114,7 +114,8 @@ class ModelRunner:
         num_drafts = [len(it.draft_ids) for it in items]
         unique = torch.tensor([f + j for f, nd in zip(first, num_drafts, strict=True) for j in range(nd + 1)],
                               dtype=torch.int64, device=hidden.device)
-        logits = self.target.compute_logits(hidden[unique])  # float32 [R, V]
+        at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers need the rows
+        logits = at(hidden, unique) if at is not None else self.target.compute_logits(hidden[unique])  # fp32 [R, V]
         offsets = torch.tensor([0] + num_drafts[:-1], dtype=torch.int64).add(1).cumsum(0) - 1
         col = torch.arange(k + 1)
         pad_idx = offsets[:, None] + torch.minimum(col[None, :], torch.tensor(num_drafts)[:, None])

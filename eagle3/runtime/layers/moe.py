@@ -14,6 +14,7 @@ from torch import nn
 
 from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, MoEOp, concat_out_features
 from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
 class DenseMLP(nn.Module):
@@ -22,6 +23,7 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, backend: KernelBackend, name: str = "") -> None:
         super().__init__()
         self.inter = inter
+        self.full_inter = inter  # the unsharded width (set by a tensor-parallel owner)
         self.backend = backend
         self.gate_up = Linear(hidden, 2 * inter, backend, name + ".gate_up_proj")
         self.down = Linear(inter, hidden, backend, name + ".down_proj")
@@ -39,7 +41,7 @@ class DenseMLP(nn.Module):
 class MoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, n_shared: int, n_group: int,
                  topk_group: int, scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
-                 backend: KernelBackend, name: str = "") -> None:
+                 backend: KernelBackend, name: str = "", tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.hidden = hidden
         self.inter = inter
@@ -55,7 +57,14 @@ class MoE(nn.Module):
         self.register_buffer("gate_weight_t", torch.zeros(hidden, num_experts))  # [H, E], checkpoint dtype
         self.register_buffer("e_score_correction_bias", None)
         self.experts: MoEOp | None = None
-        self.shared = DenseMLP(hidden, inter * n_shared, backend, name + ".shared_experts") if n_shared else None
+        # Expert parallel: this rank holds experts [lo, hi) and computes them for every token; the
+        # shared experts are split by their intermediate columns. The caller reduces the sum.
+        self.expert_range = tp.split(num_experts)
+        self.tp = tp
+        lo, hi = tp.split(inter * n_shared)
+        self.shared = DenseMLP(hidden, hi - lo, backend, name + ".shared_experts") if n_shared else None
+        if self.shared is not None:
+            self.shared.full_inter = inter * n_shared
         self.kind = "unloaded"
 
     def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
@@ -93,6 +102,13 @@ class MoE(nn.Module):
         if self.experts is None:
             raise RuntimeError(f"{self.name}: experts not loaded")
         ids, w = self.route(x)
+        if self.tp.world > 1:
+            # Slots routed to another rank's experts get weight 0 here (0 * finite == 0 exactly, so the
+            # local sum is this rank's experts' part) and a valid local id so that the op runs.
+            lo, hi = self.expert_range
+            mine = (ids >= lo) & (ids < hi)
+            w = torch.where(mine, w, torch.zeros_like(w))
+            ids = torch.where(mine, ids - lo, torch.zeros_like(ids))
         y = self.experts(x, ids, w)
         if self.shared is not None:
             y = y + self.shared(x)

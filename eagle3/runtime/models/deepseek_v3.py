@@ -5,6 +5,8 @@ ascending id order; ``k == num_layers`` is the last layer's output before the fi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -18,36 +20,44 @@ from eagle3.runtime.layers.linear import Linear
 from eagle3.runtime.layers.moe import DenseMLP, MoE
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.layers.rotary import RotaryEmbedding
+from eagle3.runtime.parallel import SINGLE, TPGroup, head_split
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: TargetSpec, index: int, rotary: RotaryEmbedding, backend: KernelBackend,
-                 name: str) -> None:
+                 name: str, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         h = spec.hidden_size
+        self.tp = tp
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps, backend)
-        self.self_attn = MLAAttention(spec.mla, h, h, rotary, backend, name + ".self_attn")
+        # This rank's heads (all of them at TP=1); o_proj's partial output is reduced below.
+        lo, hi = head_split(spec.mla.num_heads, tp, name + ".self_attn")
+        mla = dataclasses.replace(spec.mla, num_heads=hi - lo)
+        self.self_attn = MLAAttention(mla, h, h, rotary, backend, name + ".self_attn")
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps, backend)
         self.mlp: nn.Module
         if spec.is_moe_layer(index):
             self.mlp = MoE(h, spec.moe_intermediate_size, spec.n_routed_experts, spec.num_experts_per_tok,
                            spec.n_shared_experts, spec.n_group, spec.topk_group, spec.scoring_func,
-                           spec.norm_topk_prob, spec.routed_scaling_factor, backend, name + ".mlp")
+                           spec.norm_topk_prob, spec.routed_scaling_factor, backend, name + ".mlp", tp)
         else:
-            self.mlp = DenseMLP(h, spec.intermediate_size, backend, name + ".mlp")
+            lo, hi = tp.split(spec.intermediate_size)
+            self.mlp = DenseMLP(h, hi - lo, backend, name + ".mlp")
+            self.mlp.full_inter = spec.intermediate_size
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: torch.Tensor, plan: object) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.tp.reduce(self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, plan))
+        return h + self.tp.reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class DeepseekV3Model(nn.Module):
     """The runtime's :class:`~eagle3.runtime.interfaces.TargetModel` for DeepSeek-V3 / Kimi."""
 
-    def __init__(self, spec: TargetSpec, backend: KernelBackend, dtype: torch.dtype) -> None:
+    def __init__(self, spec: TargetSpec, backend: KernelBackend, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.backend = backend
         self.dtype = dtype
         self.num_layers = spec.num_layers
@@ -56,10 +66,13 @@ class DeepseekV3Model(nn.Module):
         self.rotary = RotaryEmbedding(spec.mla.rope, backend)
         self.register_buffer("embed_tokens", torch.zeros(0, spec.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary, backend, f"{spec.prefix}model.layers.{i}") for i in range(spec.num_layers)
+            DecoderLayer(spec, i, self.rotary, backend, f"{spec.prefix}model.layers.{i}", tp)
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, backend, f"{spec.prefix}lm_head")
+        self.vocab_range = tp.split(spec.vocab_size)  # this rank's lm_head rows
+        self.lm_head = Linear(spec.hidden_size, self.vocab_range[1] - self.vocab_range[0], backend,
+                              f"{spec.prefix}lm_head")
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec((self.spec.mla.kv_lora_rank + self.spec.mla.qk_rope_head_dim,), self.dtype)
@@ -98,4 +111,4 @@ class DeepseekV3Model(nn.Module):
         return frozenset(ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.tp.gather_cols(self.lm_head(hidden).float(), self.vocab_size)
