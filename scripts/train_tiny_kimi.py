@@ -160,15 +160,18 @@ def main() -> None:
     ap.add_argument("--dataset", type=Path, default=Path("/work/shared/data/gsm8k"))
     ap.add_argument("--out", type=Path, default=REPO / "eagle3" / "testing" / "data" / trained.DATA_DIR)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--long-seq-len", type=int, default=2048,
+                    help="window of the final phase (a 5-shot GSM8K prompt + answer is ~1900 tokens)")
+    ap.add_argument("--long-frac", type=float, default=0.15, help="fraction of steps at --long-seq-len, batch 1")
+    ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--qat-frac", type=float, default=0.25)
+    ap.add_argument("--qat-frac", type=float, default=0.15)
     ap.add_argument("--bias-update", type=float, default=1e-3)
     ap.add_argument("--heldout", type=int, default=64, help="GSM8K test problems for the held-out loss")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop early (0: no limit; not reproducible)")
     args = ap.parse_args()
 
@@ -191,6 +194,8 @@ def main() -> None:
         stream.extend(tok.encode(train_docs[i]).ids)
     n_win = len(stream) // args.seq_len
     windows = torch.tensor(stream[: n_win * args.seq_len]).view(n_win, args.seq_len)
+    n_long = len(stream) // args.long_seq_len
+    long_windows = torch.tensor(stream[: n_long * args.long_seq_len]).view(n_long, args.long_seq_len)
     print(f"train tokens {len(stream)}, windows {n_win} x {args.seq_len}; "
           f"{args.steps} steps x {args.batch} = {args.steps * args.batch / n_win:.2f} epochs", flush=True)
 
@@ -221,6 +226,8 @@ def main() -> None:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
     perm = torch.randperm(n_win, generator=torch.Generator().manual_seed(args.seed))
+    long_perm = torch.randperm(n_long, generator=torch.Generator().manual_seed(args.seed + 1))
+    long_start = int(args.steps * (1 - args.long_frac))
     qat_start = int(args.steps * (1 - args.qat_frac))
     losses: list[float] = []
     t0 = time.time()
@@ -231,8 +238,10 @@ def main() -> None:
                 parametrize.register_parametrization(moe.experts, "gate_up_proj", FakeQuantSTE())
                 parametrize.register_parametrization(moe.experts, "down_proj", FakeQuantSTE())
             print(f"step {step}: quantization-aware training on (INT4 g32 experts)", flush=True)
-        idx = perm[(torch.arange(args.batch) + step * args.batch) % n_win]
-        batch = windows[idx]
+        if step < long_start:
+            batch = windows[perm[(torch.arange(args.batch) + step * args.batch) % n_win]]
+        else:  # long windows, so that positions of a whole 5-shot prompt have been seen
+            batch = long_windows[long_perm[(step - long_start) % n_long]].unsqueeze(0)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         loads.clear()
@@ -278,6 +287,8 @@ def main() -> None:
         "steps": steps_done,
         "batch": args.batch,
         "seq_len": args.seq_len,
+        "long_seq_len": args.long_seq_len,
+        "long_from_step": long_start,
         "lr": args.lr,
         "warmup": args.warmup,
         "qat_from_step": qat_start if args.qat_frac > 0 else None,
