@@ -197,7 +197,8 @@ def make_tiny(
     Example: eagle3 make-tiny /tmp/tiny && eagle3 inspect /tmp/tiny/kimi-k2.5
 
     Models: kimi-k2.5, kimi-k2-thinking, kimi-k2.5-eagle3, kimi-k2.5-eagle3-d2t,
-    kimi-k2.6-eagle3.1-mla, speculators-eagle3.
+    kimi-k2.6-eagle3.1-mla, speculators-eagle3; with --only only: kimi-k2.5-trained (a Kimi-architecture
+    target pre-trained on GSM8K, shipped as package data).
     """
     from eagle3.testing import tiny
 

@@ -57,6 +57,9 @@ MODEL_NAMES: tuple[str, ...] = (
     "speculators-eagle3",
 )
 TARGETS = ("kimi-k2.5", "kimi-k2-thinking")
+# Written only when named with ``only=`` / ``--only``: package data, not a function of the seed
+# (see :mod:`eagle3.testing.trained`); kept out of MODEL_NAMES, which tests iterate as the random set.
+EXTRA_MODEL_NAMES: tuple[str, ...] = ("kimi-k2.5-trained",)
 DRAFTS = tuple(n for n in MODEL_NAMES if n not in TARGETS)
 
 # ---------------------------------------------------------------------------------------------
@@ -863,6 +866,12 @@ def _write_speculators(d: Path, seed: int, tokenizer: Any) -> None:
                  vocab_map=d2t_t2d(draft_vocab_ids(tokenizer)))
 
 
+def _write_kimi_k25_trained(d: Path, seed: int, tokenizer: Any) -> None:
+    from eagle3.testing import trained
+
+    trained.write_kimi_k25_trained(d, seed, tokenizer)
+
+
 _WRITERS: dict[str, Callable[[Path, int, Any], None]] = {
     "kimi-k2.5": _write_kimi_k25,
     "kimi-k2-thinking": _write_kimi_k2_thinking,
@@ -870,6 +879,7 @@ _WRITERS: dict[str, Callable[[Path, int, Any], None]] = {
     "kimi-k2.5-eagle3-d2t": _write_eagle3_d2t,
     "kimi-k2.6-eagle3.1-mla": _write_eagle31_mla,
     "speculators-eagle3": _write_speculators,
+    "kimi-k2.5-trained": _write_kimi_k25_trained,
 }
 
 
@@ -879,17 +889,19 @@ def _select(only: Iterable[str] | None) -> list[str]:
     wanted = list(only)
     unknown = [n for n in wanted if n not in _WRITERS]
     if unknown:
-        raise UsageError(f"--only: unknown model {unknown[0]!r} (choose from {', '.join(MODEL_NAMES)})")
+        raise UsageError(f"--only: unknown model {unknown[0]!r} "
+                         f"(choose from {', '.join(MODEL_NAMES + EXTRA_MODEL_NAMES)})")
     if not wanted:
         raise UsageError("--only: no model named")
-    return [n for n in MODEL_NAMES if n in wanted]
+    return [n for n in MODEL_NAMES + EXTRA_MODEL_NAMES if n in wanted]
 
 
 def make_tiny(out: str | Path, seed: int = 0, only: Iterable[str] | None = None,
               overwrite: bool = False) -> dict[str, Path]:
     """Write the tiny checkpoints into ``out/<name>`` (atomically, with ``out/manifest.json``).
 
-    Returns ``{name: path}`` in :data:`MODEL_NAMES` order. Refuses an existing ``out`` unless
+    Returns ``{name: path}`` in :data:`MODEL_NAMES` order (then :data:`EXTRA_MODEL_NAMES`, written
+    only when named in ``only``). Refuses an existing ``out`` unless
     ``overwrite`` (:class:`eagle3.errors.OutputExistsError`)."""
     names = _select(only)
     out = check_output(out, overwrite)  # refuse before any work
@@ -903,7 +915,7 @@ def make_tiny(out: str | Path, seed: int = 0, only: Iterable[str] | None = None,
 
 
 __all__ = [
-    "MODEL_NAMES", "TARGETS", "DRAFTS", "VOCAB_SIZE", "BPE_VOCAB_SIZE", "SPECIAL_TOKENS", "TOKEN_IDS",
+    "MODEL_NAMES", "EXTRA_MODEL_NAMES", "TARGETS", "DRAFTS", "VOCAB_SIZE", "BPE_VOCAB_SIZE", "SPECIAL_TOKENS", "TOKEN_IDS",
     "BOS_ID", "EOS_ID", "IM_END_ID", "EOT_ID", "PAD_ID", "UNK_ID", "MEDIA_PAD_ID", "STOP_IDS",
     "TEXT_DIMS", "DRAFT_DIMS", "VISION_DIMS", "AUX_LAYER_IDS", "AUX_LAYER_IDS_OUTPUT_OF", "DRAFT_VOCAB_SIZE",
     "GROUP_SIZE", "kimi_to_tiny_id", "make_tiny", "build_tokenizer", "draft_vocab_ids", "d2t_t2d",
