@@ -1219,6 +1219,8 @@ def lock_output(out: str | os.PathLike[str]) -> None:
         held.depth += 1
         return
     path = lock_path(Path(out))
+    with writing(path.parent):  # OUT's parent may not exist yet (`make-tiny demo-out/tiny`): create it
+        path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(20):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)

@@ -72,3 +72,12 @@ def test_overwrite_only_replaces_what_eagle3_wrote(tmp_path: Path, capsys: pytes
     assert e.value.code in (0, None)
     assert sorted(os.listdir(out)) == ["manifest.json", "speculators-eagle3"]
     assert sorted(os.listdir(tmp_path)) == ["tiny"]
+
+
+def test_make_tiny_into_a_missing_parent_creates_it(tmp_path: Path) -> None:
+    """`make demo` writes demo-out/tiny before demo-out exists: the output lock must not need it."""
+    out = tmp_path / "not-yet" / "tiny"
+    with pytest.raises(SystemExit) as e:
+        main(["make-tiny", str(out), "--only", "kimi-k2.5-eagle3"])
+    assert e.value.code in (0, None)
+    assert (out / "manifest.json").is_file() and not (tmp_path / "not-yet" / "tiny.lock").exists()
