@@ -21,6 +21,7 @@ from eagle3.formats import codecs, detect
 from eagle3.quantize import pipeline, quantize
 from tests.quantize import loaders
 from tests.quantize.conftest import CASES, case_id
+from tests.quantize.interrupt import interrupt_after_first_shard
 
 # Relative error of a decoded weight vs its source that each scheme stays under on the tiny
 # (Gaussian) weights; measured values are about 60% of these.
@@ -283,17 +284,7 @@ def test_resume_skips_finished_shards(tiny_dir: Path, native_runs: dict[str, Pat
                                       monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
     out = tmp_path / "out"
     real = pipeline.finish_shard
-    calls: list[str] = []
-
-    def interrupted(shard):  # type: ignore[no-untyped-def]
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(shard.job.file)
-        return real(shard)
-
-    monkeypatch.setattr(pipeline, "finish_shard", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=workers)
+    calls = [interrupt_after_first_shard(tiny_dir / "kimi-k2.5", out, monkeypatch, workers)]
     partial = out.with_name("out.partial")
     assert not out.exists() and (partial / calls[0]).is_file()
 

@@ -24,6 +24,7 @@ from eagle3.cli import main
 from eagle3.formats import keys
 from eagle3.quantize import pipeline, quantize
 from tests.quantize.conftest import case_id
+from tests.quantize.interrupt import interrupt_after_first_shard
 from tests.quantize.test_quantize import _tree_digest
 
 W4A8 = case_id(("kimi-k2.5", "w4a8", None))
@@ -75,28 +76,11 @@ def _edit_config(d: Path, fn) -> None:  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------------------------------------
 
 
-def _interrupt_after_first_shard(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    real = pipeline.finish_shard
-    first: list[str] = []
-
-    def interrupted(shard):  # type: ignore[no-untyped-def]
-        if first:
-            raise KeyboardInterrupt
-        first.append(shard.job.file)
-        return real(shard)
-
-    monkeypatch.setattr(pipeline, "finish_shard", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        quantize(src, out, "w4a8", workers=1)
-    monkeypatch.setattr(pipeline, "finish_shard", real)
-    return first[0]
-
-
 def test_resume_redoes_a_finished_shard_damaged_since(tiny_dir: Path, native_runs: dict[str, Path], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    done = _interrupt_after_first_shard(tiny_dir / "kimi-k2.5", out, monkeypatch)
+    done = interrupt_after_first_shard(tiny_dir / "kimi-k2.5", out, monkeypatch)
     shard = out.with_name("out.partial") / done
     size = shard.stat().st_size
     assert size > 8192
@@ -118,7 +102,7 @@ def test_resume_redoes_a_truncated_or_missing_finished_shard(tiny_dir: Path, nat
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    done = _interrupt_after_first_shard(tiny_dir / "kimi-k2.5", out, monkeypatch)
+    done = interrupt_after_first_shard(tiny_dir / "kimi-k2.5", out, monkeypatch)
     shard = out.with_name("out.partial") / done
     os.truncate(shard, shard.stat().st_size - 100)
     res = quantize(tiny_dir / "kimi-k2.5", out, "w4a8", workers=1, resume=True)
