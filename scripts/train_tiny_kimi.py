@@ -173,6 +173,12 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=64, help="GSM8K test problems for the held-out loss")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop early (0: no limit; not reproducible)")
+    ap.add_argument("--continue-from", type=Path, default=None,
+                    help="package-data directory of an earlier run: start from its weights (bf16, INT4 experts) "
+                         "with a fresh optimizer and schedule; its train_meta.json is kept as an earlier stage")
+    ap.add_argument("--shuffle-seed", type=int, default=None,
+                    help="seed of the window order (default --seed; a continuation stage uses another one so "
+                         "that it does not replay the first stage's order)")
     args = ap.parse_args()
 
     from torch.nn.utils import parametrize
@@ -200,6 +206,20 @@ def main() -> None:
           f"{args.steps} steps x {args.batch} = {args.steps * args.batch / n_win:.2f} epochs", flush=True)
 
     model = DeepseekV3ForCausalLM(hf_config()).float().train()
+    earlier: list[dict] = []
+    if args.continue_from is not None:
+        # Start from exactly what an earlier run shipped (bf16, experts through INT4): the continuation
+        # is reproducible from the package data alone, without that run's fp32 master weights.
+        from safetensors.torch import load_file
+
+        shipped: dict[str, torch.Tensor] = {}
+        for f in sorted(args.continue_from.glob("weights-*.safetensors")):
+            shipped.update(load_file(str(f)))
+        model = load_runtime_view(model, shipped).train()
+        prev = json.loads((args.continue_from / trained.META_FILE).read_text(encoding="utf-8"))
+        earlier = prev.pop("stages", [])
+        earlier.append(prev)
+        print(f"continuing from {args.continue_from} ({prev.get('steps')} earlier steps)", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters {n_params / 1e6:.2f} M", flush=True)
 
@@ -225,8 +245,9 @@ def main() -> None:
         t = (step - args.warmup) / max(1, args.steps - args.warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
-    perm = torch.randperm(n_win, generator=torch.Generator().manual_seed(args.seed))
-    long_perm = torch.randperm(n_long, generator=torch.Generator().manual_seed(args.seed + 1))
+    order_seed = args.seed if args.shuffle_seed is None else args.shuffle_seed
+    perm = torch.randperm(n_win, generator=torch.Generator().manual_seed(order_seed))
+    long_perm = torch.randperm(n_long, generator=torch.Generator().manual_seed(order_seed + 1))
     long_start = int(args.steps * (1 - args.long_frac))
     qat_start = int(args.steps * (1 - args.qat_frac))
     losses: list[float] = []
@@ -303,6 +324,9 @@ def main() -> None:
                     "weights": "bf16, experts INT4 g32 (as the runtime loads them)"},
         "train_seconds": round(train_s, 1),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "shuffle_seed": order_seed,
+        "continued_from": None if args.continue_from is None else "the stage before (stages[-1])",
+        "stages": earlier,
     }
     trained.write_package_data(args.out, weights, meta)
     print(f"wrote {args.out}", flush=True)
