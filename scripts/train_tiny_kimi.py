@@ -176,6 +176,10 @@ def main() -> None:
     ap.add_argument("--continue-from", type=Path, default=None,
                     help="package-data directory of an earlier run: start from its weights (bf16, INT4 experts) "
                          "with a fresh optimizer and schedule; its train_meta.json is kept as an earlier stage")
+    ap.add_argument("--num-problems", type=int, default=None,
+                    help="train on the first N problems of the shuffled train split only (a small set seen for "
+                         "many epochs: a model this small then writes fluent GSM8K-style answers, at the cost "
+                         "of a higher held-out loss)")
     ap.add_argument("--shuffle-seed", type=int, default=None,
                     help="seed of the window order (default --seed; a continuation stage uses another one so "
                          "that it does not replay the first stage's order)")
@@ -195,6 +199,8 @@ def main() -> None:
     data_hash = hashlib.sha256((args.dataset / "train.jsonl").read_bytes()).hexdigest()
     order = list(range(len(train_docs)))
     rng.shuffle(order)
+    if args.num_problems is not None:
+        order = order[: args.num_problems]
     stream: list[int] = []
     for i in order:
         stream.extend(tok.encode(train_docs[i]).ids)
@@ -315,7 +321,7 @@ def main() -> None:
         "qat_from_step": qat_start if args.qat_frac > 0 else None,
         "threads": args.threads,
         "parameters": n_params,
-        "data": {"file": "gsm8k/train.jsonl", "sha256": data_hash, "problems": len(train_docs),
+        "data": {"file": "gsm8k/train.jsonl", "sha256": data_hash, "problems": len(order),
                  "tokens": len(stream), "epochs": steps_done * args.batch / n_win},
         "loss": {"first": losses[0], "final_mean20": window_mean(losses, len(losses) - 1),
                  "curve_mean20": {str(i): round(window_mean(losses, i), 4)

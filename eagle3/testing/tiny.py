@@ -59,7 +59,8 @@ MODEL_NAMES: tuple[str, ...] = (
 TARGETS = ("kimi-k2.5", "kimi-k2-thinking")
 # Written only when named with ``only=`` / ``--only``: package data, not a function of the seed
 # (see :mod:`eagle3.testing.trained`); kept out of MODEL_NAMES, which tests iterate as the random set.
-EXTRA_MODEL_NAMES: tuple[str, ...] = ("kimi-k2.5-trained",)
+EXTRA_MODEL_NAMES: tuple[str, ...] = ("kimi-k2.5-trained", "kimi-k2.5-trained-eagle3",
+                                       "kimi-k2.5-trained-eagle3.1-mla")
 DRAFTS = tuple(n for n in MODEL_NAMES if n not in TARGETS)
 
 # ---------------------------------------------------------------------------------------------
@@ -872,6 +873,12 @@ def _write_kimi_k25_trained(d: Path, seed: int, tokenizer: Any) -> None:
     trained.write_kimi_k25_trained(d, seed, tokenizer)
 
 
+def _write_trained_draft(d: Path, seed: int, tokenizer: Any) -> None:
+    from eagle3.testing import trained
+
+    trained.write_trained_draft(d.name, d)
+
+
 _WRITERS: dict[str, Callable[[Path, int, Any], None]] = {
     "kimi-k2.5": _write_kimi_k25,
     "kimi-k2-thinking": _write_kimi_k2_thinking,
@@ -880,6 +887,8 @@ _WRITERS: dict[str, Callable[[Path, int, Any], None]] = {
     "kimi-k2.6-eagle3.1-mla": _write_eagle31_mla,
     "speculators-eagle3": _write_speculators,
     "kimi-k2.5-trained": _write_kimi_k25_trained,
+    "kimi-k2.5-trained-eagle3": _write_trained_draft,
+    "kimi-k2.5-trained-eagle3.1-mla": _write_trained_draft,
 }
 
 

@@ -18,6 +18,7 @@ checkpoint: the wrapper config, ``language_model.`` prefix, and the random tiny 
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,15 @@ TRAINED_DIMS: dict[str, Any] = {
 # The default "2, N//2, N-3" gives (2, 2, 1) for 4 layers; drafts for this target use these.
 AUX_LAYER_IDS = (1, 2, 3)
 
+# Drafts trained for the target with ``eagle3 train-draft`` (``scripts/train_tiny_drafts.py``),
+# shipped exactly as that command writes them (the ``eagle3`` draft format, convertible to every
+# engine): make-tiny name -> package-data directory.
+DRAFTS: dict[str, str] = {
+    "kimi-k2.5-trained-eagle3": "kimi_k25_trained_eagle3",  # Llama decoder layer, EAGLE-3
+    "kimi-k2.5-trained-eagle3.1-mla": "kimi_k25_trained_eagle31_mla",  # DeepSeek MLA layer, EAGLE-3.1
+}
+DRAFT_FILES = ("config.json", "model.safetensors")
+
 
 def text_config() -> dict[str, Any]:
     """The K2.5 ``text_config`` (``model_type kimi_k2``) with the trained model's dimensions."""
@@ -71,8 +81,8 @@ def kimi_k25_config() -> dict[str, Any]:
     return c
 
 
-def data_path() -> Path:
-    return Path(str(resources.files("eagle3.testing").joinpath("data", DATA_DIR)))
+def data_path(sub: str = DATA_DIR) -> Path:
+    return Path(str(resources.files("eagle3.testing").joinpath("data", sub)))
 
 
 def _shard_of(name: str) -> int:
@@ -156,5 +166,21 @@ def write_kimi_k25_trained(d: Path, seed: int, tokenizer: Any) -> None:
     tiny._write_tokenizer(d, tokenizer, "[EOS]", [tiny.EOS_ID, tiny.IM_END_ID, tiny.EOT_ID])
 
 
-__all__ = ["NAME", "TRAINED_DIMS", "AUX_LAYER_IDS", "text_config", "kimi_k25_config", "load_weights",
+def write_trained_draft(name: str, d: Path) -> None:
+    """make-tiny writer of a shipped trained draft: its files byte for byte."""
+    src = data_path(DRAFTS[name])
+    missing = [f for f in DRAFT_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src / missing[0]}: trained draft {name!r} is not shipped "
+                                "(run scripts/train_tiny_drafts.py)")
+    for f in DRAFT_FILES:
+        shutil.copyfile(src / f, d / f)
+
+
+def draft_meta(name: str) -> dict[str, Any]:
+    """How a shipped draft was trained: the command, steps and the held-out acceptance it reached."""
+    return json.loads((data_path(DRAFTS[name]) / META_FILE).read_text(encoding="utf-8"))
+
+
+__all__ = ["DRAFTS", "write_trained_draft", "draft_meta", "NAME", "TRAINED_DIMS", "AUX_LAYER_IDS", "text_config", "kimi_k25_config", "load_weights",
            "train_meta", "write_package_data", "write_kimi_k25_trained"]
