@@ -33,4 +33,5 @@ def test_triton_graph_steps_equal_eager_steps(tiny_dir: Path, monkeypatch: pytes
     llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", **kw)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     tg, dg = llm.runner.target_graphs, llm.runner.draft_graphs
-    assert tg.replays > len(tg.graphs) and dg.replays > len(dg.graphs)  # graphs replayed, not only captured
+    assert tg.replays > 0 and tg.failed is None
+    assert dg.replays > len(dg.graphs)  # some graph replayed again with a later step's inputs (cached plan)
