@@ -89,3 +89,17 @@ def test_without_a_gpu_it_says_so(bench, tmp_path: Path, capsys: pytest.CaptureF
     assert bench.main(["--out", str(tmp_path / "k.json")]) == 2
     assert "no CUDA / ROCm GPU on this machine" in capsys.readouterr().err
     assert not (tmp_path / "k.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_a_small_run_on_the_gpu(bench, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "k.json"
+    assert bench.main(["--out", str(out), "--kernels", "rmsnorm,act_quant_int8,mla_decode", "--batches", "1,4",
+                       "--context", "256", "--iters", "2", "--skip-e2e"]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["device"] and len(rep["kernels"]) == 3 * 2 * 2
+    assert all(r["status"] == "ok" for r in rep["kernels"]), rep["kernels"]
+    assert (tmp_path / "k.png").is_file()
