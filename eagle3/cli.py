@@ -415,6 +415,8 @@ def serve(
 
     Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
 
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
+
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
 
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
