@@ -348,6 +348,21 @@ def quantize(
 # ---------------------------------------------------------------------------------------------
 
 
+_KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a GPU where triton imports, aiter "
+                        "on ROCm where aiter imports, torch otherwise), torch, triton, aiter.")
+_ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
+
+
+def _check_kernel_backend(name: str) -> str:
+    """``--kernel-backend`` checked before anything loads (one line, exit 2, on a bad value)."""
+    from eagle3.errors import UsageError
+
+    choices = ("auto", "torch", "triton", "aiter")
+    if name not in choices:
+        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(choices)}")
+    return name
+
+
 def _exit_on_report(report: dict, lines: list[str]) -> None:
     for line in lines:
         typer.echo(line)
@@ -391,12 +406,16 @@ def serve(
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = 1,
+    kernel_backend: Annotated[str, typer.Option(help=_KERNEL_BACKEND_HELP)] = "auto",
+    enforce_eager: Annotated[bool, typer.Option(help=_ENFORCE_EAGER_HELP)] = False,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
 ) -> None:
     """Serve TARGET (+ EAGLE-3 draft) over an OpenAI-compatible API, validate it, or hand off.
 
     Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
+
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
 
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
 
@@ -429,7 +448,8 @@ def serve(
         num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
         kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
-        tensor_parallel_size=tensor_parallel_size)
+        tensor_parallel_size=tensor_parallel_size, backend=_check_kernel_backend(kernel_backend),
+        enforce_eager=enforce_eager)
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
@@ -520,6 +540,8 @@ def bench(
     dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = 1,
+    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + _KERNEL_BACKEND_HELP)] = "auto",
+    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + _ENFORCE_EAGER_HELP)] = False,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
@@ -554,13 +576,15 @@ def bench(
         from eagle3.serve import launcher
 
         eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
-                                       trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size)
+                                       trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
+                                       backend=_check_kernel_backend(kernel_backend), enforce_eager=enforce_eager)
         llm = launcher.build_llm(target, draft, eopts)
         try:
             api = launcher.build_app(llm, target.resolve().name, root=str(target))
             with launcher.ServerThread(api) as url:
                 result = b.run_bench(url, opts, tok)
                 result["tensor_parallel_size"] = tensor_parallel_size
+                result.update(launcher.engine_info(llm))
         finally:
             launcher.close_llm(llm)
     else:

@@ -10,6 +10,7 @@ paged cache at ``slot_mapping`` *before* attention reads the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,13 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: flat cache slot (block * block_size + offset) per token
     block_tables: torch.Tensor  # int32 [B, max_blocks]: physical block ids, -1 padded
     block_size: int
+    # cu_seqlens_q on the host when the builder has it (no device -> host copy per forward; under
+    # CUDA-graph capture such a copy is not allowed at all).
+    host_cu: list[int] | None = None
+    # Device tensors derived from host-side fields (e.g. the Triton plan's chunk list), kept for the
+    # forwards that reuse this metadata: a graph's warm-up run fills it, its capture finds them.
+    # None: no caching (ordinary per-step metadata).
+    cache: dict[Any, Any] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -387,7 +387,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "eagle3",
             "root": root or model_name, "parent": None, "max_model_len": engine.context_limit,
-            "tensor_parallel_size": int(getattr(engine.llm, "tensor_parallel_size", 1))}]}
+            "tensor_parallel_size": int(getattr(engine.llm, "tensor_parallel_size", 1)),
+            "kernel_backend": str(getattr(engine.llm, "kernel_backend", "torch")),
+            "cuda_graphs": bool(getattr(engine.llm, "cuda_graphs", False))}]}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -31,7 +31,8 @@ class EngineOptions:
     num_speculative_tokens: int = 3
     dtype: str = "bfloat16"
     device: str = "cpu"
-    backend: str = "torch"
+    backend: str = "auto"  # kernel backend: auto|torch|triton|aiter (kernels.resolve_backend_name)
+    enforce_eager: bool = False  # no CUDA graphs
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
     max_num_seqs: int = 64
@@ -67,7 +68,15 @@ def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions)
                device=opts.device, backend=opts.backend, tokenizer=tokenizer,
                trust_remote_code=opts.trust_remote_code, kv_cache_memory=opts.kv_cache_memory,
                max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-               max_model_len=opts.max_model_len, seed=opts.seed, tensor_parallel_size=opts.tensor_parallel_size)
+               max_model_len=opts.max_model_len, seed=opts.seed, tensor_parallel_size=opts.tensor_parallel_size,
+               enforce_eager=opts.enforce_eager)
+
+
+def engine_info(llm: Any) -> dict[str, Any]:
+    """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs
+    (/v1/models, the validation report's server section, the bench report)."""
+    return {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
+            "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
 
 
 def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None,
@@ -223,11 +232,13 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, v
     meta = {"target": str(target), "draft": None if draft is None else str(draft),
             "num_speculative_tokens": eopts.num_speculative_tokens if draft is not None else 0,
             "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
-            "tensor_parallel_size": eopts.tensor_parallel_size}
+            "tensor_parallel_size": eopts.tensor_parallel_size, "kernel_backend": eopts.backend,
+            "enforce_eager": eopts.enforce_eager}
 
     def one_run(with_draft: bool, label: str) -> Any:
         echo(f"loading {target}" + (f" + draft {draft}" if with_draft else " (no speculation)"))
         llm = build_llm(target, draft if with_draft else None, eopts)
+        meta.update(engine_info(llm))  # what "auto" resolved to, whether graphs are on
         app = build_app(llm, model_name, api_key=api_key, root=str(target))
         try:
             with ServerThread(app, host, port) as url:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import UsageError
+from eagle3.runtime.engine import graphs
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.model_runner import ModelRunner, TargetStepOutput, kv_bytes_per_block
@@ -111,6 +112,10 @@ class LLM:
     :class:`~eagle3.runtime.interfaces.DraftModel`). ``draft=None`` runs plain decoding.
     ``tokenizer`` is ``"auto"`` (AutoTokenizer from the target directory when it has one), a path,
     a tokenizer object, or None (token-id prompts only).
+    ``backend``: the kernel backend, ``auto`` (triton on a GPU where triton imports, aiter on ROCm
+    where ``import aiter`` works, torch otherwise; docs/kernels.md), ``torch``, ``triton`` or ``aiter``.
+    On a GPU the uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py) unless
+    ``enforce_eager=True``; on the CPU every step is eager.
     ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.parallel`): this
     process is rank 0 and spawns N-1 worker processes; ``close()`` (or exit) stops them. Only one such
     LLM can run in a process at a time (one torch.distributed group).
@@ -119,12 +124,12 @@ class LLM:
     def __init__(self, target: str | os.PathLike[str] | TargetModel,
                  draft: str | os.PathLike[str] | DraftModel | None = None, *,
                  num_speculative_tokens: int = 3, dtype: str | torch.dtype = "bfloat16",
-                 device: str | torch.device = "cpu", backend: str = "torch", tokenizer: Any = "auto",
+                 device: str | torch.device = "cpu", backend: str = "auto", tokenizer: Any = "auto",
                  trust_remote_code: bool = False, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> None:
         self.config = EngineConfig(
             num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -136,7 +141,12 @@ class LLM:
             raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         self.tensor_parallel_size = tensor_parallel_size
         self._workers: Any = None  # parallel.TPWorkers at tensor_parallel_size > 1
+        from eagle3.runtime.kernels import resolve_backend_name
+
+        backend = resolve_backend_name(backend, self.device)  # "auto" -> the device's default, checked
         self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
+        self.kernel_backend: str = getattr(getattr(self.target, "backend", None), "name", backend)
+        self.enforce_eager = bool(enforce_eager)
         self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
         self.k = self.config.num_speculative_tokens if self.draft is not None else 0
         self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
@@ -161,12 +171,19 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids)
+        # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
+        # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
+        self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
+                            and graphs.available(self.device))
         self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
-                                  self.device, self.generator)
+                                  self.device, self.generator, graphs=self.cuda_graphs,
+                                  max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                                  capturer=graphs.default_capturer() if self.cuda_graphs else None)
         self.proposer = None
         if self.draft is not None:
             self.proposer = EagleProposer(self.draft, self.runner.draft_kv, self.k, self.runner.meta,
-                                          self.config.draft_sampling, self.generator)
+                                          self.config.draft_sampling, self.generator,
+                                          forward_fn=self.runner.forward_draft)
         self.stats = SpecStats(max(self.k, 1))
         self.num_steps = 0
         self.num_preemptions = 0

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.engine.graphs import GraphRunner
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
 from eagle3.runtime.sampling import SamplingBatch
@@ -46,6 +48,7 @@ def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: S
         slot_mapping=slots.to(device),
         block_tables=tables.to(device),
         block_size=block_size,
+        host_cu=cu.tolist(),
     )
 
 
@@ -65,22 +68,66 @@ class TargetStepOutput:
 
 
 class ModelRunner:
+    """``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py);
+    the KV caches then get one spare block (index ``num_blocks``) for the padding rows.
+    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers."""
+
     def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, device: torch.device | str = "cpu",
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
+                 max_num_seqs: int = 1, capturer: Any = None) -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.k = num_speculative_tokens if draft is not None else 0
         self.device = torch.device(device)
         self.generator = generator
-        self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, num_blocks,
+        cache_blocks = num_blocks + 1 if graphs else num_blocks  # + the graphs' pad block
+        self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, cache_blocks,
                                            block_size, self.device)
         self.draft_kv: list[torch.Tensor] = []
         if draft is not None:
-            self.draft_kv = allocate_kv_cache(draft.kv_cache_spec(), draft.num_layers, num_blocks,
+            self.draft_kv = allocate_kv_cache(draft.kv_cache_spec(), draft.num_layers, cache_blocks,
                                               block_size, self.device)
         self.aux_layer_ids = tuple(draft.aux_layer_ids) if draft is not None else None
+        self.target_graphs: GraphRunner | None = None
+        self.draft_graphs: GraphRunner | None = None
+        if graphs:
+            # Widest block table a sequence can have: max_model_len tokens plus the draft-step slots.
+            width = -(-(max_model_len + 2 * self.k + 1) // block_size) + 1
+            common = dict(device=self.device, block_size=block_size, width=width, pad_block=num_blocks,
+                          max_num_seqs=max_num_seqs, max_q_len=self.k + 1, capturer=capturer)
+            kv, aux_ids = self.target_kv, self.aux_layer_ids
+            self.target_graphs = GraphRunner(
+                "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids), **common)
+            if draft is not None:
+                dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
+                self.draft_graphs = GraphRunner(
+                    "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
+                    extra={"hidden": ((draft.hidden_size,), draft.kv_cache_spec().dtype)}, **common)
+
+    def forward_target(self, input_ids: torch.Tensor, block_tables: Seq[Seq[int]], starts: Seq[int],
+                       counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target forward of one step: a graph replay when the step is uniform, else eager."""
+        g = self.target_graphs
+        if g is not None and g.supports(block_tables, counts):
+            out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids})
+            if out is not None:
+                return out[0], out[1]  # type: ignore[return-value]
+        return self.target.forward(input_ids, self.meta(block_tables, starts, counts), self.target_kv,
+                                   self.aux_layer_ids)
+
+    def forward_draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
+                      starts: Seq[int], counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step (the proposer's): a graph replay when uniform, else eager."""
+        assert self.draft is not None
+        g = self.draft_graphs
+        if g is not None and g.supports(block_tables, counts):
+            out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids, "hidden": hidden})
+            if out is not None:
+                return out[0], out[1]  # type: ignore[return-value]
+        kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
+        return self.draft.forward(input_ids, hidden, self.meta(block_tables, starts, counts), kv)
 
     def meta(self, block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int]) -> AttnMetadata:
         return build_attn_metadata(block_tables, starts, counts, self.block_size, self.device)
@@ -92,10 +139,9 @@ class ModelRunner:
         for item in scheduled:
             row_starts.append(len(ids))
             ids += item.input_ids()
-        meta = self.meta([s.seq.block_table for s in scheduled], [s.start for s in scheduled],
-                         [s.num_query_tokens for s in scheduled])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        hidden, aux = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
+        hidden, aux = self.forward_target(input_ids, [s.seq.block_table for s in scheduled],
+                                          [s.start for s in scheduled], [s.num_query_tokens for s in scheduled])
 
         emitted: list[list[int]] = [[] for _ in scheduled]
         sampling = [i for i, s in enumerate(scheduled) if s.samples]

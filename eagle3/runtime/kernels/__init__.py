@@ -4,6 +4,7 @@ aiter backends register themselves under the same interface when present."""
 from eagle3.runtime.kernels import torch_ref  # noqa: F401  (registers the "torch" backend)
 from eagle3.runtime.kernels.base import (
     ACT_QUANTS,
+    BACKEND_CHOICES,
     ActQuant,
     DenseWeight,
     FP8Weight,
@@ -15,10 +16,12 @@ from eagle3.runtime.kernels.base import (
     MXFP4Weight,
     get_backend,
     register_backend,
+    resolve_backend_name,
 )
 
 __all__ = [
     "ACT_QUANTS",
+    "BACKEND_CHOICES",
     "ActQuant",
     "DenseWeight",
     "FP8Weight",
@@ -30,4 +33,5 @@ __all__ = [
     "MXFP4Weight",
     "get_backend",
     "register_backend",
+    "resolve_backend_name",
 ]

@@ -261,11 +261,44 @@ def register_backend(name: str, cls: type[KernelBackend]) -> None:
 
 
 ENV_BACKEND = "EAGLE3_KERNEL_BACKEND"
+# What users may ask for (``--kernel-backend``, ``LLM(backend=...)``); "auto" picks one per device.
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton", "aiter")
+
+
+def _importable(module: str) -> bool:
+    """True when ``import module`` succeeds. Any exception counts as "no": ``import aiter`` raises a
+    RuntimeError (not an ImportError) on a machine without ROCm (kernel_backends.md 4.0)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - whatever the package raises, it is not usable here
+        return False
+    return True
+
+
+def resolve_backend_name(name: str | None, device: torch.device | str = "cpu") -> str:
+    """The backend ``name`` stands for on ``device``. ``None`` / ``"auto"``: ``$EAGLE3_KERNEL_BACKEND``
+    when set, else ``aiter`` on a ROCm GPU where ``import aiter`` succeeds, ``triton`` on a GPU where
+    triton imports, ``torch`` otherwise (CPU: always ``torch``; the Triton interpreter is for tests)."""
+    if name in (None, "", "auto"):
+        env = os.environ.get(ENV_BACKEND)
+        if env and env != "auto":
+            return resolve_backend_name(env, device)
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return "torch"
+        if getattr(torch.version, "hip", None) and _importable("aiter"):
+            return "aiter"
+        return "triton" if _importable("triton") else "torch"
+    if name not in BACKEND_CHOICES and name not in _BACKENDS:
+        raise UsageError(f"unknown kernel backend {name!r} (expected one of {', '.join(BACKEND_CHOICES)})")
+    return name
 
 
 def get_backend(name: str | None = None, device: torch.device | str = "cpu") -> KernelBackend:
-    """The backend called ``name`` (default: ``$EAGLE3_KERNEL_BACKEND`` or ``torch``) on ``device``."""
-    name = name or os.environ.get(ENV_BACKEND) or "torch"
+    """The backend called ``name`` on ``device``; ``None`` / ``"auto"``: see :func:`resolve_backend_name`."""
+    name = resolve_backend_name(name, device)
     if name not in _BACKENDS:
         # Import on demand so that optional backends (triton, aiter) register themselves.
         import importlib

@@ -996,7 +996,10 @@ class TorchBackend(KernelBackend):
         slots = slot_mapping.to(device=cache.device, dtype=torch.int64)
         vals = values.to(cache.dtype)
         keep = slots >= 0
-        if not bool(keep.all()):
+        # Under CUDA-graph capture there is no -1 slot (engine/graphs.py pads into a spare block) and
+        # the check, a device sync, is not allowed.
+        capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not bool(keep.all()):
             slots, vals = slots[keep], vals[keep]
         cache.index_copy_(0, slots, vals)
 

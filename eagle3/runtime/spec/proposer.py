@@ -40,11 +40,15 @@ class ProposeItem:
 
 class EagleProposer:
     def __init__(self, draft: DraftModel, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
-                 meta_fn, draft_sampling: str = "sample", generator: torch.Generator | None = None) -> None:
+                 meta_fn, draft_sampling: str = "sample", generator: torch.Generator | None = None,
+                 forward_fn=None) -> None:
         self.draft = draft
         self.kv = kv_caches[0] if len(kv_caches) == 1 else kv_caches
         self.k = num_speculative_tokens
         self.meta_fn = meta_fn  # (block_tables, starts, counts) -> AttnMetadata (ModelRunner.meta)
+        # (input_ids, hidden, block_tables, starts, counts) -> (post, next): ModelRunner.forward_draft
+        # (CUDA graphs for uniform steps); default: an eager draft forward.
+        self.forward_fn = forward_fn or self._eager_forward
         self.draft_sampling = draft_sampling
         self.generator = generator
         ids = torch.arange(draft.vocab_size, dtype=torch.int64)
@@ -63,9 +67,8 @@ class EagleProposer:
         device = items[0].aux.device
         input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         hidden = self.draft.combine_aux(torch.cat([it.aux for it in items]))
-        meta = self.meta_fn([it.seq.block_table for it in items], [it.start for it in items],
-                            [it.count for it in items])
-        post, nxt = self.draft.forward(input_ids, hidden, meta, self.kv)
+        post, nxt = self.forward_fn(input_ids, hidden, [it.seq.block_table for it in items],
+                                    [it.start for it in items], [it.count for it in items])
 
         drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
         if not drafting:
@@ -90,8 +93,7 @@ class EagleProposer:
             if step + 1 == steps:
                 break
             pos = [p + 1 for p in pos]
-            meta = self.meta_fn([s.block_table for s in seqs], pos, [1] * len(seqs))
-            post, nxt = self.draft.forward(tok, nxt, meta, self.kv)
+            post, nxt = self.forward_fn(tok, nxt, [s.block_table for s in seqs], pos, [1] * len(seqs))
 
         toks = torch.stack(tokens, dim=1).tolist()  # [B, steps]
         for b, i in enumerate(drafting):
@@ -101,6 +103,10 @@ class EagleProposer:
             seq.draft_probs = None
             if probs[0] is not None and not seq.params.greedy:
                 seq.draft_probs = torch.stack([q[b] for q in probs[:n]])
+
+    def _eager_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables, starts, counts
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.draft.forward(input_ids, hidden, self.meta_fn(block_tables, starts, counts), self.kv)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, target_vocab_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

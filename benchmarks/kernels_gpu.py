@@ -1,0 +1,473 @@
+"""GPU kernel benchmark: achieved HBM bytes/s per kernel at Kimi-K2.5 shapes, triton vs torch on the
+same GPU, and end-to-end decode tokens/s on the full-width slice, with and without CUDA graphs.
+
+Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel backend's own interface
+(``get_backend(name, "cuda")``: what the runtime calls), timed with CUDA events (median of
+``--iters`` after warm-up), reported as bytes moved / time and as a fraction of the GPU's HBM peak:
+
+=================  ===========================================================================
+``mla_decode``     MLA attention, absorbed form, 64 heads x (512 + 64) latent, bf16, every sequence
+                   ``--context`` keys, 1 query (decode) ; bytes = the latent rows read + q + out
+``mla_verify``     the same with 4 queries per sequence (EAGLE verify, k = 3)
+``moe_w4a16``      routed experts, 384 x (gate+up 2 x 2048, down 2048) x hidden 7168, Moonshot INT4
+                   group 32, top-8 (random routing); bytes = the experts the batch touches (codes +
+                   scales) + activations. Triton: ``eagle3.runtime.kernels.triton.moe.fused_moe``
+``linear_w4a16``   one INT4 group-32 GEMM 7168 -> 4096 (a shared-expert gate+up at W4A8 / INT4 recipes)
+                   Triton: ``eagle3.runtime.kernels.triton.linear``
+``linear_bf16``    the same shape in bf16 (attention / shared-expert projections of the native model)
+``rmsnorm``        RMSNorm over hidden 7168 ; ``act_quant_int8``: per-token int8 quantization
+=================  ===========================================================================
+
+A Triton row whose kernel module is not in this tree says ``not built`` (the backend would still
+delegate that op to torch). HBM peaks by device name: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL
+3.9, H200 4.8, MI300X 5.3, MI325X 6.0, MI355X 8.0 (vendor figures; ``--hbm-peak`` overrides).
+The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed).
+
+End to end (``--slice DIR``, made by ``eagle3 make-slice DIR --layers 2 --experts 8``, or
+``--make-slice`` to write one under ``--work``): ``LLM(slice, backend=torch|triton,
+enforce_eager=...)`` greedy, ``--e2e-batches`` prompts of 32 random tokens; decode tokens/s =
+batch x (N - 1) / (time of N tokens - time of 1 token), N = ``--e2e-tokens``.
+
+Writes a JSON report and a PNG next to it. Without a CUDA / ROCm GPU it says so and exits 2.
+
+Example:
+    python benchmarks/kernels_gpu.py --out kernels_gpu.json --make-slice --work /tmp/kgpu
+    python benchmarks/kernels_gpu.py --kernels mla_decode,moe_w4a16 --batches 1,16 --skip-e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+HIDDEN, INTER, EXPERTS, TOPK = 7168, 2048, 384, 8
+MLA_HEADS, D_LAT, D_ROPE = 64, 512, 64
+GROUP = 32
+DEVICE = "cuda"  # the kernel cases' device (a CPU dry run of the case builders sets "cpu")
+KERNELS = ("mla_decode", "mla_verify", "moe_w4a16", "linear_w4a16", "linear_bf16", "rmsnorm", "act_quant_int8")
+BACKENDS = ("torch", "triton")
+# TB/s (1e12 bytes/s), vendor figures; matched against torch.cuda.get_device_name, most specific first.
+HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIE", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8), ("MI300X", 5.3), ("MI325X", 6.0),
+    ("MI355X", 8.0),
+)
+# The Triton kernels each benchmark row stands for: (module, attribute) looked up by name, so that a
+# row says "not built" until the module lands (moe.py / linear.py come from a parallel change).
+TRITON_KERNEL: dict[str, tuple[str, str]] = {
+    "mla_decode": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
+    "mla_verify": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
+    "moe_w4a16": ("eagle3.runtime.kernels.triton.moe", "fused_moe"),
+    "linear_w4a16": ("eagle3.runtime.kernels.triton.linear", ""),
+    "linear_bf16": ("eagle3.runtime.kernels.triton.linear", ""),
+    "rmsnorm": ("eagle3.runtime.kernels.triton.rmsnorm", "rms_norm"),
+    "act_quant_int8": ("eagle3.runtime.kernels.triton.act_quant", "quantize_int8_per_token"),
+}
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _csv_names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        vals = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in vals if v not in choices]
+        if bad or not vals:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad) or text!r}: expected some of {', '.join(choices)}")
+        return vals
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kernels_gpu.py", description=__doc__.split("\n\n")[0],
+                                epilog="Example: python benchmarks/kernels_gpu.py --out kernels_gpu.json "
+                                       "--make-slice --work /tmp/kgpu",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("kernels_gpu.json"), help="JSON report (PNG beside it)")
+    p.add_argument("--batches", type=_csv_ints, default=[1, 4, 16, 64], help="decode batches (sequences)")
+    p.add_argument("--kernels", type=_csv_names(KERNELS), default=list(KERNELS))
+    p.add_argument("--backends", type=_csv_names(BACKENDS), default=list(BACKENDS))
+    p.add_argument("--context", type=int, default=4096, help="keys per sequence for MLA")
+    p.add_argument("--experts", type=int, default=EXPERTS, help="routed experts (384: Kimi; fewer to save memory)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--hbm-peak", type=float, default=None, help="TB/s; default: from the device name")
+    p.add_argument("--slice", type=Path, default=None, help="full-width slice for the end-to-end rows")
+    p.add_argument("--make-slice", action="store_true", help="write a 2-layer 8-expert slice under --work")
+    p.add_argument("--work", type=Path, default=Path("kernels_gpu_work"))
+    p.add_argument("--e2e-batches", type=_csv_ints, default=[1, 16])
+    p.add_argument("--e2e-tokens", type=int, default=32)
+    p.add_argument("--skip-e2e", action="store_true")
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.context < 1 or a.experts < TOPK or a.e2e_tokens < 2:
+        p.error("--iters >= 1, --context >= 1, --experts >= 8 and --e2e-tokens >= 2")
+    a.png = a.out.with_suffix(".png")
+    return a
+
+
+def hbm_peak_tbps(device_name: str) -> float | None:
+    """The HBM peak (TB/s) of a device named ``device_name`` (None: not in the table)."""
+    name = device_name.upper()
+    for key, tbps in HBM_PEAK_TBPS:
+        if key in name:
+            return tbps
+    return None
+
+
+def triton_kernel_status(kernel: str) -> str | None:
+    """None when the Triton kernel behind ``kernel`` is in this tree, else why not ("not built ...")."""
+    module, attr = TRITON_KERNEL[kernel]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name and module.startswith(err.name):
+            return f"not built ({module.rsplit('.', 2)[-2]}/{module.rsplit('.', 1)[-1]}.py missing)"
+        raise
+    if attr and not hasattr(mod, attr):
+        return f"not built ({module}.{attr} missing)"
+    return None
+
+
+def mla_bytes(batch: int, q_len: int, context: int, elem: int = 2) -> int:
+    """Latent rows read once per sequence + queries read + outputs written."""
+    rows = batch * q_len
+    return batch * context * (D_LAT + D_ROPE) * elem + rows * MLA_HEADS * ((D_LAT + D_ROPE) + D_LAT) * elem
+
+
+def int4_bytes(n: int, k: int) -> int:
+    """Packed codes (4 bits) + bf16 group scales of one [n, k] group-32 weight."""
+    return n * k // 2 + n * (k // GROUP) * 2
+
+
+def moe_bytes(active_experts: int, tokens: int) -> int:
+    """The routed experts the batch touches (gate+up and down) + activations in and out (bf16)."""
+    per_expert = int4_bytes(2 * INTER, HIDDEN) + int4_bytes(HIDDEN, INTER)
+    return active_experts * per_expert + tokens * HIDDEN * 2 * 2
+
+
+def fraction(bytes_moved: int, seconds: float, peak_tbps: float | None) -> tuple[float, float | None]:
+    bw = bytes_moved / seconds
+    return bw, (None if peak_tbps is None else bw / (peak_tbps * 1e12))
+
+
+def goal_lines(rows: list[dict[str, Any]], device: str) -> list[str]:
+    """The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 (triton rows)."""
+    out = []
+    for k in ("moe_w4a16", "mla_decode"):
+        got = [r for r in rows if r["kernel"] == k and r["backend"] == "triton" and r["batch"] <= 16
+               and r.get("hbm_fraction") is not None]
+        if not got:
+            out.append(f"goal {k} >= 60% HBM at batch <= 16 on {device}: not measured")
+            continue
+        worst = min(r["hbm_fraction"] for r in got)
+        out.append(f"goal {k} >= 60% HBM at batch <= 16 on {device}: worst {100 * worst:.0f}% "
+                   f"({'met' if worst >= 0.6 else 'missed'})")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring (GPU only below)
+# ---------------------------------------------------------------------------------------------
+
+
+def time_cuda(fn: Callable[[], Any], iters: int, warmup: int) -> float:
+    """Median seconds of ``fn`` over ``iters`` CUDA-event-timed calls after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _mla_case(batch: int, q_len: int, context: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    from eagle3.runtime.engine.model_runner import build_attn_metadata
+
+    bs = 16
+    blocks = -(-context // bs)
+    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+    meta = build_attn_metadata(tables, [context - q_len] * batch, [q_len] * batch, bs, DEVICE)
+    cache = torch.randn(batch * blocks * bs, 1, D_LAT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(batch * q_len, 1, MLA_HEADS, D_LAT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
+    return meta, cache, q
+
+
+def _int4_weight(n: int, k: int, gen: Any) -> Any:
+    import torch
+
+    from eagle3.runtime.kernels import Int4Weight
+
+    words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen)
+    scale = (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) / 50).to(torch.bfloat16)
+    return Int4Weight(words, scale, GROUP, packing="ct", in_features=k)
+
+
+class Kernels:
+    """Builds each case once per (kernel, batch) and times it on each backend."""
+
+    def __init__(self, args: argparse.Namespace, peak: float | None) -> None:
+        import torch
+
+        self.args = args
+        self.peak = peak
+        self.gen = torch.Generator(device=DEVICE).manual_seed(0)
+        self._moe_weights: Any = None
+        self._ops: dict[tuple[str, str], Any] = {}  # prepared weighted ops, reused across batches
+
+    def moe_weights(self) -> tuple[list, list, list]:
+        if self._moe_weights is None:
+            e = self.args.experts
+            self._moe_weights = ([_int4_weight(INTER, HIDDEN, self.gen) for _ in range(e)],
+                                 [_int4_weight(INTER, HIDDEN, self.gen) for _ in range(e)],
+                                 [_int4_weight(HIDDEN, INTER, self.gen) for _ in range(e)])
+        return self._moe_weights
+
+    def case(self, kernel: str, backend: str, batch: int) -> tuple[Callable[[], Any], int, dict[str, Any]]:
+        """(the call to time, bytes it moves, extra fields for the row)."""
+        import torch
+
+        from eagle3.runtime.kernels import DenseWeight, get_backend
+
+        be = get_backend(backend, DEVICE)
+        dev = torch.device(DEVICE)
+        x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
+        if kernel in ("mla_decode", "mla_verify"):
+            q_len = 1 if kernel == "mla_decode" else 4
+            meta, cache, q = _mla_case(batch, q_len, self.args.context)
+            plan = be.plan_attention(meta)  # once per forward, shared by the layers: not timed
+            scale = (128 + 64) ** -0.5
+            return (lambda: be.attention(q, cache, cache[..., :D_LAT], meta, scale, plan),
+                    mla_bytes(batch, q_len, self.args.context), {"context": self.args.context, "q_len": q_len})
+        if kernel == "moe_w4a16":
+            if (kernel, backend) not in self._ops:
+                self._ops = {}  # one backend's experts at a time (8.4 GB each at 384 experts)
+                torch.cuda.empty_cache()
+                op = be.moe()
+                gate, up, down = self.moe_weights()
+                op.prepare(gate, up, down, None, torch.bfloat16, dev)
+                self._ops[(kernel, backend)] = op
+            op = self._ops[(kernel, backend)]
+            ids = torch.stack([torch.randperm(self.args.experts, device=dev, generator=self.gen)[:TOPK]
+                               for _ in range(batch)])
+            w = torch.rand(batch, TOPK, device=dev, generator=self.gen)
+            active = int(torch.unique(ids).numel())
+            return (lambda: op(x, ids, w), moe_bytes(active, batch),
+                    {"experts": self.args.experts, "active_experts": active, "op": type(op).__name__})
+        if kernel in ("linear_w4a16", "linear_bf16"):
+            op = be.linear()
+            if kernel == "linear_w4a16":
+                weight, nbytes = _int4_weight(2 * INTER, HIDDEN, self.gen), int4_bytes(2 * INTER, HIDDEN)
+            else:
+                weight = DenseWeight(torch.randn(2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16))
+                nbytes = 2 * INTER * HIDDEN * 2
+            op.prepare(weight, None, torch.bfloat16, dev)
+            return (lambda: op(x), nbytes + batch * (HIDDEN + 2 * INTER) * 2,
+                    {"n": 2 * INTER, "k": HIDDEN, "op": type(op).__name__})
+        if kernel == "rmsnorm":
+            wn = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
+            return lambda: be.rms_norm(x, wn, 1e-6), 2 * batch * HIDDEN * 2 + HIDDEN * 2, {}
+        if kernel == "act_quant_int8":
+            if backend == "triton":
+                fn: Callable[[], Any] = lambda: be.quantize_act(x, "int8")  # noqa: E731
+            else:
+                from eagle3.runtime.kernels.torch_ref import quantize_int8_per_token
+
+                fn = lambda: quantize_int8_per_token(x)  # noqa: E731
+            return fn, batch * HIDDEN * (2 + 1) + batch * 4, {}
+        raise ValueError(kernel)
+
+    def row(self, kernel: str, backend: str, batch: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"kernel": kernel, "backend": backend, "batch": batch}
+        if backend == "triton":
+            why = triton_kernel_status(kernel)
+            if why is not None:
+                return {**row, "status": why}
+        try:
+            fn, nbytes, extra = self.case(kernel, backend, batch)
+            s = time_cuda(fn, self.args.iters, self.args.warmup)
+        except Exception as err:  # noqa: BLE001 - one failing case must not lose the others' figures
+            return {**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]}
+        bw, frac = fraction(nbytes, s, self.peak)
+        return {**row, **extra, "status": "ok", "seconds": s, "bytes": nbytes, "bytes_per_s": bw,
+                "hbm_fraction": frac}
+
+
+def _generate_s(llm: Any, prompts: list[list[int]], n: int) -> float:
+    """Seconds for greedy generation of ``n`` tokens per prompt (device synchronized)."""
+    import torch
+
+    from eagle3.runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def e2e_rows(args: argparse.Namespace, slice_dir: Path) -> list[dict[str, Any]]:
+    import torch
+
+    from eagle3.runtime.engine.llm import LLM
+
+    rows = []
+    for backend in args.backends:
+        for eager in (True, False):
+            row: dict[str, Any] = {"backend": backend, "graphs": not eager}
+            try:
+                llm = LLM(slice_dir, None, tokenizer=None, dtype="bfloat16", device="cuda", backend=backend,
+                          enforce_eager=eager, max_num_seqs=max(args.e2e_batches), kv_cache_memory=4 << 30)
+            except Exception as err:  # noqa: BLE001
+                rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
+                continue
+            g = torch.Generator().manual_seed(0)
+            for batch in args.e2e_batches:
+                prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(batch)]
+                try:
+                    _generate_s(llm, prompts, args.e2e_tokens)  # warm-up: graph capture, autotuning
+                    t1, tn = _generate_s(llm, prompts, 1), _generate_s(llm, prompts, args.e2e_tokens)
+                    tps = batch * (args.e2e_tokens - 1) / max(tn - t1, 1e-9)
+                    graphs_ok = llm.runner.target_graphs is not None and llm.runner.target_graphs.failed is None
+                    rows.append({**row, "batch": batch, "status": "ok", "decode_tokens_per_s": tps,
+                                 "graphs_captured": graphs_ok,
+                                 "graph_failure": getattr(llm.runner.target_graphs, "failed", None)})
+                except Exception as err:  # noqa: BLE001
+                    rows.append({**row, "batch": batch, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
+            llm.close()
+            del llm
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["kernels"] if r.get("status") == "ok"]
+    kernels = [k for k in KERNELS if any(r["kernel"] == k for r in ok)]
+    batches = sorted({r["batch"] for r in ok})
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    ax = axes[0]
+    width = 0.8 / max(1, 2 * len(batches))
+    for i, (backend, b) in enumerate((be, b) for be in BACKENDS for b in batches):
+        ys = []
+        for k in kernels:
+            r = next((r for r in ok if r["kernel"] == k and r["backend"] == backend and r["batch"] == b), None)
+            v = None if r is None else (r["hbm_fraction"] if r["hbm_fraction"] is not None else r["bytes_per_s"] / 1e12)
+            ys.append(math.nan if v is None else v)
+        ax.bar([j + i * width for j in range(len(kernels))], ys, width, label=f"{backend} b={b}")
+    ax.set_xticks([j + 0.4 for j in range(len(kernels))], kernels, rotation=30, ha="right")
+    ax.set_ylabel("fraction of HBM peak" if report.get("hbm_peak_tbps") else "TB/s")
+    ax.axhline(0.6, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_title(f"kernels on {report['device']}")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[1]
+    e2e = [r for r in report.get("e2e", []) if r.get("status") == "ok"]
+    labels = [f"{r['backend']}{' +graphs' if r['graphs'] else ''} b={r['batch']}" for r in e2e]
+    ax.bar(range(len(e2e)), [r["decode_tokens_per_s"] for r in e2e])
+    ax.set_xticks(range(len(e2e)), labels, rotation=30, ha="right")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("end to end, full-width slice" if e2e else "end to end: not run")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".partial.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kernels_gpu.py: no CUDA / ROCm GPU on this machine (torch.cuda.is_available() is False); "
+              "run it on an H100 / H200 / MI300-class GPU", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0)
+    peak = args.hbm_peak if args.hbm_peak is not None else hbm_peak_tbps(device)
+    report: dict[str, Any] = {
+        "device": device, "hbm_peak_tbps": peak, "torch": torch.__version__,
+        "hip": getattr(torch.version, "hip", None), "cuda": torch.version.cuda,
+        "triton": _version("triton"), "args": {k: str(v) for k, v in vars(args).items()}, "kernels": [],
+        "e2e": []}
+    if peak is None:
+        print(f"note: {device!r} is not in the HBM peak table; pass --hbm-peak TB/s for fractions", file=sys.stderr)
+    k = Kernels(args, peak)
+    for kernel in args.kernels:
+        for batch in args.batches:
+            for backend in args.backends:
+                row = k.row(kernel, backend, batch)
+                report["kernels"].append(row)
+                frac = row.get("hbm_fraction")
+                print(f"{kernel:15s} {backend:6s} b={batch:<3d} " + (
+                    f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" + (f"  {100 * frac:5.1f}% of HBM" if frac else "")
+                    if row["status"] == "ok" else row["status"]), flush=True)
+    if not args.skip_e2e:
+        slice_dir = args.slice
+        if slice_dir is None and args.make_slice:
+            from eagle3.testing import slice as slice_mod
+
+            slice_dir = args.work / "k25-slice-2x8"
+            if not (slice_dir / "config.json").is_file():
+                slice_mod.make_slice(slice_dir, layers=2, experts=8, seed=0)
+        if slice_dir is None:
+            report["e2e_note"] = "no --slice / --make-slice: end-to-end rows not run"
+        else:
+            report["slice"] = str(slice_dir)
+            report["e2e"] = e2e_rows(args, slice_dir)
+            for r in report["e2e"]:
+                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} b={r.get('batch', '-')} "
+                      + (f"{r['decode_tokens_per_s']:.1f} tok/s" if r["status"] == "ok" else r["status"]))
+    report["goals"] = goal_lines(report["kernels"], device)
+    for line in report["goals"]:
+        print(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".partial")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    plot(report, args.png)
+    print(f"report: {args.out} ({args.png})")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""CUDA / HIP graphs for the uniform steps: the target's decode and verify forwards and the draft's
+steps, captured per (query tokens per sequence, batch-size bucket) and replayed with padding.
+
+A *uniform* step gives every sequence the same number of query tokens ``n``: plain decode (1), EAGLE
+verify (last token + k drafts = k+1), draft steps 1..k-1 (1) and a draft step 0 whose sequences all
+committed the same count. Its batch of ``B`` sequences is padded to the bucket ``B' >= B`` (1, 2, 4, 8,
+... up to ``max_num_seqs``, as vLLM and nano-vllm do) and run through a graph captured for
+``(n, B')`` over *static* buffers: ``input_ids``, ``positions``, ``slot_mapping`` ``[B' n]``,
+``block_tables`` ``[B', width]``, ``context_lens`` ``[B']`` and the model's extra inputs (the draft's
+hidden states). Each step copies its inputs in (:func:`pad_uniform_step` builds the padded host
+tensors, :meth:`StaticBuffers.copy_in` writes them), replays, and copies the first ``B n`` rows of
+the outputs out (:func:`copy_out`). Mixed steps (prefill chunks, sequences with fewer drafts) run
+eagerly.
+
+Padding rows are sequences of ``n`` tokens at position 0 whose block table names one spare *pad
+block* past the engine's blocks (the KV caches get one extra block; the block manager never hands it
+out): they write their latents there and attend only to it, so they never touch a real sequence's
+cache. Their outputs are dropped. Because every kernel is batch invariant (a row's bits do not
+depend on the other rows of the call), the real rows of a padded replay equal an eager run of the
+real rows alone, bit for bit (tests/runtime/test_graphs.py checks this through ``LLM`` on the CPU
+with :class:`EagerCapturer`, which runs the same static-buffer path without a graph).
+
+Metadata under capture: nothing may copy between host and device or read a device value while a
+graph is being captured, and a replay re-runs exactly the recorded kernels on the recorded
+addresses. So the per-forward metadata of a graph is built once per ``(n, B')`` from host values that
+are constant for that key (``cu_seqlens_q`` = ``arange(B'+1) * n``, kept on the host in
+``AttnMetadata.host_cu``) plus views of the static buffers; the Triton attention plan keeps its
+chunk list (a function of ``cu`` only) in ``AttnMetadata.cache``, filled by the eager warm-up run
+and reused by the capture, and converts positions / block tables by device ops that the graph
+records. A backend whose ops sync with the host (the torch reference's MoE and attention schedule,
+until the fused MoE kernel replaces it) fails to capture: the runner then logs why once and runs
+that model eagerly from then on. Unverified without a GPU (this session had none): the capture
+itself, and replay timings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagle3.runtime.context import AttnMetadata
+
+logger = logging.getLogger("eagle3.runtime")
+
+Outputs = tuple[torch.Tensor | None, ...]
+ForwardFn = Callable[[dict[str, torch.Tensor], AttnMetadata], Outputs]
+
+
+def available(device: torch.device) -> bool:
+    """Graphs exist on CUDA / ROCm devices only; on the CPU every step is eager."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch buckets: powers of two from 1 up to the first one >= ``max_num_seqs``."""
+    sizes = [1]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``num_seqs`` sequences (None: larger than every bucket)."""
+    for s in sizes:
+        if s >= num_seqs:
+            return s
+    return None
+
+
+@dataclass
+class PaddedStep:
+    """Host tensors of a uniform step padded to its bucket (see :func:`pad_uniform_step`)."""
+
+    positions: torch.Tensor  # int64 [B' n]
+    slot_mapping: torch.Tensor  # int64 [B' n]
+    block_tables: torch.Tensor  # int32 [B', width], -1 padded
+    context_lens: torch.Tensor  # int32 [B']
+
+
+def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int, bucket: int,
+                     width: int, block_size: int, pad_block: int) -> PaddedStep:
+    """Sequence ``b < B`` queries positions ``starts[b] .. starts[b] + q_len - 1`` through its block
+    table; sequences ``B .. bucket-1`` are padding: ``q_len`` tokens at position 0 in ``pad_block``."""
+    b = len(starts)
+    if not 0 < b <= bucket:
+        raise ValueError(f"{b} sequences do not fit a bucket of {bucket}")
+    tables = torch.full((bucket, width), -1, dtype=torch.int32)
+    for i, t in enumerate(block_tables):
+        if len(t) > width:
+            raise ValueError(f"block table of {len(t)} blocks is wider than the static {width}")
+        if t:
+            tables[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+    tables[b:, 0] = pad_block
+    offs = torch.arange(q_len)
+    pos = torch.zeros(bucket, q_len, dtype=torch.int64)
+    pos[:b] = torch.as_tensor(list(starts), dtype=torch.int64)[:, None] + offs[None, :]
+    blk = tables[:, :].to(torch.int64).gather(1, (pos // block_size).clamp(max=width - 1))
+    if bool((blk[:b] < 0).any()):
+        raise ValueError("a query position has no KV block allocated")
+    slots = blk * block_size + pos % block_size
+    slots[b:] = pad_block * block_size  # every padding token writes the pad block's first slot
+    ctx = (pos[:, -1] + 1).to(torch.int32)
+    return PaddedStep(pos.reshape(-1), slots.reshape(-1), tables, ctx)
+
+
+class StaticBuffers:
+    """The fixed-address inputs every graph of one model reads (sized for the largest bucket)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device,
+                 extra: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        z = dict(device=device)
+        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
+        self.tensors: dict[str, torch.Tensor] = {
+            "input_ids": torch.zeros(max_tokens, dtype=torch.int64, **z),
+            "positions": torch.zeros(max_tokens, dtype=torch.int64, **z),
+            "slot_mapping": torch.zeros(max_tokens, dtype=torch.int64, **z),
+            "block_tables": torch.full((max_seqs, width), -1, dtype=torch.int32, **z),
+            "context_lens": torch.ones(max_seqs, dtype=torch.int32, **z),
+        }
+        for name, (shape, dtype) in extra.items():
+            self.tensors[name] = torch.zeros(max_tokens, *shape, dtype=dtype, **z)
+
+    def copy_in(self, step: PaddedStep, inputs: dict[str, torch.Tensor], num_tokens: int) -> None:
+        """Write a step's padded metadata and its per-token inputs (rows ``0 .. num_tokens-1``;
+        the padding rows up to the bucket get zeros) into the static buffers."""
+        tp = step.positions.shape[0]
+        bp = step.block_tables.shape[0]
+        s = self.tensors
+        s["positions"][:tp].copy_(step.positions, non_blocking=True)
+        s["slot_mapping"][:tp].copy_(step.slot_mapping, non_blocking=True)
+        s["block_tables"][:bp].copy_(step.block_tables, non_blocking=True)
+        s["context_lens"][:bp].copy_(step.context_lens, non_blocking=True)
+        for name, x in inputs.items():
+            buf = s[name]
+            buf[:num_tokens].copy_(x)
+            if tp > num_tokens:
+                buf[num_tokens:tp].zero_()
+
+    def meta(self, q_len: int, bucket: int, block_size: int) -> AttnMetadata:
+        """The metadata a graph for ``(q_len, bucket)`` is captured with: views of the static buffers
+        plus the constant ``cu_seqlens_q`` (host and device copies) and a device-tensor cache."""
+        tp = q_len * bucket
+        s = self.tensors
+        cu = [i * q_len for i in range(bucket + 1)]
+        dev = s["positions"].device
+        return AttnMetadata(positions=s["positions"][:tp], cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                            context_lens=s["context_lens"][:bucket], slot_mapping=s["slot_mapping"][:tp],
+                            block_tables=s["block_tables"][:bucket], block_size=block_size, host_cu=cu, cache={})
+
+
+def copy_out(outputs: Outputs, num_tokens: int) -> Outputs:
+    """The real rows of a replay's outputs, as new tensors (the next replay overwrites the static ones)."""
+    return tuple(None if o is None else o[:num_tokens].clone() for o in outputs)
+
+
+class CudaGraphCapturer:
+    """``torch.cuda.CUDAGraph`` capture (also HIP graphs on ROCm builds of torch), one memory pool
+    shared by every graph of the runner (only one replays at a time)."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+
+    def capture(self, fn: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits, autotuning, the plan cache
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+
+        def replay() -> Outputs:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class EagerCapturer:
+    """No graph: "replay" runs the forward again over the static buffers. Takes the whole padded,
+    static-buffer path on any device (the CPU tests use it to check padding and copy-in / out)."""
+
+    def capture(self, fn: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        fn()  # as the CUDA capturer's warm-up
+        return fn
+
+
+def default_capturer() -> Any:
+    return CudaGraphCapturer()
+
+
+class GraphRunner:
+    """Captured forwards of one model, keyed by (query tokens per sequence, bucket).
+
+    ``forward(static, meta)`` runs the model on views of the static buffers (``static[name][:B' n]``)
+    and returns its outputs (tensors or None); it must read nothing else that changes per step."""
+
+    def __init__(self, name: str, forward: ForwardFn, *, device: torch.device, block_size: int, width: int,
+                 pad_block: int, max_num_seqs: int, max_q_len: int,
+                 extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                 capturer: Any = None) -> None:
+        self.name = name
+        self.forward = forward
+        self.block_size = block_size
+        self.pad_block = pad_block
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_q_len = max_q_len
+        self.static = StaticBuffers(self.sizes[-1] * max_q_len, self.sizes[-1], width, device, extra or {})
+        self.capturer = capturer if capturer is not None else default_capturer()
+        self.graphs: dict[tuple[int, int], Callable[[], Outputs]] = {}
+        self.failed: str | None = None  # why capture failed (the model then runs eagerly)
+        self.replays = 0
+
+    def supports(self, block_tables: Sequence[Sequence[int]], counts: Sequence[int]) -> bool:
+        """Whether a step can replay a graph: uniform, small enough, tables within the static width."""
+        if self.failed is not None or not counts:
+            return False
+        n = counts[0]
+        return (all(c == n for c in counts) and 1 <= n <= self.max_q_len
+                and bucket_for(len(counts), self.sizes) is not None
+                and all(len(t) <= self.static.width for t in block_tables))
+
+    def run(self, block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int,
+            inputs: dict[str, torch.Tensor]) -> Outputs | None:
+        """The step's outputs (real rows only), or None when the graph could not be captured (the
+        caller then runs the step eagerly; the static copy-in has no effect on anything else)."""
+        b = len(starts)
+        bucket = bucket_for(b, self.sizes)
+        assert bucket is not None
+        step = pad_uniform_step(block_tables, starts, q_len, bucket, self.static.width, self.block_size,
+                                self.pad_block)
+        self.static.copy_in(step, inputs, b * q_len)
+        key = (q_len, bucket)
+        replay = self.graphs.get(key)
+        if replay is None:
+            meta = self.static.meta(q_len, bucket, self.block_size)
+            views = {k: v[: q_len * bucket] for k, v in self.static.tensors.items()
+                     if k not in ("block_tables", "context_lens")}
+            try:
+                replay = self.capturer.capture(lambda: self.forward(views, meta))
+            except Exception as err:  # noqa: BLE001 - any capture failure means "run eagerly"
+                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
+                logger.warning("%s: CUDA graph capture failed, running eagerly from now on (%s)", self.name,
+                               self.failed)
+                _reset_capture_state()
+                return None
+            self.graphs[key] = replay
+        self.replays += 1
+        return copy_out(replay(), b * q_len)
+
+
+def _reset_capture_state() -> None:
+    """After a failed capture: make sure no stream is left capturing (torch ends the capture when the
+    ``torch.cuda.graph`` context exits with an error; this only waits for the device)."""
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - best effort; the eager step that follows reports real errors
+            pass

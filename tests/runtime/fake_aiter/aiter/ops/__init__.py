@@ -1,0 +1,3 @@
+from aiter.ops import shuffle
+
+__all__ = ["shuffle"]

@@ -1,0 +1,168 @@
+"""``backend="aiter"`` (eagle3/runtime/kernels/aiter.py) against a FAKE aiter (tests/runtime/fake_aiter/):
+the fake asserts the documented argument contracts and computes with the torch reference, so these
+tests check the adapter's layouts (head folding / repeating, CSR indices, packed INT4 pairs, group
+scales, shuffled weights, keyword calls) end to end, down to ``LLM(tiny, backend="aiter")`` greedy ==
+``LLM(tiny, backend="torch")`` greedy. Nothing here runs on ROCm (unverified there, docs/kernels.md)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.errors import UsageError
+from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.engine.llm import LLM
+from eagle3.runtime.engine.model_runner import build_attn_metadata
+from eagle3.runtime.kernels import DenseWeight, Int4Weight, get_backend
+from eagle3.runtime.kernels.aiter import AiterBackend, head_layout, pack_int4_pairs
+from eagle3.runtime.sampling import SamplingParams
+
+FAKE = Path(__file__).resolve().parent / "fake_aiter"
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch: pytest.MonkeyPatch):
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(FAKE))
+    mod = importlib.import_module("aiter")
+    mod.CALLS.clear()
+    yield mod
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        sys.modules.pop(name, None)
+
+
+def test_without_aiter_the_backend_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "aiter", None)  # import aiter -> ImportError
+    with pytest.raises(UsageError, match=r"kernel backend 'aiter' needs ROCm's aiter package \(import aiter failed"):
+        get_backend("aiter")
+
+
+def test_head_layouts() -> None:
+    assert head_layout(16) == (1, 1) and head_layout(128) == (1, 1)
+    assert head_layout(64) == (4, 1) and head_layout(32) == (2, 1)  # Kimi at TP=1 / TP=2: folded
+    assert head_layout(8) == (1, 2) and head_layout(4) == (1, 4) and head_layout(1) == (1, 16)  # repeated
+    assert head_layout(24) is None and head_layout(6) is None
+
+
+def test_int4_pairs_low_nibble_first() -> None:
+    codes = torch.tensor([[-8, 7, -1, 0, 3, -3]], dtype=torch.int8)
+    assert pack_int4_pairs(codes).tolist() == [[0x78, 0x0F, 0xD3]]
+
+
+@pytest.mark.parametrize("heads", [64, 16, 4])
+def test_mla_attention_matches_the_reference(fake_aiter, heads: int) -> None:
+    """Decode (1 query) and verify (4 queries) rows of three sequences; 64 heads are folded into four
+    16-head pseudo-sequences, 4 heads repeated to 16."""
+    g = torch.Generator().manual_seed(0)
+    d_lat, d_rope, bs = 32, 16, 4
+    cache = torch.randn(64, d_lat + d_rope, generator=g).to(torch.bfloat16)
+    tables, starts, counts = [[0, 1, 2], [5, 6], [9, 3, 4, 7]], [9, 4, 12], [1, 4, 4]
+    meta = build_attn_metadata(tables, starts, counts, bs)
+    t = sum(counts)
+    q = torch.randn(t, 1, heads, d_lat + d_rope, generator=g).to(torch.bfloat16)
+    be, ref = get_backend("aiter"), get_backend("torch")
+    flat = cache[:, None, :]
+    got = be.attention(q, flat, flat[..., :d_lat], meta, 0.125, be.plan_attention(meta))
+    want = ref.attention(q, flat, flat[..., :d_lat], meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bf16 outputs, fp32 softmax either way
+    calls = [c for n, c in fake_aiter.CALLS if n == "mla_decode_fwd"]
+    groups = max(1, heads // 16)
+    assert calls == [{"heads": 16, "max_seqlen_q": 4, "batch": 3 * groups}]
+    assert be.calls == {"mla": 1, "mla_fallback": 0}
+
+
+def test_mla_falls_back_when_queries_are_not_the_last_positions(fake_aiter) -> None:
+    """aiter's causal convention is bottom-right; a query window that is not at the end of its
+    sequence's keys goes to the base backend."""
+    cache = torch.randn(32, 48).to(torch.bfloat16)
+    meta = build_attn_metadata([[0, 1]], [2], [2], 4)
+    meta = AttnMetadata(meta.positions, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping,
+                        meta.block_tables, 4)
+    meta.positions = torch.tensor([5, 2])  # not ascending to the end
+    q = torch.randn(2, 1, 16, 48).to(torch.bfloat16)
+    be = get_backend("aiter")
+    be.attention(q, cache[:, None], cache[:, None, :32], meta, 0.1)
+    assert be.calls == {"mla": 0, "mla_fallback": 1} and not fake_aiter.CALLS
+
+
+def _experts(kind: str, e: int = 4, h: int = 64, i: int = 32) -> tuple[list, list, list]:
+    g = torch.Generator().manual_seed(1)
+
+    def one(n: int, k: int):
+        if kind == "bf16":
+            return DenseWeight((torch.randn(n, k, generator=g) / 8).to(torch.bfloat16))
+        codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        return Int4Weight(codes, (torch.rand(n, k // 32, generator=g) / 20).to(torch.bfloat16), 32)
+
+    return [one(i, h) for _ in range(e)], [one(i, h) for _ in range(e)], [one(h, i) for _ in range(e)]
+
+
+@pytest.mark.parametrize("kind, quant", [("bf16", "No"), ("int4", "per_1x32")])
+def test_moe_matches_the_reference(fake_aiter, kind: str, quant: str) -> None:
+    gate, up, down = _experts(kind)
+    be, ref = get_backend("aiter"), get_backend("torch")
+    op, rop = be.moe(), ref.moe()
+    op.prepare(gate, up, down, None, torch.bfloat16, torch.device("cpu"))
+    rop.prepare(gate, up, down, None, torch.bfloat16, torch.device("cpu"))
+    assert op.mode != "fallback"
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    assert torch.equal(op(x, ids, w), rop(x, ids, w))
+    assert fake_aiter.CALLS == [("fused_moe", {"quant_type": quant, "experts": 4, "tokens": 5})]
+
+
+def test_moe_falls_back_where_aiter_has_no_kernel(fake_aiter) -> None:
+    """INT4 x int8 activations (W4A8): no aiter MoE kernel on any arch (kernel_backends.md 4.1)."""
+    gate, up, down = _experts("int4")
+    gate = [Int4Weight(w.codes, w.scale.float().amax(1), None) for w in gate]
+    up = [Int4Weight(w.codes, w.scale.float().amax(1), None) for w in up]
+    down = [Int4Weight(w.codes, w.scale.float().amax(1), None) for w in down]
+    op = get_backend("aiter").moe()
+    op.prepare(gate, up, down, "int8", torch.bfloat16, torch.device("cpu"))
+    assert op.mode == "fallback"
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert op(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)).shape == (3, 64)
+    assert not fake_aiter.CALLS
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12]]
+
+
+def test_llm_greedy_equals_the_torch_backend(fake_aiter, tiny_dir: Path) -> None:
+    """Kimi's own format (INT4 group-32 experts) through aiter's a16w4 MoE and MLA, bf16; and with
+    the MLA draft, speculative greedy == plain greedy through the adapter."""
+    kw = dict(tokenizer=None, dtype="bfloat16", num_blocks=32, block_size=4)
+    ref = LLM(tiny_dir / "kimi-k2.5", None, backend="torch", **kw)
+    expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny_dir / "kimi-k2.5", None, backend="aiter", **kw)
+    assert llm.kernel_backend == "aiter" and isinstance(llm.target.backend, AiterBackend)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    names = {(n, c.get("quant_type"), c.get("heads")) for n, c in fake_aiter.CALLS}
+    assert ("fused_moe", "per_1x32", None) in names and ("mla_decode_fwd", None, 16) in names
+    spec = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.6-eagle3.1-mla", backend="aiter",
+               num_speculative_tokens=3, **kw)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == expected
+    assert spec.stats.num_drafts > 0
+
+
+def test_bench_cli_records_aiter(fake_aiter, tiny_dir: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from eagle3.cli import main
+
+    report = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny_dir / "kimi-k2.5"), "--kernel-backend", "aiter", "--input-len", "8",
+              "--output-len", "2", "--num-prompts", "1", "--report", str(report)])
+    out = capsys.readouterr()
+    assert not e.value.code, out.out + out.err
+    assert json.loads(report.read_text())["kernel_backend"] == "aiter"
+    assert any(n == "fused_moe" for n, _ in fake_aiter.CALLS)

@@ -1,0 +1,145 @@
+"""CUDA / HIP graphs (``eagle3/runtime/engine/graphs.py``): bucket choice, padding, static-buffer
+copy-in / copy-out, and the whole graph path through ``LLM`` on the CPU with a capturer that runs
+the forward eagerly over the static buffers (``torch.cuda.graphs`` cannot run here): padded replays
+give the same tokens as eager steps, bit for bit, because the kernels are batch invariant. The real
+capture is in the ``gpu`` test at the end (skipped without a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.runtime.engine import graphs
+from eagle3.runtime.engine.llm import LLM
+from eagle3.runtime.engine.model_runner import build_attn_metadata
+from eagle3.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12], [100, 200, 300]]
+
+
+def test_buckets() -> None:
+    assert graphs.capture_sizes(1) == [1]
+    assert graphs.capture_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graphs.capture_sizes(48) == [1, 2, 4, 8, 16, 32, 64]
+    sizes = graphs.capture_sizes(8)
+    assert [graphs.bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+
+
+def test_pad_uniform_step_pads_into_the_pad_block() -> None:
+    step = graphs.pad_uniform_step([[3, 4], [7]], starts=[5, 2], q_len=2, bucket=4, width=3, block_size=4,
+                                   pad_block=9)
+    assert step.positions.tolist() == [5, 6, 2, 3, 0, 0, 0, 0]
+    # seq 0: positions 5, 6 in block 4 (slots 17, 18); seq 1: 2, 3 in block 7; padding: slot 36 = 9 * 4
+    assert step.slot_mapping.tolist() == [17, 18, 30, 31, 36, 36, 36, 36]
+    assert step.block_tables.tolist() == [[3, 4, -1], [7, -1, -1], [9, -1, -1], [9, -1, -1]]
+    assert step.context_lens.tolist() == [7, 4, 1, 1]
+    # the same positions and slots as the engine's eager metadata for the real rows
+    meta = build_attn_metadata([[3, 4], [7]], [5, 2], [2, 2], 4)
+    assert torch.equal(step.positions[:4], meta.positions) and torch.equal(step.slot_mapping[:4], meta.slot_mapping)
+    with pytest.raises(ValueError, match="no KV block"):
+        graphs.pad_uniform_step([[3]], starts=[3], q_len=2, bucket=1, width=3, block_size=4, pad_block=9)
+    with pytest.raises(ValueError, match="wider"):
+        graphs.pad_uniform_step([[1, 2, 3, 4]], starts=[0], q_len=1, bucket=1, width=3, block_size=4, pad_block=9)
+
+
+def test_static_buffers_copy_in_and_out() -> None:
+    buf = graphs.StaticBuffers(max_tokens=8, max_seqs=4, width=3, device=torch.device("cpu"),
+                               extra={"hidden": ((5,), torch.float32)})
+    buf.tensors["hidden"].fill_(7.0)  # stale rows of an earlier, larger step
+    step = graphs.pad_uniform_step([[3, 4]], starts=[5], q_len=2, bucket=2, width=3, block_size=4, pad_block=9)
+    x = torch.randn(2, 5)
+    buf.copy_in(step, {"input_ids": torch.tensor([11, 12]), "hidden": x}, num_tokens=2)
+    s = buf.tensors
+    assert s["input_ids"][:4].tolist() == [11, 12, 0, 0]
+    assert torch.equal(s["hidden"][:2], x) and not s["hidden"][2:4].any() and bool((s["hidden"][4:] == 7).all())
+    meta = buf.meta(q_len=2, bucket=2, block_size=4)
+    assert meta.host_cu == [0, 2, 4] and meta.cu_seqlens_q.tolist() == [0, 2, 4] and meta.cache == {}
+    assert meta.positions.data_ptr() == s["positions"].data_ptr() and meta.num_tokens == 4
+    out = torch.arange(8.0).view(4, 2)
+    got = graphs.copy_out((out, None), 3)
+    assert torch.equal(got[0], out[:3]) and got[1] is None and got[0].data_ptr() != out.data_ptr()
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph path on the CPU: graphs "available", captured by :class:`graphs.EagerCapturer`."""
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "default_capturer", graphs.EagerCapturer)
+
+
+def _llm(tiny_dir: Path, draft: str | None, **kw) -> LLM:
+    return LLM(tiny_dir / "kimi-k2.5", None if draft is None else tiny_dir / draft, num_speculative_tokens=3,
+               tokenizer=None, dtype="float32", num_blocks=48, block_size=4, max_num_seqs=4, **kw)
+
+
+def test_padding_rows_do_not_change_real_rows(tiny_dir: Path, fake_graphs: None) -> None:
+    """A target forward of 3 sequences x 2 tokens through the graph runner (padded to the bucket of
+    4) equals the eager forward of the same 3 sequences, bit for bit, and writes the same KV."""
+    llm = _llm(tiny_dir, "kimi-k2.5-eagle3")  # k = 3: graphs for up to 4 query tokens per sequence
+    runner = llm.runner
+    assert llm.cuda_graphs and runner.target_graphs is not None
+    tables, starts, counts = [[0, 1], [2], [3, 4]], [4, 1, 5], [2, 2, 2]
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    hidden, aux = runner.forward_target(ids, tables, starts, counts)
+    assert runner.target_graphs.replays == 1
+    kv_graph = [c.clone() for c in runner.target_kv]
+    for c in runner.target_kv:
+        c.zero_()
+    meta = runner.meta(tables, starts, counts)
+    ref_hidden, ref_aux = llm.target.forward(ids, meta, runner.target_kv, runner.aux_layer_ids)
+    assert torch.equal(hidden, ref_hidden) and torch.equal(aux, ref_aux)
+    pad = runner.target_graphs.pad_block
+    for got, ref in zip(kv_graph, runner.target_kv, strict=True):  # every real block; the pad block differs
+        assert torch.equal(got[:pad], ref[:pad])
+
+
+@pytest.mark.parametrize("draft", [None, "kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"])
+def test_graph_steps_equal_eager_steps(tiny_dir: Path, fake_graphs: None, draft: str | None) -> None:
+    eager = _llm(tiny_dir, draft, enforce_eager=True)
+    assert not eager.cuda_graphs and eager.runner.target_graphs is None
+    expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    llm = _llm(tiny_dir, draft)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert llm.runner.target_graphs.replays > 0 and llm.runner.target_graphs.failed is None
+    if draft is not None:
+        assert llm.runner.draft_graphs.replays > 0
+        assert (4, 4) in llm.runner.target_graphs.graphs  # verify (last token + 3 drafts) of 3 sequences
+        assert (1, 4) in llm.runner.draft_graphs.graphs  # draft steps 1..k-1 of the 3 sequences (bucket 4)
+
+
+def test_a_failed_capture_runs_eagerly(tiny_dir: Path, fake_graphs: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Refuses:
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "default_capturer", Refuses)
+    eager = _llm(tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True)
+    expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    llm = _llm(tiny_dir, "kimi-k2.5-eagle3")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert "not permitted" in llm.runner.target_graphs.failed and not llm.runner.target_graphs.graphs
+
+
+def test_cpu_never_uses_graphs(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir, None)
+    assert not llm.cuda_graphs and llm.runner.target_graphs is None and llm.kernel_backend == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_real_graphs_equal_eager_on_the_gpu(tiny_dir: Path, backend: str) -> None:
+    """On a GPU: real CUDA-graph capture and replay. The torch reference syncs with the host (MoE,
+    attention schedule), so its capture fails and it runs eagerly; either way the tokens match."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    kw = dict(num_speculative_tokens=3, tokenizer=None, dtype="bfloat16", num_blocks=48, block_size=4,
+              max_num_seqs=4, device="cuda", backend=backend)
+    eager = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", enforce_eager=True, **kw)
+    expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", **kw)
+    assert llm.cuda_graphs
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

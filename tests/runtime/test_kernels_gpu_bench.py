@@ -1,0 +1,105 @@
+"""benchmarks/kernels_gpu.py's own machinery on a CPU: arguments and --help, the HBM peak table, the
+"not built" lookup of the Triton kernels, the byte counts, the goal lines, the chart, and the clear
+exit without a GPU. Nothing is timed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("kernels_gpu", ROOT / "benchmarks" / "kernels_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kernels_gpu"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_help_has_an_example() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels_gpu.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "Example: python benchmarks/kernels_gpu.py" in r.stdout
+
+
+def test_arguments(bench, tmp_path: Path) -> None:
+    a = bench.parse_args(["--out", str(tmp_path / "k.json")])
+    assert a.batches == [1, 4, 16, 64] and a.backends == ["torch", "triton"] and a.png == tmp_path / "k.png"
+    a = bench.parse_args(["--kernels", "moe_w4a16,mla_decode", "--batches", "1,16", "--backends", "triton"])
+    assert a.kernels == ["moe_w4a16", "mla_decode"] and a.batches == [1, 16] and a.backends == ["triton"]
+    for bad in (["--kernels", "gemm"], ["--batches", "0"], ["--backends", "aiter"], ["--experts", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_hbm_peaks(bench) -> None:
+    names = {"NVIDIA H100 80GB HBM3": 3.35, "NVIDIA H100 PCIe": 2.0, "NVIDIA H100 NVL": 3.9,
+             "NVIDIA H200": 4.8, "AMD Instinct MI300X": 5.3, "AMD Instinct MI325X": 6.0,
+             "AMD Instinct MI355X": 8.0, "Tesla T4": None}
+    assert {n: bench.hbm_peak_tbps(n) for n in names} == names
+
+
+def test_triton_kernels_are_looked_up_by_name(bench) -> None:
+    pytest.importorskip("triton")
+    for kernel, (module, attr) in bench.TRITON_KERNEL.items():
+        present = importlib.util.find_spec(module) is not None
+        status = bench.triton_kernel_status(kernel)
+        if not present:
+            assert status.startswith("not built (triton/") and status.endswith(".py missing)")
+        elif attr:
+            assert (status is None) == hasattr(importlib.import_module(module), attr)
+    assert bench.triton_kernel_status("mla_decode") is None and bench.triton_kernel_status("rmsnorm") is None
+
+
+def test_bytes_and_goals(bench) -> None:
+    # one sequence of 4096 keys: the latent rows (576 bf16 each) dominate
+    assert bench.mla_bytes(1, 1, 4096) == 4096 * 576 * 2 + 64 * (576 + 512) * 2
+    per_expert = (4096 * 7168 // 2 + 4096 * 224 * 2) + (7168 * 2048 // 2 + 7168 * 64 * 2)
+    assert bench.moe_bytes(8, 1) == 8 * per_expert + 7168 * 4
+    bw, frac = bench.fraction(3_350_000_000, 0.002, 3.35)
+    assert bw == pytest.approx(1.675e12) and frac == pytest.approx(0.5)
+    rows = [{"kernel": "mla_decode", "backend": "triton", "batch": 1, "hbm_fraction": 0.7},
+            {"kernel": "mla_decode", "backend": "triton", "batch": 16, "hbm_fraction": 0.5},
+            {"kernel": "mla_decode", "backend": "triton", "batch": 64, "hbm_fraction": 0.1}]
+    lines = bench.goal_lines(rows, "H100")
+    assert "mla_decode" in lines[1] and "worst 50%" in lines[1] and "missed" in lines[1]
+    assert "moe_w4a16" in lines[0] and "not measured" in lines[0]
+
+
+def test_chart(bench, tmp_path: Path) -> None:
+    report = {"device": "fake", "hbm_peak_tbps": 3.35,
+              "kernels": [{"kernel": "mla_decode", "backend": b, "batch": n, "status": "ok", "bytes_per_s": 1e12,
+                           "hbm_fraction": 0.3} for b in ("torch", "triton") for n in (1, 16)]
+              + [{"kernel": "moe_w4a16", "backend": "triton", "batch": 1, "status": "not built"}],
+              "e2e": [{"backend": "triton", "graphs": True, "batch": 1, "status": "ok", "decode_tokens_per_s": 12.0}]}
+    bench.plot(report, tmp_path / "k.png")
+    assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_without_a_gpu_it_says_so(bench, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--out", str(tmp_path / "k.json")]) == 2
+    assert "no CUDA / ROCm GPU on this machine" in capsys.readouterr().err
+    assert not (tmp_path / "k.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_a_small_run_on_the_gpu(bench, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "k.json"
+    assert bench.main(["--out", str(out), "--kernels", "rmsnorm,act_quant_int8,mla_decode", "--batches", "1,4",
+                       "--context", "256", "--iters", "2", "--skip-e2e"]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["device"] and len(rep["kernels"]) == 3 * 2 * 2
+    assert all(r["status"] == "ok" for r in rep["kernels"]), rep["kernels"]
+    assert (tmp_path / "k.png").is_file()
