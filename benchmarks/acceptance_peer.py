@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                      "python": platform.python_version()},
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
-    # vLLM drafts k tokens at a request's last step even when fewer may still be emitted, and counts
-    # those accepted beyond max_tokens; eagle3 drafts only what may still be emitted. The difference
-    # in draft tokens tells how much of a gap in the last position(s) is that bookkeeping.
+    # vLLM drafts k tokens also when fewer may still be emitted, and counts those accepted beyond
+    # max_tokens; eagle3 drafts min(k, tokens still allowed - 1). The difference in draft tokens
+    # tells how much of a gap in the last position(s) is that bookkeeping.
     result["draft_tokens_difference"] = v["spec"]["num_draft_tokens"] - e["spec"]["num_draft_tokens"]
     ag = result["agreement"]["plain"]
     print(f"lossless: eagle3 {result['lossless']['eagle3']}, vllm {result['lossless']['vllm']}; greedy target "
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     out_json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     png = args.out_dir / "acceptance_peer.png"
     if result["draft_tokens_difference"]:
-        print(f"note: vLLM proposed {result['draft_tokens_difference']} more draft tokens than eagle3 (full k at "
-              f"each request's last step, where eagle3 drafts only the tokens still allowed)")
+        print(f"note: vLLM proposed {result['draft_tokens_difference']} more draft tokens than eagle3 (always k, "
+              f"where eagle3 drafts only min(k, tokens still allowed - 1) at a request's end)")
     print(f"wrote {out_json}" + (f" and {png}" if figure(png, result) else " (no matplotlib: no figure)"))
     return 0
 
