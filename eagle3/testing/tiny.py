@@ -18,9 +18,10 @@ family draws from its own named random stream (``_generator(seed, stream)``), so
 with ``only=`` gives the same bytes as the full run, and the Kimi-K2.5 and K2-Thinking text weights
 are identical (their logits can be compared).
 
-The dimensions are the real models' structure scaled down (see :data:`TEXT_DIMS`); every Linear
-in/out dimension a quantizer groups along is a multiple of 32 (the MLA ``kv_a_proj_with_mqa`` output
-is kv_lora + rope = 48, as in the real 512 + 64 = 576, but groups run along the input dim).
+The dimensions are the real models' structure scaled down (see :data:`TEXT_DIMS`: hidden 128, 4
+heads, 7 layers), except the MLA latent and head dims, which are Kimi's real ones (kv_lora_rank 512,
+qk_rope 64, qk_nope 128, v 128) so that other engines' MLA kernels run the fixtures; every Linear
+in/out dimension is a multiple of 32 (the quantizer's group size), except the MoE router's 8 rows.
 Weights are written by hand with :class:`eagle3.checkpoint.CheckpointWriter` rather than with
 ``save_pretrained``: transformers writes wrong Moonshot names for ``kimi_k25`` (it renames
 ``layers`` to ``blocks``), and other loaders need the exact upstream names.
@@ -144,10 +145,12 @@ TEXT_DIMS: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "num_attention_heads": 4,
     "q_lora_rank": 64,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 32,
+    # Kimi's real MLA latent (512 + 64 = 576) and head dims: vLLM's MLA backends accept only a latent
+    # of 320, 512 or 576, so other engines can run these fixtures.
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,

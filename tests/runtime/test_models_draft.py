@@ -275,7 +275,7 @@ def test_draft_shares_target_embedding_and_checks_widths(tiny_dir, drafts, targe
     assert d.embed_tokens.data_ptr() == target.embed_tokens.data_ptr()
     shape, _ = d.kv_cache_spec()
     assert shape == (2, 4, 32)
-    assert load_draft(drafts["mla-fc_norm-norm_output"], target).kv_cache_spec()[0] == (48,)
+    assert load_draft(drafts["mla-fc_norm-norm_output"], target).kv_cache_spec()[0] == (576,)
     bad = _variant(drafts["mha"], tmp_path / "bad", {"target_hidden_size": 64})
     with pytest.raises(Exception, match="hidden"):
         load_draft(bad, target)

@@ -106,15 +106,16 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str
 
 def test_plan_cli_json_and_report(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "plan.json"
-    code, out, _ = _main(capsys, "plan", str(tiny_dir / "kimi-k2.5"), "--gpus", "2", "--gpu-memory", "1GiB",
+    code, out, _ = _main(capsys, "plan", str(tiny_dir / "kimi-k2.5"), "--gpus", "2", "--gpu-memory", "8GiB",
                          "--memory-fraction", "0.5", "--reserve", "64MiB", "--draft",
                          str(tiny_dir / "kimi-k2.6-eagle3.1-mla" / "config.json"), "--json", "--report", str(report))
     assert code == 0
     j = json.loads(out)
     assert j == json.loads(report.read_text())
-    assert j["gpu_memory"] == 2**30 and j["usable_memory"] == 2**29 and j["reserve"] == 64 * 2**20
+    # 8 GiB: one 262144-token sequence of the 576-wide latent (7 layers + the MLA draft's) needs 2.25 GiB
+    assert j["gpu_memory"] == 2**33 and j["usable_memory"] == 2**32 and j["reserve"] == 64 * 2**20
     assert j["source"] == "headers" and j["draft_source"] == "headers" and j["fits"]
-    assert j["kv_tokens"] == (2**29 - j["max_weights_per_rank"] - 64 * 2**20) // j["kv_bytes_per_token"]
+    assert j["kv_tokens"] == (2**32 - j["max_weights_per_rank"] - 64 * 2**20) // j["kv_bytes_per_token"]
     assert len(j["per_rank"]) == 2 and j["schema_version"] == 1
 
 
@@ -183,8 +184,8 @@ def test_tiny_plan_with_draft_on_two_ranks(tiny_dir: Path) -> None:
     assert p.source == "headers" and p.draft_source == "headers"
     draft_bytes = sum(t.nbytes for t in sizing.header_tensors(tiny_dir / "kimi-k2.5-eagle3") or [])
     assert [r["draft"] for r in p.per_rank] == [draft_bytes, draft_bytes]  # replicated
-    # target latent (32 + 16) x 7 layers + Llama draft K and V (2 x 4 heads x 32) x 1 layer, bf16
-    assert p.kv_bytes_per_token_target == 7 * 48 * 2 and p.kv_bytes_per_token_draft == 2 * 4 * 32 * 2
+    # target latent (512 + 64) x 7 layers + Llama draft K and V (2 x 4 heads x 32) x 1 layer, bf16
+    assert p.kv_bytes_per_token_target == 7 * 576 * 2 and p.kv_bytes_per_token_draft == 2 * 4 * 32 * 2
     # 8 tiny experts: ranks hold experts 0-3 and 4-7; every byte of the checkpoint is placed once or
     # replicated, never lost
     tiny_experts = [t.nbytes for t in sizing.header_tensors(tiny_dir / "kimi-k2.5") or [] if ".mlp.experts." in t.name]
