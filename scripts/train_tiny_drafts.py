@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.testing import tiny, trained  # noqa: E402
 
-# One recipe for both drafts: the draft learns the target's own greedy continuations
-# (--regenerate), which is what it will be asked to predict at serving time.
-COMMON = ["--data", "gsm8k", "--regenerate", "--aux-layer-ids", ",".join(map(str, trained.AUX_LAYER_IDS)),
+# The recipe of each shipped draft is in its train_meta.json ("command"): the Llama draft was trained
+# teacher-forced on GSM8K (--no-regenerate), the MLA draft on the target's own greedy continuations.
+COMMON = ["--data", "gsm8k", "--aux-layer-ids", ",".join(map(str, trained.AUX_LAYER_IDS)),
           "--quiet", "--json"]
 ARCH = {
     "kimi-k2.5-trained-eagle3": ["--arch", "llama"],
@@ -43,10 +43,10 @@ ARCH = {
 
 def command(target: Path, out: Path, name: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "eagle3.cli", "train-draft", str(target), str(out), *ARCH[name], *COMMON,
-            "--dataset", str(args.dataset), "--num-train", str(args.num_train), "--regen-tokens",
-            str(args.regen_tokens), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--dataset", str(args.dataset), "--num-train", str(args.num_train), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--lr", str(args.lr), "--max-len", str(args.max_len), "--eval-prompts", str(args.eval_prompts),
-            "--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed)]
+            "--eval-tokens", str(args.eval_tokens), "--seed", str(args.seed),
+            *(["--regenerate", "--regen-tokens", str(args.regen_tokens)] if args.regenerate else [])]
 
 
 def ship(name: str, out: Path, cmd: list[str], seconds: float) -> dict:
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--dataset", type=Path, default=Path("/work/shared/data/gsm8k"))
     ap.add_argument("--only", choices=sorted(trained.DRAFTS), action="append")
     ap.add_argument("--num-train", type=int, default=600)
+    ap.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=True,
+                    help="train on the target's own greedy continuations (default) or teacher-forced on GSM8K")
     ap.add_argument("--regen-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -1,0 +1,106 @@
+"""The drafts shipped for ``kimi-k2.5-trained`` (trained with ``eagle3 train-draft``,
+``scripts/train_tiny_drafts.py``): make-tiny writes them, the runtime accepts most of what they
+propose on GSM8K-style prompts (a random draft of the same shape: ~0%), and speculative greedy
+output equals plain greedy output.
+
+Not tested here: that shifting the aux layer ids by one loses half the acceptance. On this target
+it does not (docs/trained_target.md): its greedy continuations repeat, which a draft predicts from
+the tokens alone, whatever hidden states it is given."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eagle3.testing import tiny, trained
+
+TARGET = trained.NAME
+
+# GSM8K-style prompts of our own (lm-eval's exemplar format: one worked example, then a question).
+EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
+            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
+            "apples left.\n#### 19\n\n")
+QUESTIONS = (
+    "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change does "
+    "she get?",
+    "Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
+    "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
+)
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pair") / "tiny"
+    names = [TARGET, *trained.DRAFTS]
+    cmd = [sys.executable, "-m", "eagle3.cli", "make-tiny", str(out)]
+    for n in names:
+        cmd += ["--only", n]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, "manifest.json"])
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(pair: Path) -> Any:
+    from eagle3.runtime.loader import load_target
+
+    return load_target(pair / TARGET)
+
+
+@pytest.fixture(scope="module")
+def plain(target: Any) -> list[list[int]]:
+    from eagle3.runtime.engine.llm import LLM
+
+    return [o.token_ids for o in LLM(target, None, tokenizer=None).generate(_prompts(), _params())]
+
+
+def _prompts() -> list[list[int]]:
+    tok = tiny.build_tokenizer()
+    return [tok.encode(f"{EXEMPLAR}Question: {q}\nAnswer:").ids for q in QUESTIONS]
+
+
+def _params() -> Any:
+    from eagle3.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def _speculate(target: Any, draft_dir: Path) -> tuple[dict[str, Any], list[list[int]]]:
+    from eagle3.runtime.engine.llm import LLM
+    from eagle3.runtime.loader import load_draft
+
+    llm = LLM(target, load_draft(draft_dir, target), num_speculative_tokens=3, tokenizer=None)
+    outs = llm.generate(_prompts(), _params())
+    return llm.stats.as_dict(), [o.token_ids for o in outs]
+
+
+def test_shipped_drafts_are_described() -> None:
+    for name, sub in trained.DRAFTS.items():
+        meta = trained.draft_meta(name)
+        assert meta["target"] == TARGET and meta["command"][:2] == ["eagle3", "train-draft"]
+        assert meta["heldout"]["lossless"] is True
+        for f in trained.DRAFT_FILES:
+            assert (trained.data_path(sub) / f).stat().st_size < trained.MAX_FILE_BYTES
+
+
+@pytest.mark.parametrize("name", sorted(trained.DRAFTS))
+def test_trained_draft_is_accepted_losslessly(pair: Path, target: Any, plain: list[list[int]], name: str) -> None:
+    stats, spec = _speculate(target, pair / name)
+    assert spec == plain  # lossless: speculative greedy == plain greedy
+    # a random draft of this shape is accepted ~0% (accept length 1.0)
+    assert stats["mean_acceptance_length"] >= 2.0, stats
