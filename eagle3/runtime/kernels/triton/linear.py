@@ -52,7 +52,7 @@ from eagle3.runtime.kernels.base import (
     int4_channel_scale,
 )
 from eagle3.runtime.kernels.triton import act_quant
-from eagle3.runtime.kernels.triton.common import INTERPRET, block, dot_dtype, mma, tl_dtype, widen
+from eagle3.runtime.kernels.triton.common import INTERPRET, block, dot_dtype, tl_dtype, widen
 
 DENSE, INT4, MXFP4, FP8 = 0, 1, 2, 3
 _PACKS = {None: 0, "ct": 1, "quark": 2, "quark_order": 3}
@@ -60,11 +60,23 @@ _RND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK_M = 16  # rows per program, every format and shape (decode batches are small; tl.dot needs 16)
 
 
-def tiles(fmt: int, n: int, k: int) -> tuple[int, int, int]:
+def tiles(fmt: int, n: int, k: int, interpret: bool = INTERPRET) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) for a weight of format ``fmt`` and shape ``[n, k]``: never the
-    number of rows. K steps of 32 for the group-32 formats (one INT4 group / E8M0 block per step)."""
+    number of rows. Compiled: K steps of 32 for the group-32 formats (one INT4 group / E8M0 block
+    per step). Interpreted: whole-width tiles (up to 1024 x 256), since the interpreter's cost is
+    per tile op, not per element (the kernel tests run both shapes)."""
+    if interpret:
+        return BLOCK_M, min(1024, block(n)), min(256, block(k))
     bk = 32 if fmt in (INT4, MXFP4) else min(64, block(k))
     return BLOCK_M, min(64, block(n)), bk
+
+
+def _device_fn(fn):  # type: ignore[no-untyped-def]
+    """``@triton.jit`` for device helpers, except under the interpreter, where they stay plain
+    Python (run inside the interpreted kernel, with its patched ``triton.language``): each call of
+    an interpreted jit helper re-patches the language module (~3 ms, measured with triton 3.9),
+    which made the tiny models' GEMMs several times slower."""
+    return fn if INTERPRET else triton.jit(fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +84,7 @@ def tiles(fmt: int, n: int, k: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@_device_fn
 def _rnd(v, RND: tl.constexpr):
     """fp32 ``v`` rounded to bf16 (``RND=1``) or fp16 (``2``), ties to even, kept in fp32; ``0``:
     unchanged. bf16 by integer ops on the bits: the interpreter has no bf16 (common.py), and the
@@ -87,7 +99,7 @@ def _rnd(v, RND: tl.constexpr):
         return v
 
 
-@triton.jit
+@_device_fn
 def _int4_codes(we, rn, rk, mask, s_wn, PACK: tl.constexpr):
     """Signed INT4 codes ``[BK, BN]`` (int32) of weight rows ``rn``, inputs ``rk``."""
     if PACK == 0:  # unpacked int8 codes [N, K]
@@ -104,7 +116,7 @@ def _int4_codes(we, rn, rk, mask, s_wn, PACK: tl.constexpr):
             return (nib ^ 8) - 8
 
 
-@triton.jit
+@_device_fn
 def _e4m3(bits):
     """E4M3 (OCP e4m3fn) bits (int32 0..255) -> fp32 value (finite codes)."""
     e = (bits >> 3) & 0xF
@@ -114,7 +126,7 @@ def _e4m3(bits):
     return tl.where(bits >= 128, -mag, mag)
 
 
-@triton.jit
+@_device_fn
 def _e4m3_units(bits):
     """E4M3 bits -> the value as an integer number of 2^-9 (|v| <= 448 * 512 < 2^18)."""
     e = (bits >> 3) & 0xF
@@ -123,18 +135,18 @@ def _e4m3_units(bits):
     return tl.where(bits >= 128, -mag, mag)
 
 
-@triton.jit
+@_device_fn
 def _digit(v, IDX: tl.constexpr, N: tl.constexpr):
     """Digit ``IDX`` of ``N`` of the integer ``v``: ``v`` itself when ``N == 1`` (int8 / INT4 codes),
     else the signed base-128 digits of ``|v| < 2^21`` (``v = sum_i digit_i * 128^i``), as int8."""
     if N == 1:
-        return v.to(tl.int8)
+        return v.to(tl.int8)  # already int8 / INT4 codes
     else:
         mag = (tl.abs(v) >> (7 * IDX)) & 127
         return tl.where(v < 0, -mag, mag).to(tl.int8)
 
 
-@triton.jit
+@_device_fn
 def _w_float(we, s_ptr, ts_ptr, rn, rk, mask, n_ok, s_wn, s_sn, WFMT: tl.constexpr, PACK: tl.constexpr,
              GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_TS: tl.constexpr,
              S_RND: tl.constexpr, W_RND: tl.constexpr):
@@ -173,7 +185,16 @@ def _w_float(we, s_ptr, ts_ptr, rn, rk, mask, n_ok, s_wn, s_sn, WFMT: tl.constex
     return tl.where(nm, v, 0.0)
 
 
-@triton.jit
+@_device_fn
+def _mma(a, b, IEEE: tl.constexpr):
+    """``tl.dot``, fp32 accumulation; fp32 operands in IEEE precision (not TF32) when ``IEEE``."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@_device_fn
 def _w_units(we, rn, rk, mask, s_wn, WFMT: tl.constexpr, PACK: tl.constexpr):
     """Integer weight codes ``[BK, BN]`` (int32) for the exact path: INT4 codes, or FP8 values in
     units of 2^-9."""
@@ -216,66 +237,56 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
         row_ok = rm < M
         e = 0
         arow = rm.to(tl.int64)
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_ok = rn < N_OUT
+    rn = pid_n * BN + tl.arange(0, BN)  # output columns
+    if GLU:  # one tile of 2 * BN weight rows, gate and up interleaved: column 2j + p is row j + p * N_OUT
+        c = tl.arange(0, 2 * BN)
+        n_ok = (pid_n * BN + c // 2) < N_OUT
+        wrow = pid_n * BN + c // 2 + (c % 2) * N_OUT
+    else:
+        n_ok = rn < N_OUT
+        wrow = rn
     rk0 = tl.arange(0, BK)
     we = w_ptr + e * s_we
     se = s_ptr + e * s_se
     tse = ts_ptr + e * s_tse
+    NC: tl.constexpr = 2 * BN if GLU else BN
     if EXACT:
-        acc = tl.zeros([BM, BN], tl.int64)
-        acc_u = tl.zeros([BM, BN], tl.int64)
+        acc = tl.zeros([BM, NC], tl.int64)
     else:
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        acc = tl.zeros([BM, NC], tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + rk0
         k_ok = rk < K
-        am = row_ok[:, None] & k_ok[None, :]
         wm = k_ok[:, None] & n_ok[None, :]
-        a = tl.load(a_ptr + arow[:, None] * stride_am + rk[None, :], mask=am, other=0)
+        a = tl.load(a_ptr + arow[:, None] * stride_am + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
         if EXACT:
             if A_DIGITS == 3:
                 a = _e4m3_units(a.to(tl.int32))
-            else:
-                a = a.to(tl.int32)
-            w = _w_units(we, rn, rk, wm, s_wn, WFMT, PACK)
-            if GLU:
-                wu = _w_units(we, rn + N_OUT, rk, wm, s_wn, WFMT, PACK)
+            w = _w_units(we, wrow, rk, wm, s_wn, WFMT, PACK)
             for i in tl.static_range(A_DIGITS):
                 ai = _digit(a, i, A_DIGITS)
                 for j in tl.static_range(W_DIGITS):
                     acc += tl.dot(ai, _digit(w, j, W_DIGITS)).to(tl.int64) << (7 * (i + j))
-                    if GLU:
-                        acc_u += tl.dot(ai, _digit(wu, j, W_DIGITS)).to(tl.int64) << (7 * (i + j))
         else:
-            a = a.to(tl.float32).to(DOT)
-            w = _w_float(we, se, tse, rn, rk, wm, n_ok, s_wn, s_sn, WFMT, PACK, GROUP, SBN, SBK, HAS_TS, S_RND, W_RND)
-            acc += mma(a, w.to(DOT), IEEE)
-            if GLU:
-                wu = _w_float(we, se, tse, rn + N_OUT, rk, wm, n_ok, s_wn, s_sn, WFMT, PACK, GROUP, SBN, SBK,
-                              HAS_TS, S_RND, W_RND)
-                acc_u += mma(a, wu.to(DOT), IEEE)
+            w = _w_float(we, se, tse, wrow, rk, wm, n_ok, s_wn, s_sn, WFMT, PACK, GROUP, SBN, SBK, HAS_TS, S_RND,
+                         W_RND)
+            acc += _mma(a.to(tl.float32).to(DOT), w.to(DOT), IEEE)
     if EXACT:  # acc -> fp32 (one rounding), * s_x[m] * s_w[n]: the reference's order
         sa = tl.load(sa_ptr + arow, mask=row_ok, other=0.0)
-        y = _rnd(acc.to(tl.float32) * UNIT * sa[:, None] * tl.load(se + rn, mask=n_ok, other=0.0)[None, :],
+        y = _rnd(acc.to(tl.float32) * UNIT * sa[:, None] * tl.load(se + wrow, mask=n_ok, other=0.0)[None, :],
                  OUT_RND)
-        if GLU:
-            yu = _rnd(acc_u.to(tl.float32) * UNIT * sa[:, None]
-                      * tl.load(se + rn + N_OUT, mask=n_ok, other=0.0)[None, :], OUT_RND)
     else:
         y = _rnd(acc, OUT_RND)
-        if GLU:
-            yu = _rnd(acc_u, OUT_RND)
     if GLU:  # SiLU in fp32 rounded to the model dtype, then the product rounded (torch's op order)
-        y = _rnd(_rnd(y / (1.0 + tl.exp(-y)), OUT_RND) * yu, OUT_RND)
+        g, u = tl.split(tl.reshape(y, [BM, BN, 2]))
+        y = _rnd(_rnd(g / (1.0 + tl.exp(-g)), OUT_RND) * u, OUT_RND)
     if SCATTER:
         y = y * tl.load(rw_ptr + pair, mask=row_ok, other=0.0)[:, None]
         orow = pair.to(tl.int64)
-        om = row_ok[:, None] & n_ok[None, :]
+        om = row_ok[:, None] & (rn < N_OUT)[None, :]
     else:
         orow = rm.to(tl.int64)
-        om = (rm < M)[:, None] & n_ok[None, :] if GATHER == 0 else n_ok[None, :] & (rm >= 0)[:, None]
+        om = (rm < M)[:, None] & (rn < N_OUT)[None, :] if GATHER == 0 else (rn < N_OUT)[None, :] & (rm >= 0)[:, None]
     tl.store(out_ptr + orow[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=om)
 
 
