@@ -49,7 +49,9 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
     if fmt == "mxfp4":
         return MXFP4Weight(*codecs.mxfp4_quantize(wf))
     if fmt == "fp8-block":
-        return FP8Weight(*codecs.fp8_block_quantize(wf, (16, 32)), block=(16, 32))
+        # 64-wide K blocks: the compiled tiles (BK 64) read one scale per row, the interpreted
+        # ones (BK 128) gather them per element
+        return FP8Weight(*codecs.fp8_block_quantize(wf, (16, 64)), block=(16, 64))
     if fmt == "fp8-chan":
         return FP8Weight(*codecs.fp8_per_channel_quantize(wf))
     if fmt == "fp8-tensor":

@@ -67,7 +67,7 @@ def tiles(fmt: int, n: int, k: int, interpret: bool = INTERPRET) -> tuple[int, i
     per tile op, not per element (the kernel tests run both shapes)."""
     if interpret:
         return BLOCK_M, min(1024, block(n)), min(256, block(k))
-    bk = 32 if fmt in (INT4, MXFP4) else min(64, block(k))
+    bk = 32 if fmt in (INT4, MXFP4) else min(64, block(k))  # FP8: divides the 128-wide scale blocks
     return BLOCK_M, min(64, block(n)), bk
 
 
@@ -147,9 +147,9 @@ def _digit(v, IDX: tl.constexpr, N: tl.constexpr):
 
 
 @_device_fn
-def _w_float(we, s_ptr, ts_ptr, rn, rk, mask, n_ok, s_wn, s_sn, WFMT: tl.constexpr, PACK: tl.constexpr,
+def _w_float(we, s_ptr, ts_ptr, rn, rk, k0, mask, n_ok, s_wn, s_sn, WFMT: tl.constexpr, PACK: tl.constexpr,
              GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_TS: tl.constexpr,
-             S_RND: tl.constexpr, W_RND: tl.constexpr):
+             S_RND: tl.constexpr, W_RND: tl.constexpr, BK: tl.constexpr):
     """Weight tile ``[BK, BN]`` (``W[rn, rk]`` transposed) as fp32 holding model-dtype values, formed
     element by element as ``base.dequantize`` forms them. ``s_ptr`` / ``ts_ptr``: this expert's."""
     nm = mask
@@ -177,7 +177,9 @@ def _w_float(we, s_ptr, ts_ptr, rn, rk, mask, n_ok, s_wn, s_sn, WFMT: tl.constex
         v = _rnd(val * scale, W_RND)
     else:
         bits = tl.load(we + rn[None, :] * s_wn + rk[:, None], mask=nm, other=0).to(tl.int32)
-        if SBK > 0:
+        if SBK > 0 and SBK % BK == 0:  # the K tile lies in one scale block: a row of scales
+            s = tl.load(s_ptr + (rn // SBN) * s_sn + k0 // SBK, mask=n_ok, other=0.0)[None, :]
+        elif SBK > 0:  # (a 2-D gather here fails to compile for gfx942 with triton 3.9; the tiles avoid it)
             s = tl.load(s_ptr + (rn[None, :] // SBN) * s_sn + rk[:, None] // SBK, mask=nm, other=0.0)
         else:
             s = tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -268,8 +270,8 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
                 for j in tl.static_range(W_DIGITS):
                     acc += tl.dot(ai, _digit(w, j, W_DIGITS)).to(tl.int64) << (7 * (i + j))
         else:
-            w = _w_float(we, se, tse, wrow, rk, wm, n_ok, s_wn, s_sn, WFMT, PACK, GROUP, SBN, SBK, HAS_TS, S_RND,
-                         W_RND)
+            w = _w_float(we, se, tse, wrow, rk, k0, wm, n_ok, s_wn, s_sn, WFMT, PACK, GROUP, SBN, SBK, HAS_TS, S_RND,
+                         W_RND, BK)
             acc += _mma(a.to(tl.float32).to(DOT), w.to(DOT), IEEE)
     if EXACT:  # acc -> fp32 (one rounding), * s_x[m] * s_w[n]: the reference's order
         sa = tl.load(sa_ptr + arow, mask=row_ok, other=0.0)
