@@ -21,7 +21,7 @@ from eagle3.runtime.kernels.triton.linear import TritonLinear  # noqa: E402
 from eagle3.runtime.kernels.triton.moe import TritonMoE  # noqa: E402
 from eagle3.runtime.sampling import SamplingParams  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPTS = [[9, 8, 7, 6, 5, 700, 12]]
 MODE = {"w4a8": "fp8", "mxfp4": "mxfp4"}  # the MoE's activation path each recipe records
 

@@ -184,7 +184,7 @@ def _w_float(we, s_ptr, ts_ptr, rn, rk, k0, mask, n_ok, s_wn, s_sn, WFMT: tl.con
         else:
             s = tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
         v = _rnd(_e4m3(bits) * s, W_RND)
-    return tl.where(nm, v, 0.0)
+    return v  # masked lanes hold finite values (loads' ``other``), met by zero activations or not stored
 
 
 @_device_fn
@@ -204,7 +204,7 @@ def _w_units(we, rn, rk, mask, s_wn, WFMT: tl.constexpr, PACK: tl.constexpr):
         q = _int4_codes(we, rn, rk, mask, s_wn, PACK)
     else:
         q = _e4m3_units(tl.load(we + rn[None, :] * s_wn + rk[:, None], mask=mask, other=0).to(tl.int32))
-    return tl.where(mask, q, 0)
+    return q  # masked lanes: finite codes, met by zero activations or not stored
 
 
 @triton.jit
@@ -242,8 +242,9 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
     rn = pid_n * BN + tl.arange(0, BN)  # output columns
     if GLU:  # one tile of 2 * BN weight rows, gate and up interleaved: column 2j + p is row j + p * N_OUT
         c = tl.arange(0, 2 * BN)
-        n_ok = (pid_n * BN + c // 2) < N_OUT
-        wrow = pid_n * BN + c // 2 + (c % 2) * N_OUT
+        col = pid_n * BN + c // 2
+        n_ok = col < N_OUT
+        wrow = col + (c % 2) * N_OUT
     else:
         n_ok = rn < N_OUT
         wrow = rn
@@ -288,7 +289,7 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
         om = row_ok[:, None] & (rn < N_OUT)[None, :]
     else:
         orow = rm.to(tl.int64)
-        om = (rm < M)[:, None] & (rn < N_OUT)[None, :] if GATHER == 0 else (rn < N_OUT)[None, :] & (rm >= 0)[:, None]
+        om = (rm < M)[:, None] & (rn < N_OUT)[None, :] if GATHER == 0 else (rn < N_OUT)[None, :]  # sorted rows: all
     tl.store(out_ptr + orow[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=om)
 
 
