@@ -89,6 +89,10 @@ CASES = [  # (draft, k, engine kwargs)
 def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path, draft: str,
                                                 k: int, kw: dict) -> None:
     target_llm, expected = plain
+    if target_llm.target.kv_cache_spec().dtype == torch.float32 and draft != "kimi-k2.5-eagle3":
+        # interpreter time: every Linear and MoE runs Triton programs now; fp32 keeps the Llama-draft
+        # case, bf16 (the models' dtype) runs them all
+        pytest.skip("fp32 runs the llama-draft case only")
     kw = {"num_blocks": 32, "block_size": 4, **kw}
     llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=k, tokenizer=None, **kw)
     outs = llm.generate(PROMPTS, GREEDY)

@@ -25,7 +25,14 @@ SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx942": 65536, "hip:gfx950": 163840}
 def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
     import triton.language as tl
 
-    from eagle3.runtime.kernels.triton import act_quant, mla_attention, paged_attention, rmsnorm, rotary
+    from eagle3.runtime.kernels.triton import (
+        act_quant,
+        linear,
+        mla_attention,
+        paged_attention,
+        rmsnorm,
+        rotary,
+    )
 
     bf, i32 = "*bf16", "*i32"
     mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32)
@@ -51,6 +58,36 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
          dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32),
          dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
               BLOCK_V=128), ("scale",)),
+    ] + _gemm_cases(linear)
+
+
+def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
+    """The GEMM kernel as the Kimi-K2.5 MoE (hidden 7168, expert width 2048) and attention
+    projections launch it, with the compiled tile shapes."""
+    import triton.language as tl
+
+    def case(label: str, fmt: int, w: str, s: str, n: int, k: int,
+             **kw: Any) -> tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]:
+        bm, bn, bk = linear.tiles(fmt, n, k, interpret=False)
+        exact = kw.get("EXACT", False)
+        a = {1: "*i8", 3: "*u8"}[kw.get("A_DIGITS", 1)] if exact else "*bf16"
+        consts = dict(K=k, WFMT=fmt, PACK=0, GROUP=0, SBN=0, SBK=0, HAS_TS=False, S_RND=0, W_RND=1, OUT_RND=1,
+                      EXACT=False, A_DIGITS=1, W_DIGITS=1, UNIT=1.0, GATHER=0, GLU=False, SCATTER=False,
+                      DOT=tl.bfloat16, IEEE=False, BM=bm, BN=bn, BK=bk)
+        consts.update(kw)
+        ptrs = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=w, s_ptr=s, ts_ptr="*fp32", out_ptr="*fp32" if kw.get("SCATTER")
+                    else "*bf16", rw_ptr="*fp32", rows_ptr="*i32", eid_ptr="*i32")
+        return (label, linear._gemm_kernel, ptrs, consts, ())
+
+    moe1 = dict(GATHER=1, GLU=True)
+    moe2 = dict(GATHER=2, SCATTER=True)
+    return [  # the GLU / gather / scatter variants, the exact two-digit-group path, each weight decode
+        case("gemm moe w13 w4a16 ct g32 7168", linear.INT4, "*i32", "*bf16", 2 * 2048, 7168, PACK=1, GROUP=32,
+             S_RND=1, **moe1),
+        case("gemm moe w2 mxfp4 2048", linear.MXFP4, "*u8", "*u8", 7168, 2048, **moe2),
+        case("gemm moe w13 w4a8 fp8-stage 7168", linear.INT4, "*i32", "*fp32", 2 * 2048, 7168, PACK=2,
+             EXACT=True, A_DIGITS=3, UNIT=2.0 ** -9, **moe1),
+        case("gemm fp8 block 128 7168", linear.FP8, "*u8", "*fp32", 2048, 7168, SBN=128, SBK=128),
     ]
 
 

@@ -1,12 +1,12 @@
 """``backend="triton"``: the runtime's GPU path (Hopper and MI300-class GPUs from one source).
 
-This step implements the weightless ops with Triton kernels: RMSNorm (+ fused residual add),
-rotary, per-token int8 / fp8 activation quantization, MLA attention over the paged latent cache
-and paged MHA / GQA attention. The weighted ops (Linear, MoE) and the small dense products
-(router, MLA absorption ``bmm``) still delegate to the exact torch reference: the fused MoE and
-quantized GEMM kernels come next, on top of the packed canonical weights that land in parallel
-(docs/kernels.md lists what is designed but not built). Every op here keeps the reference's
-batch-invariance contract, so speculative greedy output equals plain greedy output.
+Triton kernels: the weighted ops - quantized and dense GEMMs on the packed canonical weights
+(``linear.py``: W4A16, W4A8 int8 / FP8-stage, MXFP4, FP8, dense) and the fused MoE (``moe.py``) -
+and RMSNorm (+ fused residual add), rotary, per-token int8 / fp8 activation quantization, MLA
+attention over the paged latent cache and paged MHA / GQA attention. The small dense products
+(router, MLA absorption ``bmm``) still delegate to the exact torch reference (docs/kernels.md lists
+what is designed but not built). Every op here keeps the reference's batch-invariance contract,
+so speculative greedy output equals plain greedy output.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported); that is how CI checks them.
@@ -20,18 +20,19 @@ import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.kernels.base import register_backend
+from eagle3.runtime.kernels.base import LinearOp, MoEOp, register_backend
 from eagle3.runtime.kernels.torch_ref import TorchBackend
 from eagle3.runtime.kernels.triton import act_quant, common, mla_attention, paged_attention, rmsnorm, rotary
+from eagle3.runtime.kernels.triton.linear import TritonLinear
+from eagle3.runtime.kernels.triton.moe import TritonMoE
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan, plan_attention
 
 
 class TritonBackend(TorchBackend):
-    """Inherits from the torch reference every op it does not override (below): Linear and MoE,
-    ``matmul`` / ``bmm`` / ``matrix`` (router, MLA absorption), SiLU / sigmoid, ``cos_sin`` (once per
-    forward; the YaRN math stays in layers/rotary.py) and ``write_cache``. The quantized GEMM and
-    fused MoE kernels replace ``linear()`` / ``moe()`` next, once the packed canonical weights land;
-    inheriting keeps this backend complete whatever the interface gains meanwhile."""
+    """Inherits from the torch reference every op it does not override (below): ``matmul`` /
+    ``bmm`` / ``matrix`` (router, MLA absorption), SiLU / sigmoid, ``cos_sin`` (once per forward;
+    the YaRN math stays in layers/rotary.py) and ``write_cache``; inheriting keeps this backend
+    complete whatever the interface gains meanwhile."""
 
     name = "triton"
     batch_invariant = True
@@ -43,6 +44,12 @@ class TritonBackend(TorchBackend):
                              "imported to run its kernels on the CPU")
 
     # -- Triton kernels ----------------------------------------------------------------------
+    def linear(self) -> LinearOp:
+        return TritonLinear()
+
+    def moe(self) -> MoEOp:
+        return TritonMoE()
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm.rms_norm(x, weight, eps)[0]
 

@@ -1,0 +1,105 @@
+"""Fused MoE (``TritonBackend.moe()``): grouped GEMMs over token-expert pairs sorted by expert.
+
+Per call:
+
+1. Align (in torch, as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
+   sorted by expert (stable: token order inside an expert) and each expert's run is padded to a
+   multiple of ``BLOCK_M`` with the sentinel ``T * k``; every block of ``BLOCK_M`` rows belongs to
+   one expert (``expert_ids``).
+2. Grouped GEMM 1 (:func:`linear._gemm_kernel`, ``GATHER=1, GLU``): each program reads its rows'
+   tokens from ``x`` and one expert's gate and up rows (decoded in registers from the packed
+   codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, in sorted order.
+3. Grouped GEMM 2 (``GATHER=2, SCATTER``): the down projection of the sorted rows, rounded to
+   the model dtype, times the pair's routing weight in fp32, written to the pair's own row.
+4. The top-k combine: the fp32 per-pair rows summed over the slots with the reference's op, in
+   slot order, then cast to the model dtype.
+
+Weight formats: as :mod:`linear` (W4A16, W4A8 int8 and FP8-stage exact integer GEMMs, MXFP4,
+FP8, dense). W4A8 activations are quantized per token before GEMM 1 and per sorted row before
+GEMM 2 (``act_quant``); MXFP4 activations are fake-quantized per 32-block as the reference does.
+
+Batch invariance: a pair's row is computed by a fixed-shape tile whatever the other rows of its
+block are (padding rows are zeros and never written), with no split-K, and its combine sums the
+same k values in the same order; so a token's result does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.errors import ShapeError
+from eagle3.runtime.kernels import torch_ref
+from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp
+from eagle3.runtime.kernels.triton import linear
+from eagle3.runtime.kernels.triton.common import widen
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``sorted_ids [P]``: pair index per padded row, ``T * k`` for padding; ``expert_ids
+    [P / block_m]``: the expert of each block of rows). ``P`` is the sum of the per-expert counts
+    rounded up to ``block_m``."""
+    flat = topk_ids.reshape(-1)
+    dev = flat.device
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_start = torch.cumsum(padded, 0) - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    e_sorted = flat[order]
+    dest = pad_start[e_sorted] + torch.arange(order.numel(), device=dev) - cnt_start[e_sorted]
+    total = int(padded.sum())
+    sorted_ids = torch.full((total,), flat.numel(), dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=dev, dtype=torch.int32),
+                                         padded // block_m, output_size=total // block_m)
+    return sorted_ids, expert_ids
+
+
+class TritonMoE(MoEOp):
+    """Routed experts as two grouped GEMMs on the packed expert weights (see the module doc)."""
+
+    def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
+                act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
+        if not (len(gate) == len(up) == len(down)) or not gate:
+            raise ShapeError(f"MoE needs the same number of gate/up/down experts, got {len(gate)}/{len(up)}/{len(down)}")
+        self.num_experts = len(gate)
+        self.dtype = dtype
+        self.mode = linear.check_act(gate[0], act)
+        self.inter, self.hidden = gate[0].shape
+        # gate rows then up rows per expert, as transformers' fused gate_up_proj
+        self.w13 = linear.make_bank([[g, u] for g, u in zip(gate, up, strict=True)], dtype, device)
+        self.w2 = linear.make_bank([[d] for d in down], dtype, device)
+        if self.w2.n != self.hidden or self.w2.k != self.inter:
+            raise ShapeError(f"down experts are [{self.w2.n}, {self.w2.k}], expected [{self.hidden}, {self.inter}]")
+        # one BLOCK_M for both GEMMs: the alignment is shared
+        self.block_m = linear.tiles(self.w13.fmt, self.w13.n, self.w13.k)[0]
+
+    def resident(self) -> list[tuple[str, torch.Tensor]]:
+        return self.w13.resident() + self.w2.resident()
+
+    def _operand(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows as GEMM operand: per-row integer codes + scales (W4A8), else the float rows."""
+        if self.mode in ("int8", "fp8"):
+            return linear.quantize_rows(x, self.mode)
+        if self.mode == "mxfp4":
+            x = torch_ref.mxfp4_qdq(x)
+        return widen(x).contiguous(), None
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        if t == 0:
+            return x.new_empty(0, self.hidden)
+        sorted_ids, expert_ids = align(topk_ids, self.num_experts, self.block_m)
+        total = int(sorted_ids.numel())
+        sdt = linear.store_dtype(self.dtype)
+        a, sa = self._operand(x)
+        inter = torch.empty(total, self.inter, dtype=sdt, device=x.device)
+        linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,
+                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True)
+        a2, sa2 = self._operand(inter.to(self.dtype) if sdt != self.dtype else inter)
+        pair_out = torch.empty(t * k, self.hidden, dtype=torch.float32, device=x.device)
+        rw = topk_weights.float().reshape(-1).contiguous()
+        linear.launch(self.w2, a2, sa2, pair_out, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.hidden,
+                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=2, rw=rw)
+        # the reference's combine: fp32 products (made in the kernel) summed over the slots
+        return pair_out.view(t, k, self.hidden).sum(1).to(self.dtype)

@@ -1,0 +1,61 @@
+"""``LLM(target, backend="triton")`` on targets that ``eagle3 quantize`` wrote (W4A8 and MXFP4
+routed experts; the Moonshot INT4 target is tests/runtime/triton/test_triton_backend_llm.py's):
+every Linear and MoE of target and draft runs the Triton kernels, and greedy speculative decoding
+with the Llama-style and the MLA draft equals plain greedy decoding (so the quantized GEMMs and the
+fused MoE kept batch invariance: verifying k+1 tokens gives the bits of decoding them one by one).
+
+One short prompt, fp32, few tokens: under the interpreter every kernel program is Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eagle3.runtime.engine.llm import LLM  # noqa: E402
+from eagle3.runtime.kernels.triton.backend import TritonBackend  # noqa: E402
+from eagle3.runtime.kernels.triton.linear import TritonLinear  # noqa: E402
+from eagle3.runtime.kernels.triton.moe import TritonMoE  # noqa: E402
+from eagle3.runtime.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPTS = [[9, 8, 7, 6, 5, 700, 12]]
+MODE = {"w4a8": "fp8", "mxfp4": "mxfp4"}  # the MoE's activation path each recipe records
+
+
+def _ops(model: torch.nn.Module) -> list[object]:
+    """The kernel ops of a loaded model (Linear layers' ``op``, MoE layers' ``experts``)."""
+    return [getattr(m, a) for m in model.modules() for a in ("op", "experts") if hasattr(m, a)]
+
+
+@pytest.fixture(scope="module", params=["w4a8", "mxfp4"])
+def target(request: pytest.FixtureRequest, tiny_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, list[list[int]]]:
+    from eagle3.quantize import pipeline
+
+    out = tmp_path_factory.mktemp("triton-q") / request.param
+    pipeline.quantize(str(tiny_dir / "kimi-k2.5"), out, request.param, None, workers=1, engine="native", verify=False,
+                      progress=False)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(out, None, tokenizer=None, backend="triton", dtype=torch.float32, device=dev, num_blocks=16,
+              block_size=4)
+    experts = [op for op in _ops(llm.target) if isinstance(op, TritonMoE)]
+    assert experts and {op.mode for op in experts} == {MODE[request.param]}
+    assert any(isinstance(op, TritonLinear) for op in _ops(llm.target))
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("draft", ["kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"], ids=["llama-draft", "mla-draft"])
+def test_speculative_greedy_equals_plain_greedy(target: tuple[LLM, list[list[int]]], tiny_dir: Path,
+                                                draft: str) -> None:
+    target_llm, expected = target
+    llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=3, tokenizer=None, num_blocks=16,
+              block_size=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats.num_drafts > 0
+    assert isinstance(llm.draft.backend, TritonBackend)
+    assert any(isinstance(op, TritonLinear) for op in _ops(llm.draft))
