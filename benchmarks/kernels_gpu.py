@@ -11,7 +11,7 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
 ``mla_verify``     the same with 4 queries per sequence (EAGLE verify, k = 3)
 ``moe_w4a16``      routed experts, 384 x (gate+up 2 x 2048, down 2048) x hidden 7168, Moonshot INT4
                    group 32, top-8 (random routing); bytes = the experts the batch touches (codes +
-                   scales) + activations. Triton: ``eagle3.runtime.kernels.triton.moe.fused_moe``
+                   scales) + activations. Triton: ``eagle3.runtime.kernels.triton.moe.TritonMoE``
 ``linear_w4a16``   one INT4 group-32 GEMM 7168 -> 4096 (a shared-expert gate+up at W4A8 / INT4 recipes)
                    Triton: ``eagle3.runtime.kernels.triton.linear``
 ``linear_bf16``    the same shape in bf16 (attention / shared-expert projections of the native model)
@@ -69,9 +69,9 @@ HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
 TRITON_KERNEL: dict[str, tuple[str, str]] = {
     "mla_decode": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
     "mla_verify": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
-    "moe_w4a16": ("eagle3.runtime.kernels.triton.moe", "fused_moe"),
-    "linear_w4a16": ("eagle3.runtime.kernels.triton.linear", ""),
-    "linear_bf16": ("eagle3.runtime.kernels.triton.linear", ""),
+    "moe_w4a16": ("eagle3.runtime.kernels.triton.moe", "TritonMoE"),
+    "linear_w4a16": ("eagle3.runtime.kernels.triton.linear", "launch"),
+    "linear_bf16": ("eagle3.runtime.kernels.triton.linear", "launch"),
     "rmsnorm": ("eagle3.runtime.kernels.triton.rmsnorm", "rms_norm"),
     "act_quant_int8": ("eagle3.runtime.kernels.triton.act_quant", "quantize_int8_per_token"),
 }

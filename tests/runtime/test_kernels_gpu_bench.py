@@ -57,6 +57,8 @@ def test_triton_kernels_are_looked_up_by_name(bench) -> None:
         elif attr:
             assert (status is None) == hasattr(importlib.import_module(module), attr)
     assert bench.triton_kernel_status("mla_decode") is None and bench.triton_kernel_status("rmsnorm") is None
+    # every row has its kernel in this tree (the fused MoE and the GEMM included)
+    assert [k for k in bench.TRITON_KERNEL if bench.triton_kernel_status(k) is not None] == []
 
 
 def test_bytes_and_goals(bench) -> None:
