@@ -42,6 +42,8 @@ combine in fp32); attention runs in fp32 with one softmax over the whole context
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -226,6 +228,49 @@ def _check_act(w: LinearWeight, act: ActQuant) -> str:
 LINEAR_SCRATCH_BYTES = 64 * 1024 * 1024  # dense rows of one Linear decoded at once, at most
 MOE_SCRATCH_BYTES = 64 * 1024 * 1024  # dense experts decoded at once (gathered path), at most
 _TILE_ALIGN = 128  # row tiles are multiples of this (FP8 128-row blocks, 8-row INT4 words)
+# Values decoded per pass through the intermediates: a whole 64 MiB tile. Smaller, cache-sized passes
+# were slower on the shared 2-core machine here: each op is an OpenMP region whose sync costs ~10 ms
+# when another job holds a core, so fewer, larger ops win.
+DECODE_PASS_ELEMS = LINEAR_SCRATCH_BYTES // 4
+
+# The per-call scratch, reused across calls (CPU). Decoding into fresh tensors cost more than the
+# decode itself at full width: every 64 MiB tile was a new mmap whose pages the kernel faults in and
+# zeroes (4M minor faults, half the wall time of a decode step of the 2-layer Kimi-K2.5 slice). The
+# buffers belong to the calling thread (the engine, a test, a draft thread never share one) and
+# are bounded by the tile budgets above; they are runtime memory, never a weight.
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused 1-D buffer of ``numel`` elements, named per use so that buffers alive at once
+    never alias; the caller overwrites it before reading it."""
+    bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            buf = torch.empty(numel, dtype=dtype, device=device)
+        bufs[key] = buf
+    return buf[:numel]
+
+
+def _scratch_ok(x: torch.Tensor) -> bool:
+    """Decode into the reused scratch (CPU, no autograd through the ``out=`` GEMMs); elsewhere the
+    per-call tensors (the CUDA caching allocator reuses blocks by itself)."""
+    return x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+
+
+def _round_through(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], name: str) -> None:
+    """Round fp32 ``t`` in place through each of ``dtypes`` in turn (``t.to(d1).to(d2)...`` back in
+    fp32: the casts of a per-call decode, without allocating)."""
+    last = torch.float32
+    for d in dtypes:
+        if d in (torch.float32, last):  # widening to fp32, or rounding twice to one dtype: the identity
+            continue
+        tmp = scratch(name, t.numel(), d, t.device).view(t.shape)
+        tmp.copy_(t)
+        t.copy_(tmp)
+        last = d
 
 
 class _Bank:
@@ -303,6 +348,7 @@ class _Bank:
                 put("scale", "scales", rows(_fp8_channel_scale))
         else:
             raise TypeError(f"not a canonical weight: {type(first).__name__}")
+        self.fast = self._fast_kind()
 
     @property
     def dense_bytes(self) -> int:
@@ -354,6 +400,59 @@ class _Bank:
                                 for e in range(w.shape[0])])
         return (get("weight").float() * get("scale")[..., None]).to(dtype)
 
+    def _fast_kind(self) -> str | None:
+        """The decode :meth:`operand` runs into the scratch (``None``: the generic :meth:`decode`)."""
+        if self.device.type != "cpu":
+            return None
+        if self.kind is DenseWeight:
+            return "dense"
+        if self.kind is MXFP4Weight:
+            return "mxfp4" if self.k % 32 == 0 and self.tensors["packed"].shape[-1] * 2 == self.k else None
+        if (self.kind is Int4Weight and self.packing == "ct" and self.group is not None and not self.row_ts
+                and self.k % 8 == 0 and self.k % self.group == 0 and sys.byteorder == "little"
+                and self.tensors["codes"].dtype == torch.int32
+                and self.tensors["scale"].dtype in (torch.bfloat16, torch.float16, torch.float32)):
+            return "ct"
+        return None
+
+    def operand(self, e: int, rows: tuple[int, int], cd: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` of entry ``e`` as a float GEMM operand ``[r, K]`` in ``cd``: the bits of
+        ``decode(e, rows).to(cd)``. On CPU in fp32 they are decoded into the reused scratch (valid
+        until the next call), the packed formats a few rows at a time through cache-sized
+        intermediates: one pass per op, the same ops and dtypes as :meth:`decode`."""
+        r0, r1 = rows
+        fast = self.fast if cd == torch.float32 else None
+        if fast is None:
+            sel = None if self.num == 1 else torch.tensor([e], device=self.device)
+            return self.decode(sel, rows)[0].to(cd)
+        if fast == "dense":
+            w = self.tensors["weight"][e, r0:r1]
+            if w.dtype == torch.float32:
+                return w
+            out = scratch("operand", w.numel(), torch.float32, self.device).view(w.shape)
+            out.copy_(w)  # the per-call widening, into the reused tile
+            return out
+        k = self.k
+        out = scratch("operand", (r1 - r0) * k, torch.float32, self.device).view(r1 - r0, k)
+        step = max(1, DECODE_PASS_ELEMS // k)
+        if fast == "ct":  # codecs.ct_int4_dequantize: (q - 8) per byte pair from the table, * s in fp32
+            words, sc, lut, g = self.tensors["codes"][e], self.tensors["scale"][e], codecs._CT_PAIR_LUT_I64, self.group
+            casts: tuple[torch.dtype, ...] = (sc.dtype, self.dtype)  # bf16(q * s) as the scale's dtype
+        else:  # codecs.mxfp4_dequantize: E2M1 pairs from the table, * 2^e in fp32
+            words, sc, lut, g = self.tensors["packed"][e], self.tensors["scale"][e], codecs._FP4_PAIR_LUT_I64, 32
+            casts = (self.dtype,)
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            o = out[a - r0: b - r0]
+            byts = words[a:b].reshape(-1).view(torch.uint8)
+            idx = scratch("operand.idx", byts.numel(), torch.int32, self.device)
+            idx.copy_(byts)
+            torch.index_select(lut, 0, idx, out=o.view(-1).view(torch.int64))
+            s = sc[a:b] if fast == "ct" else codecs.e8m0_to_float(sc[a:b])  # (ct: fp32 * bf16 in fp32)
+            o.view(b - a, -1, g).mul_(s.unsqueeze(-1))
+            _round_through(o, casts, "operand.round")
+        return out
+
     def codes(self, sel: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Integer / FP8 codes ``[e, r, K]`` of entries ``sel`` (int8 for INT4, FP8 as stored)."""
         r0, r1 = rows if rows is not None else (0, self.n)
@@ -374,6 +473,25 @@ def _row_tiles(n: int, row_bytes: int, budget: int, align: int = _TILE_ALIGN) ->
         return [(0, n)]
     step = max(align, budget // row_bytes // align * align)
     return [(r, min(n, r + step)) for r in range(0, n, step)]
+
+
+def _bank_gemm(x: torch.Tensor, bank: _Bank, e: int, tiles: list[tuple[int, int]], cd: torch.dtype) -> torch.Tensor:
+    """``x [M, K] @ W_e.T`` of bank entry ``e`` -> ``[M, N]`` in ``x.dtype``: per row tile of the
+    weight, its operand decoded into the scratch and one :func:`mm_rows` GEMM of the same shape,
+    written into its columns of the output (the bits of ``cat([mm_rows(x, W[tile].T) ...])``; the
+    activations are widened and padded once, not per tile)."""
+    m, k = x.shape
+    if m == 0:
+        return x.new_empty(0, bank.n)
+    xp = _pad_rows(x if x.dtype == cd else x.to(cd), ROW_TILE)
+    nb = xp.shape[0] // ROW_TILE
+    xt = xp.view(nb, ROW_TILE, k)
+    out = xp.new_empty(nb, ROW_TILE, bank.n)
+    for r0, r1 in tiles:
+        w = bank.operand(e, (r0, r1), cd)
+        torch.bmm(xt, w.t().expand(nb, k, r1 - r0), out=out[:, :, r0:r1])
+    y = out.view(nb * ROW_TILE, bank.n)[:m]
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +539,7 @@ class TorchLinear(LinearOp):
 
     def _rows(self, x: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
         if self.mode in ("dense", "mxfp4"):
-            return mm_rows(x, self.dense(r).t())
+            return mm_rows(x, self.dense(r).t())  # (the per-call tensors: off CPU, or with autograd)
         assert self.w_scale is not None
         codes = self.bank.codes(None, r)[0]
         if self.mode == "int8":
@@ -431,7 +549,9 @@ class TorchLinear(LinearOp):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "mxfp4":
             x = mxfp4_qdq(x)
-        if len(self.tiles) == 1:
+        if self.mode in ("dense", "mxfp4") and _scratch_ok(x):
+            y = _bank_gemm(x, self.bank, 0, self.tiles, self.cd)
+        elif len(self.tiles) == 1:
             y = self._rows(x, self.tiles[0])
         else:
             y = torch.cat([self._rows(x, r) for r in self.tiles], dim=-1)
@@ -487,6 +607,9 @@ class TorchMoE(MoEOp):
             self.path = ("all" if per_expert * self.num_experts <= _MOE_ALL_BYTES
                          else "gather" if per_expert <= _MOE_GATHER_BYTES else "loop")
             self.chunk = max(1, MOE_SCRATCH_BYTES // per_expert)  # experts decoded at once (gather)
+            # loop path: one expert's rows a tile at a time, as a Linear's (LINEAR_SCRATCH_BYTES)
+            self.tiles13 = _row_tiles(self.w13.n, self.w13.dense_bytes // self.w13.n, LINEAR_SCRATCH_BYTES)
+            self.tiles2 = _row_tiles(self.w2.n, self.w2.dense_bytes // self.w2.n, LINEAR_SCRATCH_BYTES)
         else:  # int8 / fp8 activations: the exact linears, per-channel weights only
             if isinstance(gate[0], Int4Weight):
                 int4_channel_scale(gate[0])  # refuses group scales
@@ -583,6 +706,16 @@ class TorchMoE(MoEOp):
         n_of = counts.tolist()
         active = torch.nonzero(counts).reshape(-1)
         exact = self.mode in ("int8", "fp8")
+        if not exact and _scratch_ok(x):
+            # one expert at a time, its weights decoded a row tile at a time into the scratch
+            for e in active.tolist():
+                idx = slice(starts[e], starts[e] + n_of[e])
+                rows = x[order[idx] // k]
+                if self.mode == "mxfp4":
+                    rows = mxfp4_qdq(rows)
+                h = _bank_gemm(rows, self.w13, e, self.tiles13, self.cd)
+                out[idx] = _bank_gemm(self._act(h), self.w2, e, self.tiles2, self.cd)
+            return out
         for c in range(0, active.numel(), self.chunk if exact else 1):
             sel = active[c: c + (self.chunk if exact else 1)]
             if exact:  # the active experts' codes of a chunk in one decode
