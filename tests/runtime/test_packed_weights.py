@@ -20,7 +20,14 @@ from torch import nn
 
 from eagle3.formats import codecs
 from eagle3.runtime.kernels import torch_ref
-from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, dequantize
+from eagle3.runtime.kernels.base import (
+    DenseWeight,
+    FP8Weight,
+    Int4Weight,
+    MXFP4Weight,
+    dequantize,
+    unpack_int4,
+)
 from eagle3.runtime.layers.attention import MLAAttention
 from eagle3.runtime.layers.linear import Linear
 from eagle3.runtime.layers.moe import MoE
@@ -269,3 +276,49 @@ def test_looped_moe_scratch_gives_the_same_bits(kind: str, monkeypatch: pytest.M
     new = op(x, ids, wts)
     monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
     assert torch.equal(new, op(x, ids, wts))
+
+
+@pytest.mark.parametrize("packing", ["ct", "quark", "quark_order"])
+def test_int4_codes_unpacked_into_the_scratch(packing: str) -> None:
+    """The table unpack of INT4 words gives the codec's codes for every packing and nibble."""
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(-8, 8, (2, 40, 64), generator=g, dtype=torch.int8)
+    words = (codecs.quark_int4_pack(codes, reorder=packing == "quark") if packing != "ct"
+             else torch.stack([codecs.ct_int4_quantize(torch.randn(40, 64, generator=g).bfloat16(), 32)[0]
+                               for _ in range(2)]))
+    ws = [[Int4Weight(words[i], torch.ones(40), None, packing=packing, in_features=64)] for i in range(2)]
+    bank = torch_ref._Bank(ws, torch.bfloat16, torch.device("cpu"))
+    for e in range(2):
+        got = bank.int_codes(e, (8, 40), "test")
+        assert got.dtype == torch.int8 and torch.equal(got, unpack_int4(words[e, 8:40], packing, 64))
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_w4a8_experts_exact_path_gives_the_same_bits(act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W4A8 experts (Quark per-channel INT4, int8 or FP8 activations): the codes unpacked into the
+    scratch and, for FP8 activations, the exact int8-digit GEMMs give the bits of the float64 sums."""
+    e, inter, hidden = 3, 64, 128
+    g = torch.Generator().manual_seed(7)
+
+    def expert(rows: int, cols: int) -> Int4Weight:
+        codes = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        return Int4Weight(codecs.quark_int4_pack(codes), torch.rand(rows, generator=g) / 64 + 1e-3, None,
+                          packing="quark", in_features=cols)
+
+    gate, up, down = ([expert(inter, hidden) for _ in range(e)], [expert(inter, hidden) for _ in range(e)],
+                      [expert(hidden, inter) for _ in range(e)])
+    x = (torch.randn(6, hidden, generator=g) * 3).bfloat16()
+    ids = torch.randint(0, e, (6, 2), generator=g)
+    wts = torch.rand(6, 2, generator=g)
+    op = torch_ref.TorchMoE()
+    op.prepare(gate, up, down, act, torch.bfloat16, torch.device("cpu"))
+    lin = torch_ref.TorchLinear()
+    lin.prepare(gate[0], act, torch.bfloat16, torch.device("cpu"))
+    new = op(x, ids, wts), lin(x), lin(x[:1])
+    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
+    assert torch.equal(new[0], op(x, ids, wts))
+    assert torch.equal(new[1], lin(x)) and torch.equal(new[2], lin(x[:1]))
+    if act == "fp8":  # and the float64 reference itself
+        w64 = gate[0].unpack().to(torch.float64)
+        ref = torch_ref.fp8_linear(x, w64, torch_ref.int4_channel_scale(gate[0])).to(torch.bfloat16)
+        assert torch.equal(new[1], ref)

@@ -41,6 +41,7 @@ combine in fp32); attention runs in fp32 with one softmax over the whole context
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -460,6 +461,45 @@ class _Bank:
         t = t if sel is None else t.index_select(0, sel)
         return unpack_int4(t, self.packing, self.k).to(torch.int8) if self.kind is Int4Weight else t
 
+    def int_codes(self, e: int, rows: tuple[int, int], name: str) -> torch.Tensor:
+        """int8 codes ``[r, K]`` of INT4 entry ``e``, rows ``rows``: ``codes([e], rows)[0]``, on CPU
+        unpacked into the reused scratch ``name`` (valid until its next use) with a 16-bit table:
+        each packed word's two halves give its 8 codes as two gathers and an OR, where the
+        shift-and-mask unpack takes a dozen passes over int64."""
+        r0, r1 = rows
+        words = self.tensors["codes"][e, r0:r1]
+        if (self.device.type != "cpu" or self.packing is None or self.k % 8 or sys.byteorder != "little"
+                or words.dtype != torch.int32):
+            return self.codes(torch.tensor([e], device=self.device), rows)[0]
+        halves = words.reshape(-1).view(torch.uint16)  # low half of each word first (little-endian)
+        idx = scratch(name + ".idx", halves.numel(), torch.int32, self.device)
+        idx.copy_(halves)
+        out = scratch(name, words.numel() * 8, torch.int8, self.device)
+        lo, hi = out.view(torch.int64), scratch(name + ".hi", words.numel(), torch.int64, self.device)
+        lut = _int4_half_lut(self.packing)
+        torch.index_select(lut[0], 0, idx[0::2], out=lo)
+        torch.index_select(lut[1], 0, idx[1::2], out=hi)
+        return lo.bitwise_or_(hi).view(torch.int8).view(r1 - r0, self.k)
+
+
+@functools.cache
+def _int4_half_lut(packing: str) -> torch.Tensor:
+    """``[2, 65536]`` int64 for an INT4 ``packing``: entry ``[h, v]`` holds, as 8 bytes, the int8
+    codes that the low (h=0) / high (h=1) 16 bits ``v`` of a packed word decode to, each at its
+    element's byte and 0 in the bytes of the other half's elements; built from the codec itself."""
+    def word(v: int) -> torch.Tensor:
+        return torch.tensor([[v - (1 << 32) if v >= 1 << 31 else v]], dtype=torch.int32)
+
+    base = unpack_int4(word(0), packing, 8)[0]
+    elem = [int(torch.nonzero(unpack_int4(word(1 << 4 * j), packing, 8)[0] != base)) for j in range(8)]
+    code = torch.tensor([int(unpack_int4(word(n), packing, 8)[0, elem[0]]) for n in range(16)], dtype=torch.int8)
+    v = torch.arange(1 << 16)
+    out = torch.zeros(2, 1 << 16, 8, dtype=torch.int8)
+    for h in range(2):
+        for i in range(4):
+            out[h, :, elem[4 * h + i]] = code[(v >> 4 * i) & 15]
+    return out.view(torch.int64).reshape(2, 1 << 16)
+
 
 def _fp8_channel_scale(w: FP8Weight) -> torch.Tensor:
     s = w.scale.float().reshape(-1)
@@ -520,11 +560,13 @@ class TorchLinear(LinearOp):
             # torch._int_mm on CUDA needs M > 16 (kernel_backends.md 2.3): pad rows there.
             self.min_rows = 17 if device.type == "cuda" else 1
             row_bytes = self.in_features
-        else:  # fp8 activations, INT4 or per-channel FP8 weight: exact float64 accumulation
+        else:  # fp8 activations, INT4 or per-channel FP8 weight: exact accumulation
             if isinstance(weight, Int4Weight):
                 int4_channel_scale(weight)  # refuses group scales
             self.w_scale = self.bank.tensors["scale"][0]
-            row_bytes = 8 * self.in_features
+            self.min_rows = 17 if device.type == "cuda" else 1
+            # INT4: int8 codes and exact int32 digit GEMMs; FP8: the codes in float64
+            row_bytes = self.in_features if isinstance(weight, Int4Weight) else 8 * self.in_features
         block = getattr(self.bank, "block", None)
         align = math.lcm(_TILE_ALIGN, block[0]) if block is not None else _TILE_ALIGN
         self.tiles = _row_tiles(self.out_features, row_bytes, LINEAR_SCRATCH_BYTES, align)
@@ -541,9 +583,12 @@ class TorchLinear(LinearOp):
         if self.mode in ("dense", "mxfp4"):
             return mm_rows(x, self.dense(r).t())  # (the per-call tensors: off CPU, or with autograd)
         assert self.w_scale is not None
-        codes = self.bank.codes(None, r)[0]
+        int4 = self.bank.kind is Int4Weight
+        codes = self.bank.int_codes(0, r, "codes") if int4 and _scratch_ok(x) else self.bank.codes(None, r)[0]
         if self.mode == "int8":
             return int8_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
+        if int4 and x.device.type == "cpu":
+            return fp8_int4_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
         return fp8_linear(x, codes.to(torch.float64), self.w_scale[r[0]: r[1]]).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -567,6 +612,30 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min
         q = F.pad(q, (0, 0, 0, min_rows - m))
     acc = torch._int_mm(q, codes.t())[:m]
     return acc.float() * sx[:, None] * w_scale[None, :]
+
+
+def fp8_int4_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """:func:`fp8_linear` for int8 INT4 ``codes [N, K]``, without widening them to float64: an E4M3
+    value times 2^9 is an integer below 2^18 (3 mantissa bits, exponents -9..8), split here into
+    three int8 digits (base 2^7); each digit's int32 GEMM with the codes is exact (|sum| < 127 * 8 *
+    K), and so is their sum in int64. That is the exact sum fp8_linear forms in float64 (x 2^9, also
+    exact), so the result has its bits."""
+    m, k = x.shape
+    if k >= 1 << 20:  # (the int32 digit sums could overflow)
+        return fp8_linear(x, codes.to(torch.float64), w_scale)
+    q, sx = quantize_fp8_per_token(x)
+    xi = (q.float() * 512).to(torch.int32)  # exact integers
+    d2 = xi >> 14  # [-14, 14]
+    r = xi - (d2 << 14)  # [0, 2^14)
+    acc: torch.Tensor | None = None
+    for d, shift in ((d2, 14), (r >> 7, 7), (r & 127, 0)):
+        a = d.to(torch.int8)
+        if m < min_rows:
+            a = F.pad(a, (0, 0, 0, min_rows - m))
+        part = torch._int_mm(a, codes.t())[:m].to(torch.int64) << shift
+        acc = part if acc is None else acc.add_(part)
+    assert acc is not None
+    return (acc.to(torch.float64) / 512).float() * sx[:, None] * w_scale[None, :]
 
 
 def fp8_linear(x: torch.Tensor, w64: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -716,6 +785,16 @@ class TorchMoE(MoEOp):
                 h = _bank_gemm(rows, self.w13, e, self.tiles13, self.cd)
                 out[idx] = _bank_gemm(self._act(h), self.w2, e, self.tiles2, self.cd)
             return out
+        if exact and self.w13.kind is Int4Weight and _scratch_ok(x):
+            # one expert at a time, its int8 codes unpacked into the scratch (no float64 widening)
+            s13, s2 = self.w13.tensors["scale"], self.w2.tensors["scale"]
+            for e in active.tolist():
+                idx = slice(starts[e], starts[e] + n_of[e])
+                rows = x[order[idx] // k]
+                h = self._exact_int4(rows, self.w13.int_codes(e, (0, self.w13.n), "codes13"), s13[e])
+                g, u = h.split(self.inter, dim=-1)
+                out[idx] = self._exact_int4(silu(g) * u, self.w2.int_codes(e, (0, self.w2.n), "codes2"), s2[e])
+            return out
         for c in range(0, active.numel(), self.chunk if exact else 1):
             sel = active[c: c + (self.chunk if exact else 1)]
             if exact:  # the active experts' codes of a chunk in one decode
@@ -739,6 +818,11 @@ class TorchMoE(MoEOp):
                     g, u = h.split(self.inter, dim=-1)
                     out[idx] = self._exact(silu(g) * u, c2[i], s2[i])
         return out
+
+    def _exact_int4(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            return int8_linear(x, codes, scale, self.min_rows).to(self.dtype)
+        return fp8_int4_linear(x, codes, scale, self.min_rows).to(self.dtype)
 
     def _exact(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.mode == "int8":
