@@ -240,6 +240,9 @@ DECODE_PASS_ELEMS = LINEAR_SCRATCH_BYTES // 4
 # buffers belong to the calling thread (the engine, a test, a draft thread never share one) and
 # are bounded by the tile budgets above; they are runtime memory, never a weight.
 _SCRATCH = threading.local()
+# False: decode into per-call tensors instead, the behaviour before the scratch (the same bits, slower);
+# benchmarks/decode_ab.py times the two against each other.
+REUSE_SCRATCH = True
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -258,7 +261,7 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
 def _scratch_ok(x: torch.Tensor) -> bool:
     """Decode into the reused scratch (CPU, no autograd through the ``out=`` GEMMs); elsewhere the
     per-call tensors (the CUDA caching allocator reuses blocks by itself)."""
-    return x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+    return REUSE_SCRATCH and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
 
 
 def _round_through(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], name: str) -> None:
