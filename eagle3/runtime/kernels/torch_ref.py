@@ -215,12 +215,14 @@ def _check_act(w: LinearWeight, act: ActQuant) -> str:
 # ---------------------------------------------------------------------------------------------
 #
 # Quantized weights stay as they are on disk (codes + scales); every call decodes the values it
-# needs into a per-call scratch, with the same codec functions, the same op order and the same
-# dtypes as a load-time decode, so the GEMMs see bit-identical operands. The scratch is bounded:
-# one Linear's weight (or a tile of LINEAR_SCRATCH_BYTES of its rows), the experts of one MoE
-# layer when they are smaller than _MOE_ALL_BYTES together, else the active experts in chunks of
-# at most MOE_SCRATCH_BYTES, or one expert at a time. Dense weights are kept in the model dtype;
-# on CPU they are widened to fp32 (compute_dtype) per call the same way.
+# needs into a scratch, with the same codec tables, the same op order and the same dtypes as a
+# load-time decode, so the GEMMs see bit-identical operands. On CPU the scratch is a set of buffers
+# reused from call to call (:func:`scratch`; ``REUSE_SCRATCH``), elsewhere per-call tensors. It is
+# bounded: one Linear's weight (or a tile of LINEAR_SCRATCH_BYTES of its rows), the experts of one
+# MoE layer when they are smaller than _MOE_ALL_BYTES together, else the active experts in chunks
+# of at most MOE_SCRATCH_BYTES, or one expert at a time, a row tile at a time (full-width experts).
+# Dense weights are kept in the model dtype; on CPU they are widened to fp32 (compute_dtype) per
+# call the same way. The FP8-activation GEMM of INT4 codes is exact in int8 digits (fp8_int4_linear).
 #
 # Row tiles: a GEMM over a tile of weight rows gives the same bits as those output columns of the
 # whole GEMM (measured for MKL here, 1 and 2 threads, K 128..7168, tiles of 64..2048 rows); tiles
@@ -422,8 +424,7 @@ class _Bank:
     def operand(self, e: int, rows: tuple[int, int], cd: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` of entry ``e`` as a float GEMM operand ``[r, K]`` in ``cd``: the bits of
         ``decode(e, rows).to(cd)``. On CPU in fp32 they are decoded into the reused scratch (valid
-        until the next call), the packed formats a few rows at a time through cache-sized
-        intermediates: one pass per op, the same ops and dtypes as :meth:`decode`."""
+        until the next call) with the same ops and dtypes as :meth:`decode`, one pass per op."""
         r0, r1 = rows
         fast = self.fast if cd == torch.float32 else None
         if fast is None:
