@@ -8,6 +8,7 @@ Errors meant for users (:class:`eagle3.errors.Eagle3Error`) print as one line an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -153,6 +154,15 @@ def plan(
 
     Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
     """
+    _print_plan(target, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction, draft=draft,
+                kv_cache_dtype=kv_cache_dtype, reserve=reserve, embedding=embedding, recipe=recipe, scope=scope,
+                max_model_len=max_model_len, report=report, json_out=json_out)
+
+
+def _print_plan(target: str, *, gpus: int, gpu: str | None, gpu_memory: str | None, memory_fraction: float,
+                draft: str | None, kv_cache_dtype: str, reserve: str, embedding: str, recipe: str | None,
+                scope: str | None, max_model_len: int | None, report: Path | None, json_out: bool) -> None:
+    """`eagle3 plan` and `eagle3 serve --dry-run --plan`: one accounting (eagle3.runtime.plan)."""
     from eagle3 import hub
     from eagle3.runtime import plan as plan_mod
     from eagle3.serve.launcher import parse_bytes
@@ -410,6 +420,10 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option(help=_ENFORCE_EAGER_HELP)] = False,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
+    gpu: Annotated[str | None, typer.Option(help="--plan: h100|h200|mi300x|mi325x|mi355x.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="--plan: memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
+    memory_fraction: Annotated[float, typer.Option(help="--plan: fraction of each GPU's memory the runtime may use.")] = 0.9,
 ) -> None:
     """Serve TARGET (+ EAGLE-3 draft) over an OpenAI-compatible API, validate it, or hand off.
 
@@ -421,11 +435,26 @@ def serve(
 
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
 
+    eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
+
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
     /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
     """
     from eagle3.errors import UsageError
 
+    if plan:
+        # The same projection as `eagle3 plan`, for the serve command's own target, draft, GPU count
+        # and context length; printed first (stdout for --dry-run, else stderr before the load).
+        kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
+        with contextlib.redirect_stdout(sys.stdout if dry_run else sys.stderr):
+            _print_plan(str(target), gpus=tensor_parallel_size, gpu=gpu, gpu_memory=gpu_memory,
+                        memory_fraction=memory_fraction, draft=None if draft is None else str(draft),
+                        kv_cache_dtype=kv, reserve="4GiB", embedding="replicated", recipe=None, scope=None,
+                        max_model_len=max_model_len, report=None, json_out=False)
+        if dry_run and engine is None:
+            return
+    elif gpu is not None or gpu_memory is not None:
+        raise UsageError("--gpu / --gpu-memory go with --plan")
     if engine is not None:
         from eagle3.serve import engines
 
@@ -441,7 +470,7 @@ def serve(
             raise typer.Exit(engines.run(cmd))
         return
     if dry_run:
-        raise UsageError("--dry-run goes with --engine vllm|sglang|atom")
+        raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
     from eagle3.serve import launcher
 
     eopts = launcher.EngineOptions(

@@ -130,7 +130,10 @@ def linear_tensors(module: str, n: int, k: int, fmt: LinearFormat) -> list[Tenso
         b0, b1 = fmt.block or (128, 128)
         return [t("weight", "F8_E4M3", n, k), t("weight_scale_inv", "F32", _ceil(n, b0), _ceil(k, b1))]
     if s == QUARK_W4A8:
-        return [t("weight", "I32", n, _ceil(k, 8)), t("weight_scale", "F32"), t("weight_scale_2", "F32", n)]
+        out = [t("weight", "I32", n, _ceil(k, 8)), t("weight_scale", "F32"), t("weight_scale_2", "F32", n)]
+        if fmt.zero_point:  # the INT4 stage's zero points (all 0, symmetric) when the export writes them
+            out.append(t("weight_zero_point_2", "I32", _ceil(n, 8)))
+        return out
     if s == QUARK_INT4:
         if fmt.qscheme == "per_group":
             g = fmt.group_size or 32

@@ -166,25 +166,19 @@ def decode(tensors: dict[str, torch.Tensor], spec: WeightSpec, shape: tuple[int,
 
 
 def expected_shapes(spec: WeightSpec, shape: tuple[int, int], zero_point: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The exported tensors of one module: {suffix: (shape, dtype)} (Quark's export layout)."""
+    """The exported tensors of one module: {suffix: (shape, dtype)} (Quark's export layout). The layout
+    is :func:`eagle3.formats.sizing.linear_tensors`'s, the one ``eagle3 plan`` sizes checkpoints with."""
+    from eagle3.checkpoint import dtype_from_tag
+    from eagle3.formats import sizing
+
     n, k = shape
-    f32 = torch.float32
     if spec.format == "fp8_int4":
-        out = {keys.WEIGHT: ((n, (k + 7) // 8), torch.int32), keys.SCALE: ((), f32), keys.SCALE_2: ((n,), f32)}
-        if zero_point:
-            out[keys.ZERO_POINT_2] = (((n + 7) // 8,), torch.int32)
-        return out
-    if spec.format == "mxfp4":
-        return {keys.WEIGHT: ((n, k // 2), torch.uint8), keys.SCALE: ((n, k // 32), torch.uint8)}
-    if spec.format == "fp8":
-        return {keys.WEIGHT: ((n, k), torch.float8_e4m3fn), keys.SCALE: (((n,) if spec.qscheme == "per_channel" else ()), f32)}
-    if spec.qscheme == "per_channel":
-        out = {keys.WEIGHT: ((n, (k + 7) // 8), torch.int32), keys.SCALE: ((n,), f32)}
-        if zero_point:
-            out[keys.ZERO_POINT] = (((n + 7) // 8,), torch.int32)
-        return out
-    g = int(spec.group_size or 0)
-    out = {keys.WEIGHT: ((k, (n + 7) // 8), torch.int32), keys.SCALE: ((k // g, n), f32)}
-    if zero_point:
-        out[keys.ZERO_POINT] = ((k // g, (n + 7) // 8), torch.int32)
-    return out
+        fmt = sizing.LinearFormat(sizing.QUARK_W4A8, qscheme="per_channel", zero_point=zero_point)
+    elif spec.format == "mxfp4":
+        fmt = sizing.LinearFormat(sizing.QUARK_MXFP4, group_size=32, qscheme="per_group")
+    elif spec.format == "fp8":
+        fmt = sizing.LinearFormat(sizing.QUARK_FP8, qscheme=spec.qscheme)
+    else:
+        fmt = sizing.LinearFormat(sizing.QUARK_INT4, qscheme=spec.qscheme, group_size=spec.group_size,
+                                  zero_point=zero_point)
+    return {t.name[2:]: (t.shape, dtype_from_tag(t.dtype)) for t in sizing.linear_tensors("m", n, k, fmt)}

@@ -315,6 +315,52 @@ class TPWorkers:
             raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {err}") from None
         return dev
 
+    def start_driver_rank(self, device: torch.device) -> torch.device:
+        """Join the group in a background thread, so that the driver loads its shard while the workers
+        start (spawn, import torch, connect): the rendezvous waits for the slowest worker to start,
+        which took as long as a TP=2 rank's load of the full-width slice here. :meth:`join_driver_rank`
+        waits for it."""
+        dev = _rank_device(device, 0)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # (the current device is per thread)
+        self._rdv_error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                init_rank(0, self.world, self.port, dev)
+            except BaseException as err:  # noqa: BLE001 - re-raised by join_driver_rank
+                self._rdv_error = err
+
+        self._rdv = threading.Thread(target=run, name="eagle3-tp-rendezvous", daemon=True)
+        self._rdv.start()
+        return dev
+
+    def join_driver_rank(self) -> None:
+        """Wait for :meth:`start_driver_rank`'s rendezvous; a worker that exits meanwhile fails it at
+        once instead of after the rendezvous timeout."""
+        while self._rdv.is_alive():
+            self._rdv.join(0.2)
+            for rank, p in enumerate(self.procs, start=1):
+                if self._rdv.is_alive() and not p.is_alive():
+                    err = self._worker_error(rank)
+                    self.close()
+                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited before joining the group: {err}")
+        if self._rdv_error is not None:
+            self.close()
+            raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {self._rdv_error}")
+
+    def _worker_error(self, rank: int) -> str:
+        """What a worker that exited reported (or its exit code)."""
+        p, c = self.procs[rank - 1], self.conns[rank - 1]
+        try:
+            if c.poll(0):
+                kind, info = c.recv()
+                if kind == "error":
+                    return str(info)
+        except (EOFError, OSError):
+            pass
+        return f"exit code {p.exitcode}"
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for rank, (p, c) in enumerate(zip(self.procs, self.conns, strict=True), start=1):

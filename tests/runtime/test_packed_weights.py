@@ -20,7 +20,14 @@ from torch import nn
 
 from eagle3.formats import codecs
 from eagle3.runtime.kernels import torch_ref
-from eagle3.runtime.kernels.base import FP8Weight, Int4Weight
+from eagle3.runtime.kernels.base import (
+    DenseWeight,
+    FP8Weight,
+    Int4Weight,
+    MXFP4Weight,
+    dequantize,
+    unpack_int4,
+)
 from eagle3.runtime.layers.attention import MLAAttention
 from eagle3.runtime.layers.linear import Linear
 from eagle3.runtime.layers.moe import MoE
@@ -204,3 +211,114 @@ def test_moe_decodes_only_routed_experts_with_the_same_bits() -> None:
     wts = torch.rand(5, 2, generator=g)
     alone = op(x[:1], ids[:1], wts[:1])  # 2 of 8 experts decoded
     assert torch.equal(alone, op(x, ids, wts)[:1])
+
+
+def _weights(n: int, k: int, seed: int) -> dict[str, Any]:
+    """One weight of every canonical kind, [n, k], from the same random floats."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    packed, scale = codecs.ct_int4_quantize(w.bfloat16(), 32)
+    fp4, e8 = codecs.mxfp4_quantize(w)
+    q8, s8 = codecs.fp8_block_quantize(w)
+    codes = torch.randint(-8, 8, (n, k), generator=g)
+    return {"bf16": DenseWeight(w.bfloat16()),
+            "int4-ct": Int4Weight(packed, scale, 32, packing="ct", in_features=k),
+            "mxfp4": MXFP4Weight(fp4, e8),
+            "int4-quark-g32": Int4Weight(codecs.quark_int4_pack(codes), scale, 32, packing="quark", in_features=k),
+            "fp8-block": FP8Weight(q8, s8, block=(128, 128))}
+
+
+KINDS = ["bf16", "int4-ct", "mxfp4", "int4-quark-g32", "fp8-block"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scratch_decode_gives_the_bits_of_the_dequantized_weight(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the packed weight is decoded into a reused scratch, a row tile at a time: a bf16 Linear's
+    output is bit-identical to the per-call decode it replaced and to the GEMM over the load-time
+    dequantized weight, call after call (the scratch holds nothing over)."""
+    n, k = 384, 256
+    wt = _weights(n, k, 3)[kind]
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(4)).bfloat16()  # 2 row tiles
+    cpu = torch.device("cpu")
+    whole = torch_ref.TorchLinear()
+    whole.prepare(wt, None, torch.bfloat16, cpu)
+    ref = torch_ref.mm_rows(x, dequantize(wt, torch.bfloat16).float().t())
+    assert torch.equal(whole(x), ref) and torch.equal(whole(x[:1]), ref[:1])
+    with monkeypatch.context() as mp:
+        mp.setattr(torch_ref, "LINEAR_SCRATCH_BYTES", 128 * k * 4)  # 128 rows of fp32
+        tiled = torch_ref.TorchLinear()
+        tiled.prepare(wt, None, torch.bfloat16, cpu)
+    assert len(tiled.tiles) == 3
+    new = [tiled(x), tiled(x[3:4]), whole(x)]
+    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)  # the per-call tensors
+    assert torch.equal(new[0], tiled(x)) and torch.equal(new[0], ref)
+    assert torch.equal(new[1], ref[3:4]) and torch.equal(new[2], ref)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4-ct", "mxfp4", "int4-quark-g32"])
+def test_looped_moe_scratch_gives_the_same_bits(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts too big to gather (the full-width case) run one at a time, their gate/up rows in row
+    tiles through the scratch: the same bits as decoding each whole expert per call."""
+    e, inter, hidden = 4, 128, 256
+    gate = [_weights(inter, hidden, 10 + i)[kind] for i in range(e)]
+    up = [_weights(inter, hidden, 20 + i)[kind] for i in range(e)]
+    down = [_weights(hidden, inter, 30 + i)[kind] for i in range(e)]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, hidden, generator=g).bfloat16()
+    ids = torch.randint(0, e, (7, 2), generator=g)
+    wts = torch.rand(7, 2, generator=g)
+    monkeypatch.setattr(torch_ref, "_MOE_ALL_BYTES", 0)
+    monkeypatch.setattr(torch_ref, "_MOE_GATHER_BYTES", 0)
+    monkeypatch.setattr(torch_ref, "LINEAR_SCRATCH_BYTES", 128 * hidden * 4)
+    op = torch_ref.TorchMoE()
+    op.prepare(gate, up, down, None, torch.bfloat16, torch.device("cpu"))
+    assert op.path == "loop" and len(op.tiles13) == 2
+    new = op(x, ids, wts)
+    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
+    assert torch.equal(new, op(x, ids, wts))
+
+
+@pytest.mark.parametrize("packing", ["ct", "quark", "quark_order"])
+def test_int4_codes_unpacked_into_the_scratch(packing: str) -> None:
+    """The table unpack of INT4 words gives the codec's codes for every packing and nibble."""
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(-8, 8, (2, 40, 64), generator=g, dtype=torch.int8)
+    words = (codecs.quark_int4_pack(codes, reorder=packing == "quark") if packing != "ct"
+             else torch.stack([codecs.ct_int4_quantize(torch.randn(40, 64, generator=g).bfloat16(), 32)[0]
+                               for _ in range(2)]))
+    ws = [[Int4Weight(words[i], torch.ones(40), None, packing=packing, in_features=64)] for i in range(2)]
+    bank = torch_ref._Bank(ws, torch.bfloat16, torch.device("cpu"))
+    for e in range(2):
+        got = bank.int_codes(e, (8, 40), "test")
+        assert got.dtype == torch.int8 and torch.equal(got, unpack_int4(words[e, 8:40], packing, 64))
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_w4a8_experts_exact_path_gives_the_same_bits(act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W4A8 experts (Quark per-channel INT4, int8 or FP8 activations): the codes unpacked into the
+    scratch and, for FP8 activations, the exact int8-digit GEMMs give the bits of the float64 sums."""
+    e, inter, hidden = 3, 64, 128
+    g = torch.Generator().manual_seed(7)
+
+    def expert(rows: int, cols: int) -> Int4Weight:
+        codes = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        return Int4Weight(codecs.quark_int4_pack(codes), torch.rand(rows, generator=g) / 64 + 1e-3, None,
+                          packing="quark", in_features=cols)
+
+    gate, up, down = ([expert(inter, hidden) for _ in range(e)], [expert(inter, hidden) for _ in range(e)],
+                      [expert(hidden, inter) for _ in range(e)])
+    x = (torch.randn(6, hidden, generator=g) * 3).bfloat16()
+    ids = torch.randint(0, e, (6, 2), generator=g)
+    wts = torch.rand(6, 2, generator=g)
+    op = torch_ref.TorchMoE()
+    op.prepare(gate, up, down, act, torch.bfloat16, torch.device("cpu"))
+    lin = torch_ref.TorchLinear()
+    lin.prepare(gate[0], act, torch.bfloat16, torch.device("cpu"))
+    new = op(x, ids, wts), lin(x), lin(x[:1])
+    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
+    assert torch.equal(new[0], op(x, ids, wts))
+    assert torch.equal(new[1], lin(x)) and torch.equal(new[2], lin(x[:1]))
+    if act == "fp8":  # and the float64 reference itself
+        w64 = gate[0].unpack().to(torch.float64)
+        ref = torch_ref.fp8_linear(x, w64, torch_ref.int4_channel_scale(gate[0])).to(torch.bfloat16)
+        assert torch.equal(new[1], ref)

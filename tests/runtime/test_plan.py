@@ -130,6 +130,34 @@ def test_plan_cli_text_on_the_real_config(tmp_path: Path, capsys: pytest.Capture
     assert "routed experts" in out and "expert parallel" in out and "fits        yes" in out
 
 
+def test_serve_dry_run_plan_prints_the_same_projection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`eagle3 serve --dry-run --plan` is `eagle3 plan` for the serve command's target, draft and
+    --tensor-parallel-size GPUs, from the config alone (no weights beside it); nothing is loaded."""
+    cfg_only = tmp_path / "kimi"
+    cfg_only.mkdir()
+    shutil.copy(KIMI / "config.json", cfg_only / "config.json")
+    code, served, _ = _main(capsys, "serve", str(cfg_only), "--dry-run", "--plan", "--tensor-parallel-size", "8",
+                            "--gpu", "h200", "--max-model-len", "131072")
+    assert code == 0
+    code, planned, _ = _main(capsys, "plan", str(cfg_only), "--gpus", "8", "--gpu", "h200", "--max-model-len", "131072")
+    assert code == 0 and served == planned
+    assert "8 x NVIDIA H200" in served and "fits        yes" in served and "131072-token sequences" in served
+    # the draft is part of the plan (replicated); fp8 KV cache as serve spells it
+    draft = Path(__file__).parent / "data" / "kimi-k2.5-eagle3"
+    code, served, _ = _main(capsys, "serve", str(cfg_only), "--draft", str(draft), "--dry-run", "--plan",
+                            "--tensor-parallel-size", "8", "--gpu-memory", "141GiB", "--kv-cache-dtype", "fp8_e4m3")
+    code2, planned, _ = _main(capsys, "plan", str(cfg_only), "--draft", str(draft), "--gpus", "8",
+                              "--gpu-memory", "141GiB", "--kv-cache-dtype", "fp8")
+    assert code == code2 == 0 and served == planned and "draft" in served
+    # one-line errors: a GPU without --plan, --dry-run with neither --engine nor --plan, no GPU memory
+    code, _, err = _main(capsys, "serve", str(cfg_only), "--gpu", "h200")
+    assert code == 2 and err.strip() == "error: --gpu / --gpu-memory go with --plan"
+    code, _, err = _main(capsys, "serve", str(cfg_only), "--dry-run")
+    assert code == 2 and err.strip() == "error: --dry-run goes with --engine vllm|sglang|atom or --plan"
+    code, _, err = _main(capsys, "serve", str(cfg_only), "--dry-run", "--plan")
+    assert code == 2 and "give --gpu" in err
+
+
 def test_plan_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _main(capsys, "plan", str(KIMI), "--gpu", "tpu")
     assert code == 2 and err.strip() == ("error: --gpu 'tpu': choose from h100, h200, mi300x, mi325x, mi355x "

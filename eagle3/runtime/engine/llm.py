@@ -147,10 +147,15 @@ class LLM:
         self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
         self.kernel_backend: str = getattr(getattr(self.target, "backend", None), "name", backend)
         self.enforce_eager = bool(enforce_eager)
-        self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
-        self.k = self.config.num_speculative_tokens if self.draft is not None else 0
-        self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
-        self.eos_ids = self._eos_ids()
+        try:
+            self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
+            self.k = self.config.num_speculative_tokens if self.draft is not None else 0
+            self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
+            self.eos_ids = self._eos_ids()
+        except BaseException:
+            self.close()
+            raise
+        self._join_workers()
         self.max_model_len = self.config.max_model_len or int(
             getattr(getattr(self.target, "spec", None), "max_position_embeddings", 0) or _DEFAULT_MAX_MODEL_LEN)
 
@@ -214,17 +219,29 @@ class LLM:
             raise UsageError(f"tensor_parallel_size={world} needs {world} GPUs from {self.device}; "
                              f"{torch.cuda.device_count()} visible")
         workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend}, self.device)
+        # The driver loads its shard while the workers start and join the group; the workers' own
+        # loads overlap the driver's draft and tokenizer loads, waited for in __init__ (_join_workers).
         try:
-            self.device = workers.init_driver_rank(self.device)
+            self.device = workers.start_driver_rank(self.device)
             model = load_target(Path(target), dtype=dtype, device=self.device, backend=backend,
                                 tp=TPGroup(0, world))
-            workers.wait_ready()
+            workers.join_driver_rank()
         except BaseException:
             workers.close()
             raise
         self._workers = workers
         self._finalizer = weakref.finalize(self, workers.close)
         return TPTarget(model, workers)  # type: ignore[return-value]
+
+    def _join_workers(self) -> None:
+        """Wait until every tensor-parallel worker has loaded its shard (stops them on failure)."""
+        if self._workers is None:
+            return
+        try:
+            self._workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op at tensor_parallel_size 1). Also at exit."""

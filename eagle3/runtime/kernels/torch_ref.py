@@ -41,7 +41,10 @@ combine in fp32); attention runs in fp32 with one softmax over the whole context
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -212,12 +215,14 @@ def _check_act(w: LinearWeight, act: ActQuant) -> str:
 # ---------------------------------------------------------------------------------------------
 #
 # Quantized weights stay as they are on disk (codes + scales); every call decodes the values it
-# needs into a per-call scratch, with the same codec functions, the same op order and the same
-# dtypes as a load-time decode, so the GEMMs see bit-identical operands. The scratch is bounded:
-# one Linear's weight (or a tile of LINEAR_SCRATCH_BYTES of its rows), the experts of one MoE
-# layer when they are smaller than _MOE_ALL_BYTES together, else the active experts in chunks of
-# at most MOE_SCRATCH_BYTES, or one expert at a time. Dense weights are kept in the model dtype;
-# on CPU they are widened to fp32 (compute_dtype) per call the same way.
+# needs into a scratch, with the same codec tables, the same op order and the same dtypes as a
+# load-time decode, so the GEMMs see bit-identical operands. On CPU the scratch is a set of buffers
+# reused from call to call (:func:`scratch`; ``REUSE_SCRATCH``), elsewhere per-call tensors. It is
+# bounded: one Linear's weight (or a tile of LINEAR_SCRATCH_BYTES of its rows), the experts of one
+# MoE layer when they are smaller than _MOE_ALL_BYTES together, else the active experts in chunks
+# of at most MOE_SCRATCH_BYTES, or one expert at a time, a row tile at a time (full-width experts).
+# Dense weights are kept in the model dtype; on CPU they are widened to fp32 (compute_dtype) per
+# call the same way. The FP8-activation GEMM of INT4 codes is exact in int8 digits (fp8_int4_linear).
 #
 # Row tiles: a GEMM over a tile of weight rows gives the same bits as those output columns of the
 # whole GEMM (measured for MKL here, 1 and 2 threads, K 128..7168, tiles of 64..2048 rows); tiles
@@ -226,6 +231,52 @@ def _check_act(w: LinearWeight, act: ActQuant) -> str:
 LINEAR_SCRATCH_BYTES = 64 * 1024 * 1024  # dense rows of one Linear decoded at once, at most
 MOE_SCRATCH_BYTES = 64 * 1024 * 1024  # dense experts decoded at once (gathered path), at most
 _TILE_ALIGN = 128  # row tiles are multiples of this (FP8 128-row blocks, 8-row INT4 words)
+# Values decoded per pass through the intermediates: a whole 64 MiB tile. Smaller, cache-sized passes
+# were slower on the shared 2-core machine here: each op is an OpenMP region whose sync costs ~10 ms
+# when another job holds a core, so fewer, larger ops win.
+DECODE_PASS_ELEMS = LINEAR_SCRATCH_BYTES // 4
+
+# The per-call scratch, reused across calls (CPU). Decoding into fresh tensors cost more than the
+# decode itself at full width: every 64 MiB tile was a new mmap whose pages the kernel faults in and
+# zeroes (4M minor faults, half the wall time of a decode step of the 2-layer Kimi-K2.5 slice). The
+# buffers belong to the calling thread (the engine, a test, a draft thread never share one) and
+# are bounded by the tile budgets above; they are runtime memory, never a weight.
+_SCRATCH = threading.local()
+# False: decode into per-call tensors instead, the behaviour before the scratch (the same bits, slower);
+# benchmarks/decode_ab.py times the two against each other.
+REUSE_SCRATCH = True
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused 1-D buffer of ``numel`` elements, named per use so that buffers alive at once
+    never alias; the caller overwrites it before reading it."""
+    bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            buf = torch.empty(numel, dtype=dtype, device=device)
+        bufs[key] = buf
+    return buf[:numel]
+
+
+def _scratch_ok(x: torch.Tensor) -> bool:
+    """Decode into the reused scratch (CPU, no autograd through the ``out=`` GEMMs); elsewhere the
+    per-call tensors (the CUDA caching allocator reuses blocks by itself)."""
+    return REUSE_SCRATCH and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+
+
+def _round_through(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], name: str) -> None:
+    """Round fp32 ``t`` in place through each of ``dtypes`` in turn (``t.to(d1).to(d2)...`` back in
+    fp32: the casts of a per-call decode, without allocating)."""
+    last = torch.float32
+    for d in dtypes:
+        if d in (torch.float32, last):  # widening to fp32, or rounding twice to one dtype: the identity
+            continue
+        tmp = scratch(name, t.numel(), d, t.device).view(t.shape)
+        tmp.copy_(t)
+        t.copy_(tmp)
+        last = d
 
 
 class _Bank:
@@ -303,6 +354,7 @@ class _Bank:
                 put("scale", "scales", rows(_fp8_channel_scale))
         else:
             raise TypeError(f"not a canonical weight: {type(first).__name__}")
+        self.fast = self._fast_kind()
 
     @property
     def dense_bytes(self) -> int:
@@ -354,12 +406,103 @@ class _Bank:
                                 for e in range(w.shape[0])])
         return (get("weight").float() * get("scale")[..., None]).to(dtype)
 
+    def _fast_kind(self) -> str | None:
+        """The decode :meth:`operand` runs into the scratch (``None``: the generic :meth:`decode`)."""
+        if self.device.type != "cpu":
+            return None
+        if self.kind is DenseWeight:
+            return "dense"
+        if self.kind is MXFP4Weight:
+            return "mxfp4" if self.k % 32 == 0 and self.tensors["packed"].shape[-1] * 2 == self.k else None
+        if (self.kind is Int4Weight and self.packing == "ct" and self.group is not None and not self.row_ts
+                and self.k % 8 == 0 and self.k % self.group == 0 and sys.byteorder == "little"
+                and self.tensors["codes"].dtype == torch.int32
+                and self.tensors["scale"].dtype in (torch.bfloat16, torch.float16, torch.float32)):
+            return "ct"
+        return None
+
+    def operand(self, e: int, rows: tuple[int, int], cd: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` of entry ``e`` as a float GEMM operand ``[r, K]`` in ``cd``: the bits of
+        ``decode(e, rows).to(cd)``. On CPU in fp32 they are decoded into the reused scratch (valid
+        until the next call) with the same ops and dtypes as :meth:`decode`, one pass per op."""
+        r0, r1 = rows
+        fast = self.fast if cd == torch.float32 else None
+        if fast is None:
+            sel = None if self.num == 1 else torch.tensor([e], device=self.device)
+            return self.decode(sel, rows)[0].to(cd)
+        if fast == "dense":
+            w = self.tensors["weight"][e, r0:r1]
+            if w.dtype == torch.float32:
+                return w
+            out = scratch("operand", w.numel(), torch.float32, self.device).view(w.shape)
+            out.copy_(w)  # the per-call widening, into the reused tile
+            return out
+        k = self.k
+        out = scratch("operand", (r1 - r0) * k, torch.float32, self.device).view(r1 - r0, k)
+        step = max(1, DECODE_PASS_ELEMS // k)
+        if fast == "ct":  # codecs.ct_int4_dequantize: (q - 8) per byte pair from the table, * s in fp32
+            words, sc, lut, g = self.tensors["codes"][e], self.tensors["scale"][e], codecs._CT_PAIR_LUT_I64, self.group
+            casts: tuple[torch.dtype, ...] = (sc.dtype, self.dtype)  # bf16(q * s) as the scale's dtype
+        else:  # codecs.mxfp4_dequantize: E2M1 pairs from the table, * 2^e in fp32
+            words, sc, lut, g = self.tensors["packed"][e], self.tensors["scale"][e], codecs._FP4_PAIR_LUT_I64, 32
+            casts = (self.dtype,)
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            o = out[a - r0: b - r0]
+            byts = words[a:b].reshape(-1).view(torch.uint8)
+            idx = scratch("operand.idx", byts.numel(), torch.int32, self.device)
+            idx.copy_(byts)
+            torch.index_select(lut, 0, idx, out=o.view(-1).view(torch.int64))
+            s = sc[a:b] if fast == "ct" else codecs.e8m0_to_float(sc[a:b])  # (ct: fp32 * bf16 in fp32)
+            o.view(b - a, -1, g).mul_(s.unsqueeze(-1))
+            _round_through(o, casts, "operand.round")
+        return out
+
     def codes(self, sel: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Integer / FP8 codes ``[e, r, K]`` of entries ``sel`` (int8 for INT4, FP8 as stored)."""
         r0, r1 = rows if rows is not None else (0, self.n)
         t = self.tensors["codes" if self.kind is Int4Weight else "weight"][:, r0:r1]
         t = t if sel is None else t.index_select(0, sel)
         return unpack_int4(t, self.packing, self.k).to(torch.int8) if self.kind is Int4Weight else t
+
+    def int_codes(self, e: int, rows: tuple[int, int], name: str) -> torch.Tensor:
+        """int8 codes ``[r, K]`` of INT4 entry ``e``, rows ``rows``: ``codes([e], rows)[0]``, on CPU
+        unpacked into the reused scratch ``name`` (valid until its next use) with a 16-bit table:
+        each packed word's two halves give its 8 codes as two gathers and an OR, where the
+        shift-and-mask unpack takes a dozen passes over int64."""
+        r0, r1 = rows
+        words = self.tensors["codes"][e, r0:r1]
+        if (self.device.type != "cpu" or self.packing is None or self.k % 8 or sys.byteorder != "little"
+                or words.dtype != torch.int32):
+            return self.codes(torch.tensor([e], device=self.device), rows)[0]
+        halves = words.reshape(-1).view(torch.uint16)  # low half of each word first (little-endian)
+        idx = scratch(name + ".idx", halves.numel(), torch.int32, self.device)
+        idx.copy_(halves)
+        out = scratch(name, words.numel() * 8, torch.int8, self.device)
+        lo, hi = out.view(torch.int64), scratch(name + ".hi", words.numel(), torch.int64, self.device)
+        lut = _int4_half_lut(self.packing)
+        torch.index_select(lut[0], 0, idx[0::2], out=lo)
+        torch.index_select(lut[1], 0, idx[1::2], out=hi)
+        return lo.bitwise_or_(hi).view(torch.int8).view(r1 - r0, self.k)
+
+
+@functools.cache
+def _int4_half_lut(packing: str) -> torch.Tensor:
+    """``[2, 65536]`` int64 for an INT4 ``packing``: entry ``[h, v]`` holds, as 8 bytes, the int8
+    codes that the low (h=0) / high (h=1) 16 bits ``v`` of a packed word decode to, each at its
+    element's byte and 0 in the bytes of the other half's elements; built from the codec itself."""
+    def word(v: int) -> torch.Tensor:
+        return torch.tensor([[v - (1 << 32) if v >= 1 << 31 else v]], dtype=torch.int32)
+
+    base = unpack_int4(word(0), packing, 8)[0]
+    elem = [int(torch.nonzero(unpack_int4(word(1 << 4 * j), packing, 8)[0] != base)) for j in range(8)]
+    code = torch.tensor([int(unpack_int4(word(n), packing, 8)[0, elem[0]]) for n in range(16)], dtype=torch.int8)
+    v = torch.arange(1 << 16)
+    out = torch.zeros(2, 1 << 16, 8, dtype=torch.int8)
+    for h in range(2):
+        for i in range(4):
+            out[h, :, elem[4 * h + i]] = code[(v >> 4 * i) & 15]
+    return out.view(torch.int64).reshape(2, 1 << 16)
 
 
 def _fp8_channel_scale(w: FP8Weight) -> torch.Tensor:
@@ -374,6 +517,25 @@ def _row_tiles(n: int, row_bytes: int, budget: int, align: int = _TILE_ALIGN) ->
         return [(0, n)]
     step = max(align, budget // row_bytes // align * align)
     return [(r, min(n, r + step)) for r in range(0, n, step)]
+
+
+def _bank_gemm(x: torch.Tensor, bank: _Bank, e: int, tiles: list[tuple[int, int]], cd: torch.dtype) -> torch.Tensor:
+    """``x [M, K] @ W_e.T`` of bank entry ``e`` -> ``[M, N]`` in ``x.dtype``: per row tile of the
+    weight, its operand decoded into the scratch and one :func:`mm_rows` GEMM of the same shape,
+    written into its columns of the output (the bits of ``cat([mm_rows(x, W[tile].T) ...])``; the
+    activations are widened and padded once, not per tile)."""
+    m, k = x.shape
+    if m == 0:
+        return x.new_empty(0, bank.n)
+    xp = _pad_rows(x if x.dtype == cd else x.to(cd), ROW_TILE)
+    nb = xp.shape[0] // ROW_TILE
+    xt = xp.view(nb, ROW_TILE, k)
+    out = xp.new_empty(nb, ROW_TILE, bank.n)
+    for r0, r1 in tiles:
+        w = bank.operand(e, (r0, r1), cd)
+        torch.bmm(xt, w.t().expand(nb, k, r1 - r0), out=out[:, :, r0:r1])
+    y = out.view(nb * ROW_TILE, bank.n)[:m]
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,11 +564,13 @@ class TorchLinear(LinearOp):
             # torch._int_mm on CUDA needs M > 16 (kernel_backends.md 2.3): pad rows there.
             self.min_rows = 17 if device.type == "cuda" else 1
             row_bytes = self.in_features
-        else:  # fp8 activations, INT4 or per-channel FP8 weight: exact float64 accumulation
+        else:  # fp8 activations, INT4 or per-channel FP8 weight: exact accumulation
             if isinstance(weight, Int4Weight):
                 int4_channel_scale(weight)  # refuses group scales
             self.w_scale = self.bank.tensors["scale"][0]
-            row_bytes = 8 * self.in_features
+            self.min_rows = 17 if device.type == "cuda" else 1
+            # INT4: int8 codes and exact int32 digit GEMMs; FP8: the codes in float64
+            row_bytes = self.in_features if isinstance(weight, Int4Weight) else 8 * self.in_features
         block = getattr(self.bank, "block", None)
         align = math.lcm(_TILE_ALIGN, block[0]) if block is not None else _TILE_ALIGN
         self.tiles = _row_tiles(self.out_features, row_bytes, LINEAR_SCRATCH_BYTES, align)
@@ -421,17 +585,22 @@ class TorchLinear(LinearOp):
 
     def _rows(self, x: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
         if self.mode in ("dense", "mxfp4"):
-            return mm_rows(x, self.dense(r).t())
+            return mm_rows(x, self.dense(r).t())  # (the per-call tensors: off CPU, or with autograd)
         assert self.w_scale is not None
-        codes = self.bank.codes(None, r)[0]
+        int4 = self.bank.kind is Int4Weight
+        codes = self.bank.int_codes(0, r, "codes") if int4 and _scratch_ok(x) else self.bank.codes(None, r)[0]
         if self.mode == "int8":
             return int8_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
+        if int4 and x.device.type == "cpu":
+            return fp8_int4_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
         return fp8_linear(x, codes.to(torch.float64), self.w_scale[r[0]: r[1]]).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "mxfp4":
             x = mxfp4_qdq(x)
-        if len(self.tiles) == 1:
+        if self.mode in ("dense", "mxfp4") and _scratch_ok(x):
+            y = _bank_gemm(x, self.bank, 0, self.tiles, self.cd)
+        elif len(self.tiles) == 1:
             y = self._rows(x, self.tiles[0])
         else:
             y = torch.cat([self._rows(x, r) for r in self.tiles], dim=-1)
@@ -447,6 +616,30 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min
         q = F.pad(q, (0, 0, 0, min_rows - m))
     acc = torch._int_mm(q, codes.t())[:m]
     return acc.float() * sx[:, None] * w_scale[None, :]
+
+
+def fp8_int4_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """:func:`fp8_linear` for int8 INT4 ``codes [N, K]``, without widening them to float64: an E4M3
+    value times 2^9 is an integer below 2^18 (3 mantissa bits, exponents -9..8), split here into
+    three int8 digits (base 2^7); each digit's int32 GEMM with the codes is exact (|sum| < 127 * 8 *
+    K), and so is their sum in int64. That is the exact sum fp8_linear forms in float64 (x 2^9, also
+    exact), so the result has its bits."""
+    m, k = x.shape
+    if k >= 1 << 20:  # (the int32 digit sums could overflow)
+        return fp8_linear(x, codes.to(torch.float64), w_scale)
+    q, sx = quantize_fp8_per_token(x)
+    xi = (q.float() * 512).to(torch.int32)  # exact integers
+    d2 = xi >> 14  # [-14, 14]
+    r = xi - (d2 << 14)  # [0, 2^14)
+    acc: torch.Tensor | None = None
+    for d, shift in ((d2, 14), (r >> 7, 7), (r & 127, 0)):
+        a = d.to(torch.int8)
+        if m < min_rows:
+            a = F.pad(a, (0, 0, 0, min_rows - m))
+        part = torch._int_mm(a, codes.t())[:m].to(torch.int64) << shift
+        acc = part if acc is None else acc.add_(part)
+    assert acc is not None
+    return (acc.to(torch.float64) / 512).float() * sx[:, None] * w_scale[None, :]
 
 
 def fp8_linear(x: torch.Tensor, w64: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -487,6 +680,9 @@ class TorchMoE(MoEOp):
             self.path = ("all" if per_expert * self.num_experts <= _MOE_ALL_BYTES
                          else "gather" if per_expert <= _MOE_GATHER_BYTES else "loop")
             self.chunk = max(1, MOE_SCRATCH_BYTES // per_expert)  # experts decoded at once (gather)
+            # loop path: one expert's rows a tile at a time, as a Linear's (LINEAR_SCRATCH_BYTES)
+            self.tiles13 = _row_tiles(self.w13.n, self.w13.dense_bytes // self.w13.n, LINEAR_SCRATCH_BYTES)
+            self.tiles2 = _row_tiles(self.w2.n, self.w2.dense_bytes // self.w2.n, LINEAR_SCRATCH_BYTES)
         else:  # int8 / fp8 activations: the exact linears, per-channel weights only
             if isinstance(gate[0], Int4Weight):
                 int4_channel_scale(gate[0])  # refuses group scales
@@ -583,6 +779,26 @@ class TorchMoE(MoEOp):
         n_of = counts.tolist()
         active = torch.nonzero(counts).reshape(-1)
         exact = self.mode in ("int8", "fp8")
+        if not exact and _scratch_ok(x):
+            # one expert at a time, its weights decoded a row tile at a time into the scratch
+            for e in active.tolist():
+                idx = slice(starts[e], starts[e] + n_of[e])
+                rows = x[order[idx] // k]
+                if self.mode == "mxfp4":
+                    rows = mxfp4_qdq(rows)
+                h = _bank_gemm(rows, self.w13, e, self.tiles13, self.cd)
+                out[idx] = _bank_gemm(self._act(h), self.w2, e, self.tiles2, self.cd)
+            return out
+        if exact and self.w13.kind is Int4Weight and _scratch_ok(x):
+            # one expert at a time, its int8 codes unpacked into the scratch (no float64 widening)
+            s13, s2 = self.w13.tensors["scale"], self.w2.tensors["scale"]
+            for e in active.tolist():
+                idx = slice(starts[e], starts[e] + n_of[e])
+                rows = x[order[idx] // k]
+                h = self._exact_int4(rows, self.w13.int_codes(e, (0, self.w13.n), "codes13"), s13[e])
+                g, u = h.split(self.inter, dim=-1)
+                out[idx] = self._exact_int4(silu(g) * u, self.w2.int_codes(e, (0, self.w2.n), "codes2"), s2[e])
+            return out
         for c in range(0, active.numel(), self.chunk if exact else 1):
             sel = active[c: c + (self.chunk if exact else 1)]
             if exact:  # the active experts' codes of a chunk in one decode
@@ -606,6 +822,11 @@ class TorchMoE(MoEOp):
                     g, u = h.split(self.inter, dim=-1)
                     out[idx] = self._exact(silu(g) * u, c2[i], s2[i])
         return out
+
+    def _exact_int4(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            return int8_linear(x, codes, scale, self.min_rows).to(self.dtype)
+        return fp8_int4_linear(x, codes, scale, self.min_rows).to(self.dtype)
 
     def _exact(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.mode == "int8":
