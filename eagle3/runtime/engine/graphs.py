@@ -27,8 +27,8 @@ are constant for that key (``cu_seqlens_q`` = ``arange(B'+1) * n``, kept on the 
 ``AttnMetadata.host_cu``) plus views of the static buffers; the Triton attention plan keeps its
 chunk list (a function of ``cu`` only) in ``AttnMetadata.cache``, filled by the eager warm-up run
 and reused by the capture, and converts positions / block tables by device ops that the graph
-records. A backend whose ops sync with the host (the torch reference's MoE and attention schedule,
-until the fused MoE kernel replaces it) fails to capture: the runner then logs why once and runs
+records. A backend whose ops sync with the host (the torch reference's MoE and attention schedule;
+not the Triton backend, whose fused MoE sizes its buffers by an upper bound) fails to capture: the runner then logs why once and runs
 that model eagerly from then on. Unverified without a GPU (this session had none): the capture
 itself, and replay timings.
 """

@@ -172,5 +172,28 @@ def test_moe_alignment() -> None:
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     sorted_ids, expert_ids = moe.align(ids, 4, 4)
     pad = ids.numel()
-    assert sorted_ids.tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]  # stable: token order
-    assert expert_ids.tolist() == [0, 1, 2]
+    # stable: token order; the buffers are sized by the bound 6 + 4 * 3 -> 20 rows, unused blocks -1
+    assert moe.max_padded_rows(6, 4, 4) == 20
+    assert sorted_ids.tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad] + [pad] * 8
+    assert expert_ids.tolist() == [0, 1, 2, -1, -1]
+
+
+def test_moe_alignment_shapes_depend_on_shapes_only() -> None:
+    """What a CUDA graph needs: the same buffer sizes whatever the routing (no device read), and
+    the bound always holds (every expert used, one expert used, a single pair)."""
+    gen = torch.Generator().manual_seed(0)
+    for t, k, e, bm in ((1, 8, 48, 16), (5, 2, 8, 4), (64, 8, 16, 16), (3, 2, 2, 16)):
+        shapes = set()
+        for trial in range(6):
+            ids = (torch.zeros(t, k, dtype=torch.int64) if trial == 0 else
+                   torch.randint(0, e, (t, k), generator=gen))
+            sorted_ids, expert_ids = moe.align(ids, e, bm)
+            shapes.add((sorted_ids.shape, expert_ids.shape))
+            used = expert_ids[expert_ids >= 0]
+            assert torch.equal(used, used.sort().values)  # experts in order, unused blocks only at the end
+            assert (expert_ids[len(used):] == -1).all()
+            rows = sorted_ids[: len(used) * bm].view(-1, bm)
+            real = rows < t * k
+            assert sorted(sorted_ids[sorted_ids < t * k].tolist()) == list(range(t * k))  # each pair once
+            assert (ids.reshape(-1)[rows[real].long()] == used.repeat_interleave(bm).view(-1, bm)[real]).all()
+        assert len(shapes) == 1

@@ -218,7 +218,7 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out = epilogue(a @ W.T)``. ``GATHER=0``: rows ``0..M-1`` of ``a`` (a Linear). MoE
     (``GATHER`` 1 / 2): program row ``r`` is pair ``rows[r]`` (``>= M``: padding) of expert
-    ``eid[r // BM]``; its ``a`` row is token ``pair // TOPK`` (1) or ``r`` itself (2). ``GLU``: the
+    ``eid[r // BM]`` (``-1``: the block is skipped); its ``a`` row is token ``pair // TOPK`` (1) or ``r`` itself (2). ``GLU``: the
     weight holds gate rows then up rows (``N_OUT`` each), the output is ``silu(g) * u``. ``SCATTER``:
     the output row ``pair`` is multiplied by the routing weight ``rw[pair]`` (fp32 out).
     ``EXACT``: integer activations (int8, or E4M3 bits when ``A_DIGITS == 3``) with scales ``sa``;
@@ -227,9 +227,11 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     if GATHER > 0:
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        if e < 0:  # an unused block past the aligned rows (buffers are sized by an upper bound)
+            return
         pair = tl.load(rows_ptr + rm)
         row_ok = pair < M
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
         if GATHER == 1:
             arow = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
         else:

@@ -5,7 +5,9 @@ Per call:
 1. Align (in torch, as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
    sorted by expert (stable: token order inside an expert) and each expert's run is padded to a
    multiple of ``BLOCK_M`` with the sentinel ``T * k``; every block of ``BLOCK_M`` rows belongs to
-   one expert (``expert_ids``).
+   one expert (``expert_ids``). The buffers have a size fixed by the shapes (an upper bound), the
+   unused blocks at the end have expert ``-1`` and the kernels skip them: no host sync, so the
+   MoE can be captured in a CUDA / HIP graph.
 2. Grouped GEMM 1 (:func:`linear._gemm_kernel`, ``GATHER=1, GLU``): each program reads its rows'
    tokens from ``x`` and one expert's gate and up rows (decoded in registers from the packed
    codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, in sorted order.
@@ -34,24 +36,38 @@ from eagle3.runtime.kernels.triton import linear
 from eagle3.runtime.kernels.triton.common import widen
 
 
+def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the aligned row count from shapes alone: each of at most ``min(E, pairs)``
+    used experts pads its run by at most ``block_m - 1`` rows. Sizing the buffers by it (as vLLM's
+    ``max_num_tokens_padded``) keeps the MoE free of device reads, so CUDA / HIP graphs can capture it."""
+    bound = pairs + min(num_experts, pairs) * (block_m - 1)
+    return (bound + block_m - 1) // block_m * block_m
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(``sorted_ids [P]``: pair index per padded row, ``T * k`` for padding; ``expert_ids
-    [P / block_m]``: the expert of each block of rows). ``P`` is the sum of the per-expert counts
-    rounded up to ``block_m``."""
+    [P / block_m]``: the expert of each block of rows, ``-1`` for the unused blocks at the end).
+    ``P`` is :func:`max_padded_rows`; the used rows are the per-expert counts rounded up to
+    ``block_m``. Device ops only, no host sync (``torch.bincount`` would read the max id)."""
     flat = topk_ids.reshape(-1)
     dev = flat.device
+    pairs = flat.numel()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat.long(), torch.ones(pairs, dtype=torch.int64, device=dev))
     padded = (counts + block_m - 1) // block_m * block_m
-    pad_start = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
+    pad_start = ends - padded
     cnt_start = torch.cumsum(counts, 0) - counts
     e_sorted = flat[order]
-    dest = pad_start[e_sorted] + torch.arange(order.numel(), device=dev) - cnt_start[e_sorted]
-    total = int(padded.sum())
-    sorted_ids = torch.full((total,), flat.numel(), dtype=torch.int32, device=dev)
+    dest = pad_start[e_sorted] + torch.arange(pairs, device=dev) - cnt_start[e_sorted]
+    total = max_padded_rows(pairs, num_experts, block_m)
+    sorted_ids = torch.full((total,), pairs, dtype=torch.int32, device=dev)
     sorted_ids[dest] = order.to(torch.int32)
-    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=dev, dtype=torch.int32),
-                                         padded // block_m, output_size=total // block_m)
+    # block b holds rows b*block_m...: the expert whose padded run contains that row (none past the end)
+    starts = torch.arange(total // block_m, device=dev, dtype=torch.int64) * block_m
+    eid = torch.searchsorted(ends, starts, right=True)
+    expert_ids = torch.where(eid < num_experts, eid, -1).to(torch.int32)
     return sorted_ids, expert_ids
 
 
@@ -93,7 +109,8 @@ class TritonMoE(MoEOp):
         total = int(sorted_ids.numel())
         sdt = linear.store_dtype(self.dtype)
         a, sa = self._operand(x)
-        inter = torch.empty(total, self.inter, dtype=sdt, device=x.device)
+        # zeros: the unused blocks past the aligned rows are skipped by the kernel, never written
+        inter = torch.zeros(total, self.inter, dtype=sdt, device=x.device)
         linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,
                       grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True)
         a2, sa2 = self._operand(inter.to(self.dtype) if sdt != self.dtype else inter)
