@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -99,6 +100,15 @@ def _uvicorn_server(app: Any, host: str, port: int, log_level: str,
     import uvicorn
 
     class _Server(uvicorn.Server):
+        got_sigint = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn re-raises a caught SIGINT through the handler that was in place before it,
+            # which inside asyncio.run is the runner's: it cancels the main task, and when that task
+            # is already finishing the run returns normally (exit 0, not Ctrl-C's 130). Remember it.
+            self.got_sigint = self.got_sigint or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started and on_started is not None:  # lifespan done, socket listening
@@ -187,6 +197,8 @@ def serve_forever(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level
         sock.close()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+    if server.got_sigint:  # Ctrl-C ends as Ctrl-C (exit 130), whichever way asyncio unwound
+        raise KeyboardInterrupt
     if not server.started:
         raise UsageError(f"the server could not start on {url}")
 

@@ -1,0 +1,31 @@
+"""The existing batch-invariance schedule of ``tests/runtime/test_models_target.py`` run on the
+Triton backend: chunked prefill mixed with other sequences, a k+1 verify whose rejected tail is
+overwritten, then single-token decodes; every token's hidden state, aux states and logits must be
+bitwise those of its sequence run alone. Every Linear and MoE of the target runs the Triton GEMM /
+fused MoE kernels (asserted), attention the Triton MLA kernel.
+
+fp32 under the interpreter (its bf16 dot is wrong); the torch-backend test covers bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eagle3.runtime.interfaces import default_aux_layer_ids  # noqa: E402
+from eagle3.runtime.kernels.triton.linear import TritonLinear  # noqa: E402
+from eagle3.runtime.kernels.triton.moe import TritonMoE  # noqa: E402
+from eagle3.runtime.loader import load_target  # noqa: E402
+from tests.runtime.test_models_target import _schedule, _seqs, quantized  # noqa: E402, F401 (fixture)
+
+
+@pytest.mark.parametrize("fmt", ["int4-w4a16", "w4a8-int8"])
+def test_batch_invariance_on_triton(tiny_dir, quantized, fmt: str) -> None:  # noqa: F811
+    if fmt == "int4-w4a16":
+        m = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32, backend="triton")
+    else:
+        m = load_target(quantized["w4a8"], dtype=torch.float32, act_override="int8", backend="triton")
+    ops = [getattr(mod, a) for mod in m.modules() for a in ("op", "experts") if hasattr(mod, a)]
+    assert any(isinstance(op, TritonMoE) for op in ops) and any(isinstance(op, TritonLinear) for op in ops)
+    _schedule(m, _seqs(), default_aux_layer_ids(m.num_layers))
