@@ -79,10 +79,10 @@ class FakeQuantSTE(nn.Module):
 
 
 def load_docs(dataset: Path, split: str) -> list[str]:
-    rows = [json.loads(line) for line in (dataset / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+    train, test = gsm8k.load_dataset(dataset)
     # lm-eval's exemplar: doc_to_text + " " + answer + "\n\n"
-    return [gsm8k.doc_to_text(gsm8k.Doc(r["question"], r["answer"])) + gsm8k.TARGET_DELIMITER + r["answer"]
-            + gsm8k.FEWSHOT_DELIMITER for r in rows]
+    return [gsm8k.doc_to_text(d) + gsm8k.TARGET_DELIMITER + d.answer + gsm8k.FEWSHOT_DELIMITER
+            for d in (train if split == "train" else test)]
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

@@ -136,6 +136,10 @@ def special_token_name(tiny_id: int) -> str:
 # Dimensions
 # ---------------------------------------------------------------------------------------------
 
+# Kimi's real MLA latent (512 + 64 = 576) and head dims: vLLM's MLA backends accept only a latent
+# of 320, 512 or 576, so other engines can run the fixtures that use them.
+KIMI_MLA_LATENT: dict[str, int] = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                   "v_head_dim": 128}
 TEXT_DIMS: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 128,
@@ -145,12 +149,7 @@ TEXT_DIMS: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "num_attention_heads": 4,
     "q_lora_rank": 64,
-    # Kimi's real MLA latent (512 + 64 = 576) and head dims: vLLM's MLA backends accept only a latent
-    # of 320, 512 or 576, so other engines can run these fixtures.
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
+    **KIMI_MLA_LATENT,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,

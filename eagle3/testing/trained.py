@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from eagle3.checkpoint import CheckpointWriter, write_json
+from eagle3.testing.tiny import KIMI_MLA_LATENT
 
 NAME = "kimi-k2.5-trained"
 DATA_DIR = "kimi_k25_trained"
@@ -41,10 +42,7 @@ TRAINED_DIMS: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "num_attention_heads": 2,
     "q_lora_rank": 128,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
+    **KIMI_MLA_LATENT,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,

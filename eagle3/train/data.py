@@ -16,12 +16,12 @@ Texts are tokenized without special tokens, as the runtime tokenizes prompts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3.errors import UsageError
+from eagle3.validate import gsm8k
 
 
 @dataclass
@@ -51,22 +51,9 @@ def _example(tokenizer: Any, prompt: str | None, completion: str | None, text: s
     return Example(p[: max(1, min(len(p), max_len - 1))], ids)
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UsageError(f"{path}:{n}: not JSON ({err})") from err
-            ok = isinstance(row, dict) and (isinstance(row.get("text"), str) or (
-                isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)))
-            if not ok:
-                raise UsageError(f"{path}:{n}: expected an object with \"text\", or \"prompt\" and \"completion\"")
-            rows.append(row)
-    return rows
+def _row_ok(row: Any) -> bool:
+    return isinstance(row, dict) and (isinstance(row.get("text"), str) or (
+        isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)))
 
 
 def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len: int = 512,
@@ -77,7 +64,6 @@ def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len
     if max_len < 4:
         raise UsageError(f"--max-len must be >= 4, got {max_len}")
     if data == "gsm8k":
-        from eagle3.validate import gsm8k
 
         train_docs, test_docs = gsm8k.load_dataset(dataset)
         docs = train_docs if num_train is None else train_docs[:num_train]
@@ -91,7 +77,7 @@ def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len
     path = Path(data)
     if path.suffix != ".jsonl" or not path.is_file():
         raise UsageError(f"--data {data}: expected 'gsm8k' or an existing .jsonl file")
-    rows = _read_rows(path)
+    rows = gsm8k.read_jsonl(path, _row_ok, 'an object with "text", or "prompt" and "completion"')
     if len(rows) <= num_heldout:
         raise UsageError(f"{path}: {len(rows)} rows, but {num_heldout} are held out for acceptance "
                          f"(--eval-prompts): nothing left to train on")

@@ -26,7 +26,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,17 +56,28 @@ class Doc:
 
 
 # -- data ----------------------------------------------------------------------------------------
-def _read_jsonl(path: Path) -> list[Doc]:
-    docs = []
+def read_jsonl(path: Path, ok: Callable[[Any], bool], expected: str) -> list[Any]:
+    """The rows of a JSON-lines file (blank lines skipped); one line naming the file and line
+    number for a row that is not JSON or that ``ok`` refuses (``expected`` says what it wants)."""
+    rows = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                docs.append(Doc(str(row["question"]), str(row["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UsageError(f"{path}:{n}: expected a JSON object with 'question' and 'answer' ({err})") from err
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{path}:{n}: not JSON ({err})") from err
+            if not ok(row):
+                raise UsageError(f"{path}:{n}: expected {expected}")
+            rows.append(row)
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[Doc]:
+    rows = read_jsonl(path, lambda r: isinstance(r, dict) and "question" in r and "answer" in r,
+                      "a JSON object with 'question' and 'answer'")
+    docs = [Doc(str(r["question"]), str(r["answer"])) for r in rows]
     if not docs:
         raise UsageError(f"{path}: no rows")
     return docs

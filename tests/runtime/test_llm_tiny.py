@@ -17,6 +17,7 @@ from eagle3.runtime.engine.llm import LLM
 from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.sampling import SamplingParams
 from eagle3.testing.toy_models import ReplayDraft
+from tests.runtime.model_kit import single_thread
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -33,14 +34,7 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny models' GEMMs are far too small to gain from threads; on a shared 2-core runner a
-    second thread only spins (measured: 0.3 ms per tile GEMM with one thread, 13 ms with two)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.fixture(scope="module")

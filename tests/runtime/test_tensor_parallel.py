@@ -23,6 +23,7 @@ import torch
 from eagle3.runtime.engine.llm import LLM
 from eagle3.runtime.engine.model_runner import build_attn_metadata
 from eagle3.runtime.sampling import SamplingParams
+from tests.runtime.model_kit import single_thread
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # TP=2 sums each reduced layer output as (rank 0's partial + rank 1's partial) where TP=1 sums all
@@ -41,12 +42,7 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from eagle3.testing import tiny, trained
+from tests.runtime.model_kit import single_thread
 
 TARGET = trained.NAME
 
@@ -47,12 +47,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.fixture(scope="module")

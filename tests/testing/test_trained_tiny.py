@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.testing import tiny, trained
+from tests.runtime.model_kit import single_thread
 
 NAME = "kimi-k2.5-trained"
 
@@ -38,12 +39,7 @@ def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / NAME
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 def test_package_data_is_small_and_described() -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from typer.testing import CliRunner
 
 from eagle3.cli import app, main
 from eagle3.testing.tiny import corpus_text
+from tests.convert.helpers import load_all
 
 runner = CliRunner()
 FAST = ["--batch-size", "4", "--max-len", "48", "--lr", "3e-3", "--quiet"]
@@ -37,15 +37,6 @@ def _error(capsys: pytest.CaptureFixture[str], *args: object) -> str:
     last = err.splitlines()[-1] if err else ""
     assert last.startswith("error: "), err  # (lines before it are progress messages)
     return last
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, "pt") as sf:
-            for k in sf.keys():
-                out[k] = sf.get_tensor(k)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +109,7 @@ def test_train_draft_cli(tiny_dir: Path, tmp_path: Path, data_file: Path, gsm8k_
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle3_canonical"]["layer_prefix"] == "layers.0"
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # default (2, N//2, N-3) of 7 layers
-    names = set(_tensors(out))
+    names = set(load_all(out))
     if variant == "llama":
         assert cfg["architectures"] == ["Eagle3LlamaForCausalLM"] and cfg["draft_vocab_size"] == 1024
         assert "layers.0.self_attn.q_proj.weight" in names and "d2t" not in names
@@ -167,7 +158,7 @@ def test_resume_continues_from_checkpoint(tiny_dir: Path, tmp_path: Path, data_f
     assert "different options" in refused
 
     _cli("train-draft", target, out, *common, "--resume")
-    whole, resumed = _tensors(tmp_path / "whole"), _tensors(out)
+    whole, resumed = load_all(tmp_path / "whole"), load_all(out)
     assert whole.keys() == resumed.keys()
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
@@ -197,7 +188,7 @@ def test_init_from_an_existing_draft(tiny_dir: Path, tmp_path: Path, data_file: 
          "--eval-tokens", "4", *FAST)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # [1, 2, 3] as outputs
-    got, before = _tensors(out), _tensors(src)
+    got, before = load_all(out), load_all(src)
     assert torch.equal(got["d2t"], before["d2t"]) and cfg["draft_vocab_size"] == before["d2t"].shape[0]
     assert "embed_tokens.weight" in got and "t2d" not in got
     # two small steps move the weights a little from the source's

@@ -184,6 +184,13 @@ class MoEOp(ABC):
         """Every tensor the op keeps between calls, with its role (see :func:`weight_tensors`)."""
         return []
 
+    @staticmethod
+    def check_experts(gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight]) -> int:
+        """The number of experts; one line when the three lists disagree or are empty."""
+        if not (len(gate) == len(up) == len(down)) or not gate:
+            raise ShapeError(f"MoE needs the same number of gate/up/down experts, got {len(gate)}/{len(up)}/{len(down)}")
+        return len(gate)
+
     @abstractmethod
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights`` fp32 ``[T, k]`` -> ``[T, H]``."""

@@ -663,9 +663,7 @@ class TorchMoE(MoEOp):
 
     def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
                 act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
-        if not (len(gate) == len(up) == len(down)) or not gate:
-            raise ShapeError(f"MoE needs the same number of gate/up/down experts, got {len(gate)}/{len(up)}/{len(down)}")
-        self.num_experts = len(gate)
+        self.num_experts = self.check_experts(gate, up, down)
         self.dtype = dtype
         self.cd = compute_dtype(dtype, device)
         self.mode = _check_act(gate[0], act)
