@@ -1,7 +1,8 @@
 """``kimi-k2.5-trained``: make-tiny writes it in Moonshot's K2.5 layout, inspect recognises it, the
-runtime's logits equal transformers' DeepseekV3 on it, and its greedy continuation of a GSM8K-style
-prompt opens GSM8K's calculator annotations (``<<`` with digits), which a random model of the same
-shape does not write, and its loss on GSM8K-style text is far below a random model's."""
+runtime's logits equal transformers' DeepseekV3 on it, its greedy continuation of a GSM8K-style
+prompt is a GSM8K-style answer (calculator annotations ``<<a*b=c>>c``, then ``#### N``), which a
+random model of the same shape does not write, and its loss on GSM8K-style text is far below a
+random model's."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_package_data_is_small_and_described() -> None:
     meta = trained.train_meta()
     assert meta["model"] == NAME and meta["steps"] > 0 and len(meta["data"]["sha256"]) == 64
     assert meta["loss"]["final_mean20"] < meta["loss"]["first"]
-    assert meta["heldout"]["loss_nats_per_token"] < 4.5  # a random 1024-token model: ~6.9
+    # a random 1024-token model: ~6.9; a smoothed bigram / trigram model of GSM8K train: 3.36 / 2.81
+    assert meta["heldout"]["loss_nats_per_token"] < 2.8
 
 
 def test_make_tiny_writes_moonshot_k25_layout(trained_dir: Path) -> None:
@@ -105,19 +107,17 @@ def test_logits_match_transformers(trained_dir: Path) -> None:
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
-def gsm8k_tokens(text: str) -> bool:
-    """GSM8K's answer vocabulary: a calculator-annotation opener ``<<`` next to digits."""
-    return bool(re.search(r"[0-9]=?<<|<<[0-9]", text))
+def gsm8k_answer(text: str) -> bool:
+    """GSM8K's answer shape: a calculator annotation ``<<expr=value>>value``, then ``#### N``
+    on a line of its own."""
+    return bool(re.search(r"<<[0-9][0-9+\-*/. x]*=[0-9.]+>>[0-9]", text) and re.search(r"\n#### [0-9]+", text))
 
 
 def test_runtime_predicts_gsm8k_text_and_writes_its_tokens(trained_dir: Path) -> None:
     """Teacher-forced loss of a GSM8K-style text far below a random model's (ln 1024 = 6.9; a
-    random model of this shape measured 7.0), and the greedy continuation opens a calculator
-    annotation with digits (a random model of this shape writes '1414... Kem each each ...').
-
-    The model is small and briefly trained (held-out loss ~3.7 nats/token): its greedy answers
-    degenerate into repeated digits after the opener, so the full ``<<a*b=c>>c ... #### N`` shape
-    is not asserted."""
+    random model of this shape measured 7.0), and the greedy continuation is a GSM8K-style answer
+    (a random model of this shape writes '1414... Kem each each ...'). The model is small: its
+    arithmetic is wrong (held-out loss 2.26 nats/token), its answers' shape is right."""
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.loader import load_target
     from eagle3.runtime.sampling import SamplingParams
@@ -126,9 +126,11 @@ def test_runtime_predicts_gsm8k_text_and_writes_its_tokens(trained_dir: Path) ->
     ids = tiny.build_tokenizer().encode(PROMPT).ids
     _, _, logits = _forward(load_target(trained_dir, dtype=torch.float32), ids)
     loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
-    assert loss < 4.5, loss
+    assert loss < 3.0, loss
 
     llm = LLM(trained_dir, dtype="float32")
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32))[0]
-    assert gsm8k_tokens(out.text), out.text
-    assert not gsm8k_tokens("1414141414 Kem14 Kem each each each")  # the check is not vacuous
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=96))[0]
+    assert gsm8k_answer(out.text), out.text
+    # the check is not vacuous: a random model's text, and the earlier (lr 4e-3) model's digit loop
+    assert not gsm8k_answer("1414141414 Kem14 Kem each each each")
+    assert not gsm8k_answer(" 2=<<20000000000000000000000000000000")
