@@ -50,8 +50,9 @@ def test_package_data_is_small_and_described() -> None:
     meta = trained.train_meta()
     assert meta["model"] == NAME and meta["steps"] > 0 and len(meta["data"]["sha256"]) == 64
     assert meta["loss"]["final_mean20"] < meta["loss"]["first"]
-    # a random 1024-token model: ~6.9; a smoothed bigram / trigram model of GSM8K train: 3.36 / 2.81
-    assert meta["heldout"]["loss_nats_per_token"] < 2.8
+    # a random 1024-token model: ~6.9; smoothed bigram / trigram models of GSM8K train on the same
+    # 64 test problems: 3.34 / 2.74 (scripts/ngram_baseline.py)
+    assert meta["heldout"]["loss_nats_per_token"] < 2.7
 
 
 def test_make_tiny_writes_moonshot_k25_layout(trained_dir: Path) -> None:
