@@ -9,9 +9,13 @@ loss and the held-out acceptance that train-draft measured with the runtime. ``e
 --only kimi-k2.5-trained-eagle3`` (or ``kimi-k2.5-trained-eagle3.1-mla``) then writes them.
 
 The drafts run one after the other by default; ``--parallel`` runs both at once (one thread
-each), which is what fits a 2-core machine. Run::
+each), which is what fits a 2-core machine. The shipped drafts (one command each, run side by side
+on the 2-core CPU, one thread each)::
 
-    python scripts/train_tiny_drafts.py --dataset /work/shared/data/gsm8k --parallel
+    python scripts/train_tiny_drafts.py --only kimi-k2.5-trained-eagle3 --parallel \
+        --num-train 400 --steps 400 --lr 2e-3 --regen-tokens 96
+    python scripts/train_tiny_drafts.py --only kimi-k2.5-trained-eagle3.1-mla --parallel \
+        --num-train 1200 --steps 1200 --lr 1e-3 --regen-tokens 96
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ sys.path.insert(0, str(REPO))
 
 from eagle3.testing import tiny, trained  # noqa: E402
 
-# The recipe of each shipped draft is in its train_meta.json ("command"): the Llama draft was trained
-# teacher-forced on GSM8K (--no-regenerate), the MLA draft on the target's own greedy continuations.
+# The recipe of each shipped draft is in its train_meta.json ("command"): both on the target's own
+# greedy continuations (--regenerate --regen-tokens 96); the Llama draft on 400 prompts for 400 steps
+# at lr 2e-3, the MLA draft on 1,200 prompts for 1,200 steps at lr 1e-3 (run once per draft, --only).
 COMMON = ["--data", "gsm8k", "--aux-layer-ids", ",".join(map(str, trained.AUX_LAYER_IDS)),
           "--quiet", "--json"]
 ARCH = {
