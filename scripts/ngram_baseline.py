@@ -25,10 +25,6 @@ from eagle3.testing import tiny  # noqa: E402
 from eagle3.validate import gsm8k  # noqa: E402
 
 
-def exemplar(d: gsm8k.Doc) -> str:
-    return gsm8k.doc_to_text(d) + gsm8k.TARGET_DELIMITER + d.answer + gsm8k.FEWSHOT_DELIMITER
-
-
 def ngram_loss(train: list[list[int]], test: list[list[int]], n: int) -> float:
     ctx: Counter[tuple[int, ...]] = Counter()
     joint: Counter[tuple[tuple[int, ...], int]] = Counter()
@@ -57,9 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     tok = tiny.build_tokenizer()
     train, test = gsm8k.load_dataset(args.dataset)
-    tr = [tok.encode(exemplar(d)).ids for d in train]
-    te = [tok.encode(exemplar(d)).ids for d in test[: args.heldout]]
-    chars = sum(len(exemplar(d)) for d in train) / sum(map(len, tr))
+    tr = [tok.encode(gsm8k.exemplar(d)).ids for d in train]
+    te = [tok.encode(gsm8k.exemplar(d)).ids for d in test[: args.heldout]]
+    chars = sum(len(gsm8k.exemplar(d)) for d in train) / sum(map(len, tr))
     out = {"chars_per_token": round(chars, 3), "heldout_problems": len(te),
            **{f"{n}-gram_nats_per_token": round(ngram_loss(tr, te, n), 3) for n in (1, 2, 3)}}
     print(json.dumps(out, indent=1))

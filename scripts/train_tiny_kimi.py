@@ -80,9 +80,7 @@ class FakeQuantSTE(nn.Module):
 
 def load_docs(dataset: Path, split: str) -> list[str]:
     train, test = gsm8k.load_dataset(dataset)
-    # lm-eval's exemplar: doc_to_text + " " + answer + "\n\n"
-    return [gsm8k.doc_to_text(d) + gsm8k.TARGET_DELIMITER + d.answer + gsm8k.FEWSHOT_DELIMITER
-            for d in (train if split == "train" else test)]
+    return [gsm8k.exemplar(d) for d in (train if split == "train" else test)]
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

@@ -124,6 +124,11 @@ def doc_to_text(doc: Doc) -> str:
     return f"Question: {doc.question}\nAnswer:"
 
 
+def exemplar(doc: Doc) -> str:
+    """One solved problem as lm-eval writes it into a few-shot prompt."""
+    return doc_to_text(doc) + TARGET_DELIMITER + doc.answer + FEWSHOT_DELIMITER
+
+
 def build_prompts(train: Sequence[Doc], test: Sequence[Doc], num_fewshot: int = NUM_FEWSHOT,
                   limit: int | None = None, seed: int = FEWSHOT_SEED) -> list[str]:
     """The prompts lm-eval sends for the first ``limit`` test documents.
@@ -140,7 +145,7 @@ def build_prompts(train: Sequence[Doc], test: Sequence[Doc], num_fewshot: int = 
     prompts = []
     for doc in docs:
         shots = rnd.sample(range(len(train)), num_fewshot) if num_fewshot else []
-        head = "".join(doc_to_text(train[i]) + TARGET_DELIMITER + train[i].answer + FEWSHOT_DELIMITER for i in shots)
+        head = "".join(exemplar(train[i]) for i in shots)
         prompts.append(head + doc_to_text(doc))
     return prompts
 

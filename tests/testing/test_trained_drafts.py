@@ -73,11 +73,13 @@ def _params() -> Any:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-def _speculate(target: Any, draft_dir: Path) -> tuple[dict[str, Any], list[list[int]]]:
+def _speculate(target: Any, draft_dir: Path,
+               aux_layer_ids: tuple[int, ...] | None = None) -> tuple[dict[str, Any], list[list[int]]]:
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.loader import load_draft
 
-    llm = LLM(target, load_draft(draft_dir, target), num_speculative_tokens=3, tokenizer=None)
+    llm = LLM(target, load_draft(draft_dir, target, aux_layer_ids=aux_layer_ids), num_speculative_tokens=3,
+              tokenizer=None)
     outs = llm.generate(_prompts(), _params())
     return llm.stats.as_dict(), [o.token_ids for o in outs]
 
@@ -100,13 +102,7 @@ def test_trained_draft_is_accepted_losslessly(pair: Path, target: Any, plain: li
 
 
 def _acceptance(target: Any, draft_dir: Path, aux_layer_ids: tuple[int, ...] | None = None) -> float:
-    from eagle3.runtime.engine.llm import LLM
-    from eagle3.runtime.loader import load_draft
-
-    draft = load_draft(draft_dir, target, aux_layer_ids=aux_layer_ids)
-    llm = LLM(target, draft, num_speculative_tokens=3, tokenizer=None)
-    llm.generate(_prompts(), _params())
-    return llm.stats.as_dict()["acceptance_rate"]
+    return _speculate(target, draft_dir, aux_layer_ids)[0]["acceptance_rate"]
 
 
 # The largest share of its acceptance each draft may keep when served one layer off. The bar
