@@ -648,6 +648,7 @@ def train_draft(
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate (linear warm-up, cosine decay).")] = 1e-3,
     max_len: Annotated[int, typer.Option(help="Tokens per training sequence (longer ones are cut).")] = 512,
     num_train: Annotated[int | None, typer.Option(help="Use the first N training examples.")] = None,
+    fewshot: Annotated[int, typer.Option(help="gsm8k: solved train problems before each training problem (serve --validate prompts 5-shot).")] = 0,
     eval_prompts: Annotated[int, typer.Option(help="Held-out prompts for the acceptance measurement.")] = 8,
     eval_tokens: Annotated[int, typer.Option(help="New tokens per held-out prompt.")] = 64,
     eval_fewshot: Annotated[int, typer.Option(help="gsm8k: few-shot exemplars in the held-out prompts.")] = 5,
@@ -678,7 +679,7 @@ def train_draft(
         target=target, out=out, arch=arch, eagle31=eagle31, data=data, dataset=dataset, regenerate=regenerate,
         regen_tokens=regen_tokens, draft_vocab_size=draft_vocab_size, aux_layer_ids=parse_aux_ids(aux_layer_ids),
         ttt_steps=ttt_steps, steps=steps, batch_size=batch_size, lr=lr, max_len=max_len, num_train=num_train,
-        eval_prompts=eval_prompts, eval_tokens=eval_tokens, eval_fewshot=eval_fewshot, init_from=init_from,
+        fewshot=fewshot, eval_prompts=eval_prompts, eval_tokens=eval_tokens, eval_fewshot=eval_fewshot, init_from=init_from,
         checkpoint_every=checkpoint_every, resume=resume, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, progress=not quiet and not json_out and sys.stderr.isatty())
     report = run(opts)

@@ -6,7 +6,8 @@ Sources (``--data``):
   lm-eval format that ``eagle3 serve --validate gsm8k`` prompts with), from ``--dataset DIR``
   (``train.jsonl`` + ``test.jsonl``, the ``serve --validate`` convention) or the Hub. Held-out
   prompts are lm-eval's few-shot prompts of the first test problems: the distribution the draft
-  is measured on.
+  is measured on. ``fewshot`` > 0 puts that many solved train problems (seeded, never the problem
+  itself) before each training problem, so the draft also learns at the context lengths it serves.
 * ``FILE.jsonl``: one JSON object per line with ``"text"``, or ``"prompt"`` and ``"completion"``.
   The last ``num_heldout`` rows are held out; a held-out (or, with ``--regenerate``, a training)
   prompt is the row's ``prompt``, or the first half of its ``text``'s tokens.
@@ -16,6 +17,7 @@ Texts are tokenized without special tokens, as the runtime tokenizes prompts.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,24 +58,45 @@ def _row_ok(row: Any) -> bool:
         isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)))
 
 
+def _train_prompts(docs: list[gsm8k.Doc], n: int, fewshot: int, seed: int) -> list[str]:
+    """The first ``n`` train problems, each after ``fewshot`` other solved train problems in lm-eval's
+    exemplar format (drawn with ``random.Random(seed)``, excluding the problem itself)."""
+    rnd = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        others = rnd.sample(range(len(docs) - 1), fewshot) if fewshot else []
+        head = "".join(gsm8k.exemplar(docs[j + (j >= i)]) for j in others)  # skip index i
+        prompts.append(head + gsm8k.doc_to_text(docs[i]))
+    return prompts
+
+
 def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len: int = 512,
-              num_train: int | None = None, num_heldout: int = 8, num_fewshot: int = 5) -> TrainData:
-    """Training sequences and held-out prompts from ``data`` (``gsm8k`` or a ``.jsonl`` file)."""
+              num_train: int | None = None, num_heldout: int = 8, num_fewshot: int = 5,
+              fewshot: int = 0, seed: int = 0) -> TrainData:
+    """Training sequences and held-out prompts from ``data`` (``gsm8k`` or a ``.jsonl`` file);
+    ``fewshot``: solved train problems before each gsm8k training problem (``num_fewshot``: in the
+    held-out prompts)."""
     if tokenizer is None:
         raise UsageError("train-draft needs the target's tokenizer (tokenizer.json beside its config)")
     if max_len < 4:
         raise UsageError(f"--max-len must be >= 4, got {max_len}")
+    if fewshot < 0:
+        raise UsageError(f"--fewshot must be >= 0, got {fewshot}")
     if data == "gsm8k":
-
         train_docs, test_docs = gsm8k.load_dataset(dataset)
-        docs = train_docs if num_train is None else train_docs[:num_train]
-        train = [_example(tokenizer, gsm8k.doc_to_text(d), gsm8k.TARGET_DELIMITER + d.answer, None, max_len)
-                 for d in docs]
+        if fewshot >= len(train_docs):
+            raise UsageError(f"--fewshot {fewshot} needs more than {fewshot} train rows, got {len(train_docs)}")
+        n = len(train_docs) if num_train is None else min(num_train, len(train_docs))
+        train = [_example(tokenizer, p, gsm8k.TARGET_DELIMITER + d.answer, None, max_len)
+                 for p, d in zip(_train_prompts(train_docs, n, fewshot, seed), train_docs, strict=False)]
         prompts = gsm8k.build_prompts(train_docs, test_docs, num_fewshot=num_fewshot, limit=num_heldout)
         heldout = [_encode(tokenizer, p) for p in prompts]
-        src = f"gsm8k ({dataset or gsm8k.HUB_REPO}): {len(train)} train problems, {len(heldout)} held-out " \
+        shots = f"{fewshot}-shot " if fewshot else ""
+        src = f"gsm8k ({dataset or gsm8k.HUB_REPO}): {len(train)} {shots}train problems, {len(heldout)} held-out " \
               f"{num_fewshot}-shot test prompts"
         return TrainData(train, heldout, src)
+    if fewshot:
+        raise UsageError(f"--fewshot applies to --data gsm8k, not to {data}")
     path = Path(data)
     if path.suffix != ".jsonl" or not path.is_file():
         raise UsageError(f"--data {data}: expected 'gsm8k' or an existing .jsonl file")

@@ -73,6 +73,7 @@ class TrainOptions:
     max_grad_norm: float = 1.0
     max_len: int = 512
     num_train: int | None = None
+    fewshot: int = 0  # gsm8k: solved train problems before each training problem
     eval_prompts: int = 8
     eval_tokens: int = 64
     eval_fewshot: int = 5
@@ -372,7 +373,8 @@ def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict
         target = load_target(opts.target, dtype=_dtype(opts.dtype), device=opts.device)
         tokenizer = load_tokenizer(opts.target)
         data = load_data(opts.data, tokenizer, dataset=opts.dataset, max_len=opts.max_len, num_train=opts.num_train,
-                         num_heldout=opts.eval_prompts, num_fewshot=opts.eval_fewshot)
+                         num_heldout=opts.eval_prompts, num_fewshot=opts.eval_fewshot, fewshot=opts.fewshot,
+                         seed=opts.seed)
         eos = sorted(set(target.spec.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id
                                                         is not None else set()))
         echo(f"data: {data.source}")
