@@ -18,12 +18,14 @@ from eagle3.runtime.kernels.torch_ref import (
     KEY_TILE,
     ROW_TILE,
     bmm_rows,
+    fp8_int4_linear,
     int8_linear,
     mm_rows,
     mxfp4_qdq,
     pointwise,
     quantize_fp8_per_token,
     quantize_int8_per_token,
+    silu,
 )
 from tests.runtime.model_kit import single_thread  # noqa: E402
 
@@ -346,3 +348,34 @@ def test_moe_w4a8_experts_loop_exactly() -> None:
     ref = _moe_ref(x, ids, w, [d for _, d in ws[0]], [d for _, d in ws[1]], [d for _, d in ws[2]])
     assert (y - ref).abs().max() < 0.05 * ref.abs().max()
     assert torch.equal(op(x[3:4], ids[3:4], w[3:4]), y[3:4])
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_w4a8_batched_quantization_keeps_per_expert_bits(act: str, dtype: torch.dtype) -> None:
+    """The INT4 experts quantize all routed rows' activations once, then run one integer GEMM per
+    expert: the bits of each expert's own exact linear (int8_linear / fp8_int4_linear) on its rows,
+    as a per-expert loop computes them, here written out independently."""
+    g = _gen(11)
+    e_, h_, i_ = 5, 64, 32
+    ws = [[_w4a8_weight(g, n, k)[0] for _ in range(e_)] for n, k in ((i_, h_), (i_, h_), (h_, i_))]
+    op = BE.moe()
+    op.prepare(ws[0], ws[1], ws[2], act, dtype, torch.device("cpu"))
+    x = torch.randn(13, h_, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e_, generator=g)[:2] for _ in range(13)])
+    tw = torch.rand(13, 2, generator=g)
+    lin = int8_linear if act == "int8" else fp8_int4_linear
+
+    def expert(w: Int4Weight, rows: torch.Tensor) -> torch.Tensor:
+        return lin(rows, w.codes, w.scale * w.tensor_scale).to(dtype)
+
+    ref = torch.zeros(13, h_, dtype=torch.float32)
+    for e in range(e_):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            gu = torch.cat([expert(ws[0][e], x[tok]), expert(ws[1][e], x[tok])], dim=-1)
+            gate, up = gu.split(i_, dim=-1)
+            y_e = expert(ws[2][e], silu(gate) * up)  # (the backend's batch-invariant silu)
+            ref.index_add_(0, tok, y_e.float() * tw[tok, slot, None])
+    y = op(x, ids, tw)
+    assert torch.equal(y, ref.to(dtype))

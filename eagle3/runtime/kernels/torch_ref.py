@@ -610,8 +610,14 @@ class TorchLinear(LinearOp):
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
     """W4A8 (int8 activations): per-token int8 ``x``, ``int32 acc = x_q @ codes.T`` (exact),
     ``y = acc * s_x[m] * s_w[n]`` in fp32."""
-    m = x.shape[0]
     q, sx = quantize_int8_per_token(x)
+    return int8_gemm(q, sx, codes, w_scale, min_rows)
+
+
+def int8_gemm(q: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
+              min_rows: int = 1) -> torch.Tensor:
+    """:func:`int8_linear` of activations already quantized (``quantize_int8_per_token``)."""
+    m = q.shape[0]
     if m < min_rows:
         q = F.pad(q, (0, 0, 0, min_rows - m))
     acc = torch._int_mm(q, codes.t())[:m]
@@ -624,21 +630,35 @@ def fp8_int4_linear(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
     three int8 digits (base 2^7); each digit's int32 GEMM with the codes is exact (|sum| < 127 * 8 *
     K), and so is their sum in int64. That is the exact sum fp8_linear forms in float64 (x 2^9, also
     exact), so the result has its bits."""
-    m, k = x.shape
-    if k >= 1 << 20:  # (the int32 digit sums could overflow)
+    if x.shape[1] >= FP8_DIGITS_MAX_K:  # (the int32 digit sums could overflow)
         return fp8_linear(x, codes.to(torch.float64), w_scale)
+    digits, sx = fp8_digits(x)
+    return fp8_digits_gemm(digits, sx, codes, w_scale, min_rows)
+
+
+FP8_DIGITS_MAX_K = 1 << 20  # fan-in below which the int8 digit GEMMs of fp8_int4_linear are exact
+
+
+def fp8_digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token E4M3 ``x [M, K]`` as int8 base-2^7 digits ``[M, 3, K]`` of ``q * 2^9`` (high
+    digit first), and the per-token scales ``[M]`` (see :func:`fp8_int4_linear`)."""
     q, sx = quantize_fp8_per_token(x)
     xi = (q.float() * 512).to(torch.int32)  # exact integers
     d2 = xi >> 14  # [-14, 14]
     r = xi - (d2 << 14)  # [0, 2^14)
-    acc: torch.Tensor | None = None
-    for d, shift in ((d2, 14), (r >> 7, 7), (r & 127, 0)):
-        a = d.to(torch.int8)
-        if m < min_rows:
-            a = F.pad(a, (0, 0, 0, min_rows - m))
-        part = torch._int_mm(a, codes.t())[:m].to(torch.int64) << shift
-        acc = part if acc is None else acc.add_(part)
-    assert acc is not None
+    return torch.stack([d2, r >> 7, r & 127], dim=1).to(torch.int8), sx
+
+
+def fp8_digits_gemm(digits: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
+                    min_rows: int = 1) -> torch.Tensor:
+    """:func:`fp8_int4_linear` of activations already split by :func:`fp8_digits`: the three
+    digits of every row in one int32 GEMM (each row of it exact), recombined in int64."""
+    m, _, k = digits.shape
+    a = digits.reshape(3 * m, k)
+    if 3 * m < min_rows:
+        a = F.pad(a, (0, 0, 0, min_rows - 3 * m))
+    parts = torch._int_mm(a, codes.t())[: 3 * m].view(m, 3, -1).to(torch.int64)
+    acc = (parts[:, 0] << 14).add_(parts[:, 1] << 7).add_(parts[:, 2])
     return (acc.to(torch.float64) / 512).float() * sx[:, None] * w_scale[None, :]
 
 
@@ -789,14 +809,10 @@ class TorchMoE(MoEOp):
             return out
         if exact and self.w13.kind is Int4Weight and _scratch_ok(x):
             # one expert at a time, its int8 codes unpacked into the scratch (no float64 widening)
-            s13, s2 = self.w13.tensors["scale"], self.w2.tensors["scale"]
-            for e in active.tolist():
-                idx = slice(starts[e], starts[e] + n_of[e])
-                rows = x[order[idx] // k]
-                h = self._exact_int4(rows, self.w13.int_codes(e, (0, self.w13.n), "codes13"), s13[e])
-                g, u = h.split(self.inter, dim=-1)
-                out[idx] = self._exact_int4(silu(g) * u, self.w2.int_codes(e, (0, self.w2.n), "codes2"), s2[e])
-            return out
+            segs = [(e, slice(starts[e], starts[e] + n_of[e])) for e in active.tolist()]
+            h = self._int4_experts(x[order // k], segs, self.w13, "codes13")
+            g, u = h.split(self.inter, dim=-1)
+            return self._int4_experts(silu(g) * u, segs, self.w2, "codes2")
         for c in range(0, active.numel(), self.chunk if exact else 1):
             sel = active[c: c + (self.chunk if exact else 1)]
             if exact:  # the active experts' codes of a chunk in one decode
@@ -821,10 +837,28 @@ class TorchMoE(MoEOp):
                     out[idx] = self._exact(silu(g) * u, c2[i], s2[i])
         return out
 
-    def _exact_int4(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _int4_experts(self, x: torch.Tensor, segs: list[tuple[int, slice]], bank: _Bank, name: str) -> torch.Tensor:
+        """Rows ``x`` grouped by expert (``segs``: expert, its rows) through ``bank``'s INT4 experts:
+        the bits of :func:`int8_linear` / :func:`fp8_int4_linear` per expert, with the activations
+        quantized once for all rows (per-token quantization: a row's codes and scale do not depend
+        on the other rows) and one integer GEMM per expert. A verification step routes each of its
+        tokens to other experts, so per-expert work is what it adds over a decode step."""
+        scale = bank.tensors["scale"]
+        out = x.new_empty(x.shape[0], bank.n, dtype=self.dtype)
         if self.mode == "int8":
-            return int8_linear(x, codes, scale, self.min_rows).to(self.dtype)
-        return fp8_int4_linear(x, codes, scale, self.min_rows).to(self.dtype)
+            q, sx = quantize_int8_per_token(x)
+            for e, idx in segs:
+                out[idx] = int8_gemm(q[idx], sx[idx], bank.int_codes(e, (0, bank.n), name), scale[e], self.min_rows)
+            return out
+        if x.shape[1] >= FP8_DIGITS_MAX_K:
+            for e, idx in segs:
+                out[idx] = fp8_int4_linear(x[idx], bank.int_codes(e, (0, bank.n), name), scale[e], self.min_rows)
+            return out
+        digits, sx = fp8_digits(x)
+        for e, idx in segs:
+            out[idx] = fp8_digits_gemm(digits[idx], sx[idx], bank.int_codes(e, (0, bank.n), name), scale[e],
+                                       self.min_rows)
+        return out
 
     def _exact(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.mode == "int8":
