@@ -65,8 +65,7 @@ def _train_prompts(docs: list[gsm8k.Doc], n: int, fewshot: int, seed: int) -> li
     prompts = []
     for i in range(n):
         others = rnd.sample(range(len(docs) - 1), fewshot) if fewshot else []
-        head = "".join(gsm8k.exemplar(docs[j + (j >= i)]) for j in others)  # skip index i
-        prompts.append(head + gsm8k.doc_to_text(docs[i]))
+        prompts.append(gsm8k.fewshot_prompt([docs[j + (j >= i)] for j in others], docs[i]))  # skip index i
     return prompts
 
 
@@ -88,7 +87,7 @@ def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len
             raise UsageError(f"--fewshot {fewshot} needs more than {fewshot} train rows, got {len(train_docs)}")
         n = len(train_docs) if num_train is None else min(num_train, len(train_docs))
         train = [_example(tokenizer, p, gsm8k.TARGET_DELIMITER + d.answer, None, max_len)
-                 for p, d in zip(_train_prompts(train_docs, n, fewshot, seed), train_docs, strict=False)]
+                 for p, d in zip(_train_prompts(train_docs, n, fewshot, seed), train_docs[:n], strict=True)]
         prompts = gsm8k.build_prompts(train_docs, test_docs, num_fewshot=num_fewshot, limit=num_heldout)
         heldout = [_encode(tokenizer, p) for p in prompts]
         shots = f"{fewshot}-shot " if fewshot else ""

@@ -129,6 +129,11 @@ def exemplar(doc: Doc) -> str:
     return doc_to_text(doc) + TARGET_DELIMITER + doc.answer + FEWSHOT_DELIMITER
 
 
+def fewshot_prompt(shots: Sequence[Doc], doc: Doc) -> str:
+    """``doc``'s question after the solved problems ``shots``, as lm-eval joins a few-shot prompt."""
+    return "".join(exemplar(d) for d in shots) + doc_to_text(doc)
+
+
 def build_prompts(train: Sequence[Doc], test: Sequence[Doc], num_fewshot: int = NUM_FEWSHOT,
                   limit: int | None = None, seed: int = FEWSHOT_SEED) -> list[str]:
     """The prompts lm-eval sends for the first ``limit`` test documents.
@@ -145,8 +150,7 @@ def build_prompts(train: Sequence[Doc], test: Sequence[Doc], num_fewshot: int = 
     prompts = []
     for doc in docs:
         shots = rnd.sample(range(len(train)), num_fewshot) if num_fewshot else []
-        head = "".join(exemplar(train[i]) for i in shots)
-        prompts.append(head + doc_to_text(doc))
+        prompts.append(fewshot_prompt([train[i] for i in shots], doc))
     return prompts
 
 
