@@ -1,0 +1,274 @@
+"""Structural rules of the codebase, checked from the source (see docs/architecture.md).
+
+- no import cycle between modules of `eagle3/` (function-level imports included);
+- no product file over 800 lines;
+- no function over 150 lines (Triton kernels excepted);
+- the repository never cites documents that a clone does not have.
+
+Each test reads the source with `ast`; nothing is imported, so a failure names the
+offending module, file or function rather than crashing on import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "eagle3"
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 150
+# Triton kernels are long straight-line programs by nature; they are exempt from the
+# function-length rule (not from the file-length rule).
+FUNCTION_LENGTH_EXEMPT = (PKG / "runtime" / "kernels" / "triton",)
+
+
+def _product_files() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in _product_files()}
+
+
+def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom names (relative levels resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    # A module's level-1 anchor is its package; a package's own __init__ is its anchor.
+    drop = node.level - 1 if is_package else node.level
+    base = base[: len(base) - drop] if drop else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _owning_module(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest known module that `name` is or lies inside (`a.b.c` -> `a.b`)."""
+    parts = name.split(".")
+    while parts:
+        cand = ".".join(parts)
+        if cand in modules:
+            return cand
+        parts.pop()
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node that can run, at module or function level: `if TYPE_CHECKING:` bodies are
+    skipped because they never execute (their `else:` branch does)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the eagle3 modules it imports anywhere in its body."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in _runtime_nodes(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve_from(mod, is_package, node)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    # `from pkg import name` imports the submodule when name is one.
+                    targets.append(sub if sub in modules else base)
+            for t in targets:
+                if not t.startswith("eagle3"):
+                    continue
+                owner = _owning_module(t, modules)
+                if owner and owner != mod:
+                    graph[mod].add(owner)
+                    # Importing a.b.c runs a/__init__ and a/b/__init__ first.
+                    parts = owner.split(".")
+                    for i in range(1, len(parts)):
+                        parent = ".".join(parts[:i])
+                        if parent in modules and parent != mod and not mod.startswith(parent + "."):
+                            graph[mod].add(parent)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of size > 1 (Tarjan), each as one cycle path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    sccs: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        # Iterative DFS: the module graph is deep enough to matter for recursion limits.
+        work = [(v, iter(sorted(graph[v])))]
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, it = work[-1]
+            advanced = False
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sccs
+
+
+def _cycle_path(graph: dict[str, set[str]], comp: list[str], start: str) -> list[str]:
+    """The shortest cycle through `start` inside its strongly connected component."""
+    members = set(comp)
+    # BFS from start's successors back to start, within the component.
+    prev: dict[str, str] = {}
+    frontier = [start]
+    seen = {start}
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return list(reversed(path)) + [start]
+                if w not in seen:
+                    seen.add(w)
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return comp
+
+
+def describe_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """One line per distinct elementary cycle found (shortest through each member)."""
+    lines: list[str] = []
+    seen: set[frozenset[str]] = set()
+    for comp in find_cycles(graph):
+        for start in comp:
+            path = _cycle_path(graph, comp, start)
+            key = frozenset(path)
+            if key not in seen:
+                seen.add(key)
+                lines.append("import cycle: " + " -> ".join(path))
+    return lines
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c"]]
+    assert describe_cycles(graph) == ["import cycle: a -> b -> c -> a"]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_checking_imports_are_not_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nelse:\n    import y\n")
+    names = [a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert names == ["y"]
+
+
+def test_relative_imports_resolve():
+    node = ast.parse("from ..x import y", mode="exec").body[0]
+    assert _resolve_from("eagle3.serve.app", False, node) == "eagle3.x"
+    assert _resolve_from("eagle3.serve", True, node) == "eagle3.x"
+    node = ast.parse("from . import y", mode="exec").body[0]
+    assert _resolve_from("eagle3.serve.app", False, node) == "eagle3.serve"
+
+
+def test_no_import_cycle_in_eagle3():
+    lines = describe_cycles(import_graph())
+    msg = "\n".join(lines)
+    assert not lines, f"import cycles in eagle3/ (function-level imports count):\n{msg}"
+
+
+def test_no_product_file_over_800_lines():
+    long = []
+    for p in _product_files():
+        n = len(p.read_text().splitlines())
+        if n > MAX_FILE_LINES:
+            long.append(f"{p.relative_to(ROOT)}: {n} lines")
+    assert not long, f"product files over {MAX_FILE_LINES} lines (split by concept):\n" + "\n".join(long)
+
+
+def test_no_function_over_150_lines():
+    long = []
+    for p in _product_files():
+        if any(p.is_relative_to(d) for d in FUNCTION_LENGTH_EXEMPT):
+            continue
+        tree = ast.parse(p.read_text(), filename=str(p))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines outside eagle3/runtime/kernels/triton/:\n"
+        + "\n".join(long)
+    )
+
+
+def test_no_citation_of_documents_outside_the_repository():
+    needles = ("shared/docs", "DESIGN.md")
+    files = [p for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    files += [p for p in (ROOT / "docs").rglob("*") if p.is_file() and p.suffix in (".md", ".txt", ".py")]
+    files.append(ROOT / "README.md")
+    hits = []
+    for p in files:
+        try:
+            text = p.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if any(n in line for n in needles):
+                hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
+    assert not hits, (
+        "citations of documents a clone does not have (cite docs/architecture.md or files in the repo):\n"
+        + "\n".join(hits)
+    )
