@@ -301,7 +301,7 @@ def test_fifo_swapped_in_after_the_check_does_not_hang(tmp_path: Path, monkeypat
     skipping the check before the open)."""
     f = tmp_path / "model.safetensors"
     os.mkfifo(f)
-    monkeypatch.setattr(checkpoint, "check_regular_file", lambda p: None)
+    monkeypatch.setattr(checkpoint.header, "check_regular_file", lambda p: None)
     with no_hang(), pytest.raises(CheckpointError, match="is a FIFO, not a regular file"):
         read_header(f)
 

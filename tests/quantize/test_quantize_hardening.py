@@ -138,7 +138,7 @@ def _enospc_after(monkeypatch: pytest.MonkeyPatch, shards_ok: int) -> list[str]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data, offset)
 
-    monkeypatch.setattr(checkpoint, "_pwrite_all", full)
+    monkeypatch.setattr(checkpoint.layout, "_pwrite_all", full)  # where ShardFile looks it up
     return seen
 
 
