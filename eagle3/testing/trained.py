@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from eagle3.checkpoint import CheckpointWriter, write_json
-from eagle3.testing.tiny import KIMI_MLA_LATENT
+from eagle3.testing import tiny_configs, tiny_tokenizer, tiny_vocab, tiny_weights
+from eagle3.testing.tiny_configs import KIMI_MLA_LATENT
 
 NAME = "kimi-k2.5-trained"
 DATA_DIR = "kimi_k25_trained"
@@ -62,18 +63,14 @@ DRAFT_FILES = ("config.json", "model.safetensors")
 
 def text_config() -> dict[str, Any]:
     """The K2.5 ``text_config`` (``model_type kimi_k2``) with the trained model's dimensions."""
-    from eagle3.testing import tiny
-
-    c = tiny.text_config(tiny.ROPE_SCALING_K25, tiny.IGNORE_K25, tiny.EOS_ID)
+    c = tiny_configs.text_config(tiny_configs.ROPE_SCALING_K25, tiny_configs.IGNORE_K25, tiny_vocab.EOS_ID)
     c.update(TRAINED_DIMS)
     c["num_key_value_heads"] = TRAINED_DIMS["num_attention_heads"]
     return c
 
 
 def kimi_k25_config() -> dict[str, Any]:
-    from eagle3.testing import tiny
-
-    c = tiny.kimi_k25_config()
+    c = tiny_configs.kimi_k25_config()
     c["text_config"] = text_config()
     c["vision_config"]["text_hidden_size"] = TRAINED_DIMS["hidden_size"]
     return c
@@ -126,23 +123,19 @@ def train_meta() -> dict[str, Any]:
 def _vision(seed: int) -> list[tuple[str, torch.Tensor]]:
     """The random tiny MoonViT + projector of :mod:`eagle3.testing.tiny`; the projector's output
     is re-drawn if the random fixtures' text width ever differs from this model's."""
-    from eagle3.testing import tiny
-
     H = TRAINED_DIMS["hidden_size"]
-    out = list(tiny._vision_tensors(seed))
+    out = list(tiny_weights._vision_tensors(seed))
     if out[-1][1].shape[0] != H:
-        g = tiny._generator(seed, "vision/trained-projector")
+        g = tiny_weights._generator(seed, "vision/trained-projector")
         m = out[-2][1].shape[1]
-        out[-2] = ("mm_projector.proj.2.weight", tiny._linear(g, H, m))
-        out[-1] = ("mm_projector.proj.2.bias", tiny._bias(g, H))
+        out[-2] = ("mm_projector.proj.2.weight", tiny_weights._linear(g, H, m))
+        out[-1] = ("mm_projector.proj.2.bias", tiny_weights._bias(g, H))
     return out
 
 
 def write_kimi_k25_trained(d: Path, seed: int, tokenizer: Any) -> None:
     """make-tiny writer: the K2.5 wrapper layout (``language_model.*``, 3 shards like the random
     fixture: layers split at the middle, then the vision tower)."""
-    from eagle3.testing import tiny
-
     weights = load_weights()
     n = TRAINED_DIMS["num_hidden_layers"]
 
@@ -161,7 +154,7 @@ def write_kimi_k25_trained(d: Path, seed: int, tokenizer: Any) -> None:
         for name, t in _vision(seed):
             w.add(name, t)
     write_json(d / "config.json", kimi_k25_config())
-    tiny._write_tokenizer(d, tokenizer, "[EOS]", [tiny.EOS_ID, tiny.IM_END_ID, tiny.EOT_ID])
+    tiny_tokenizer._write_tokenizer(d, tokenizer, "[EOS]", [tiny_vocab.EOS_ID, tiny_vocab.IM_END_ID, tiny_vocab.EOT_ID])
 
 
 def write_trained_draft(name: str, d: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.errors import UsageError
+from eagle3.validate.endpoint import api_root, served_model
 
 TASKS = ("gsm8k",)
 
@@ -104,26 +105,11 @@ def prepare(opts: ValidateOptions) -> Prepared:
     return Prepared(test[: len(prompts)], prompts)
 
 
-def served_model(base_url: str, api_key: str | None = None) -> str | None:
-    """The first model id in ``GET /v1/models`` (None if the server does not say)."""
-    import httpx
-
-    from eagle3.validate.bench import api_root, headers, is_loopback
-
-    try:
-        r = httpx.get(api_root(base_url) + "/v1/models", headers=headers(api_key), timeout=30.0,
-                      trust_env=not is_loopback(base_url))
-        data = r.json().get("data") or []
-        return str(data[0]["id"]) if r.status_code == 200 and data else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
 def evaluate(base_url: str, prep: Prepared, opts: ValidateOptions, label: str = "speculative") -> EvalRun:
     from eagle3.validate import bench, gsm8k, metrics_client
 
     model = opts.model or served_model(base_url, opts.api_key)
-    url = bench.api_root(base_url) + "/v1/completions"
+    url = api_root(base_url) + "/v1/completions"
     bodies = [gsm8k.request_body(p, model, opts.max_tokens) for p in prep.prompts]
     before = metrics_client.scrape(base_url, opts.api_key)
     results, duration = asyncio.run(bench.run_requests(url, bodies, opts.concurrency, opts.api_key))

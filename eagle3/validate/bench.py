@@ -24,11 +24,11 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from eagle3.errors import UsageError
+from eagle3.validate.endpoint import api_root, headers, is_loopback
 
 PERCENTILES = (50, 90, 99)
 _TIMEOUT_S = 6 * 3600.0
@@ -53,27 +53,6 @@ class RequestResult:
         if self.ttft is None or self.output_tokens < 2:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-def is_loopback(url: str) -> bool:
-    host = (urlsplit(url).hostname or "").lower()
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
-def api_root(base_url: str) -> str:
-    """``http://host:port`` from a base URL given with or without ``/v1`` or an endpoint path."""
-    url = base_url.rstrip("/")
-    for suffix in ("/v1/completions", "/v1/chat/completions", "/v1"):
-        if url.endswith(suffix):
-            return url[: -len(suffix)]
-    return url
-
-
-def headers(api_key: str | None) -> dict[str, str]:
-    h = {"Content-Type": "application/json"}
-    if api_key:
-        h["Authorization"] = f"Bearer {api_key}"
-    return h
 
 
 async def stream_request(client: Any, url: str, body: dict[str, Any], api_key: str | None) -> RequestResult:
@@ -229,12 +208,6 @@ def random_prompts(tokenizer: Any, num_prompts: int, input_len: int, seed: int =
     return prompts
 
 
-def result_to_json(r: RequestResult) -> dict[str, Any]:
-    d = asdict(r)
-    d["tpot"] = r.tpot
-    return d
-
-
 # -- the benchmark -------------------------------------------------------------------------------
 @dataclass
 class BenchOptions:
@@ -283,7 +256,8 @@ def bench_prompts(opts: BenchOptions, tokenizer: Any | None) -> list[str]:
 
 def run_bench(base_url: str, opts: BenchOptions, tokenizer: Any | None = None) -> dict[str, Any]:
     """Every concurrency level over the same prompts; speculative counters from ``/metrics``."""
-    from eagle3.validate import gsm8k, metrics_client, served_model
+    from eagle3.validate import gsm8k, metrics_client
+    from eagle3.validate.endpoint import served_model
 
     opts.check()
     prompts = bench_prompts(opts, tokenizer)

@@ -123,7 +123,7 @@ def scrape(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> 
     """``GET <root>/metrics`` as text, or None when the server has no such endpoint."""
     import httpx
 
-    from eagle3.validate.bench import api_root, headers, is_loopback
+    from eagle3.validate.endpoint import api_root, headers, is_loopback
 
     try:
         r = httpx.get(api_root(base_url) + "/metrics", headers=headers(api_key), timeout=timeout,
