@@ -1,0 +1,49 @@
+"""The ``eagle3`` command line (Typer).
+
+One small function per command: parse, call the library, print. No logic lives here. torch and
+the heavy libraries are imported inside the commands so that ``eagle3 --help`` is instant.
+Errors meant for users (:class:`eagle3.errors.Eagle3Error`) print as one line and exit 2;
+``--debug`` shows the traceback instead.
+
+Commands, one module per group (registered on :data:`eagle3.cli.app.app` in this order, which is the
+order of ``eagle3 --help``): :mod:`.download`, :mod:`.inspect` (inspect, verify), :mod:`.plan`,
+:mod:`.fixtures` (make-tiny, make-slice), :mod:`.convert` (convert, quantize), :mod:`.serve`,
+:mod:`.validate` (validate, bench), :mod:`.train` (train-draft). Shared flags live in :mod:`.options`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+# The commands register on `app` when their module is imported; this order is `eagle3 --help`'s.
+# isort: off
+from eagle3.cli import download, inspect, plan, fixtures, convert, serve, validate, train  # noqa: F401
+# isort: on
+from eagle3.cli.app import _state, app
+from eagle3.errors import Eagle3Error
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: one-line errors and exit code 2 for user errors.
+
+    Typer/click (standalone mode) already print usage errors such as unknown flags with exit 2."""
+    try:
+        app(args=argv)
+    except Eagle3Error as e:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    finally:
+        # An output lock a command took and did not get to release (an error before its write
+        # began) goes now, not at interpreter exit. Only if loaded: importing it imports torch.
+        cp = sys.modules.get("eagle3.checkpoint")
+        if cp is not None:
+            cp.release_output_locks()

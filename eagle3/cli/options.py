@@ -1,0 +1,26 @@
+"""Options and helpers shared by several commands (the serve and bench flags of the bundled runtime)."""
+
+from __future__ import annotations
+
+import typer
+
+KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a GPU where triton imports, aiter "
+                        "on ROCm where aiter imports, torch otherwise), torch, triton, aiter.")
+ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
+
+
+def check_kernel_backend(name: str) -> str:
+    """``--kernel-backend`` checked before anything loads (one line, exit 2, on a bad value)."""
+    from eagle3.errors import UsageError
+
+    choices = ("auto", "torch", "triton", "aiter")
+    if name not in choices:
+        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(choices)}")
+    return name
+
+
+def exit_on_report(report: dict, lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(line)
+    if not report["passed"]:
+        raise typer.Exit(1)

@@ -1,0 +1,71 @@
+"""``eagle3 plan``: the memory plan (weights per rank, KV capacity); also ``serve --dry-run --plan``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eagle3.cli.app import app, print_json
+
+
+@app.command()
+def plan(
+    target: Annotated[str, typer.Argument(help="Target checkpoint directory, its config.json, or a Hub repo id (weights optional).")],
+    gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
+    gpu: Annotated[str | None, typer.Option(help="h100|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
+    memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
+    draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory, config.json or repo id (replicated).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp16|fp32 -- KV cache element type.")] = "bf16",
+    reserve: Annotated[str, typer.Option(help="Runtime reserve per GPU (context, buffers, activations).")] = "4GiB",
+    embedding: Annotated[str, typer.Option(help="replicated|vocab-split -- how the embedding is placed.")] = "replicated",
+    recipe: Annotated[str | None, typer.Option(help="Plan the checkpoint `eagle3 quantize --recipe` would write from TARGET.")] = None,
+    scope: Annotated[str | None, typer.Option(help="With --recipe: the recipe scope.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Sequence length the KV cache must hold at least once (default: the config's).")] = None,
+    report: Annotated[Path | None, typer.Option(help="Also write the plan as JSON to this file.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Memory plan: weight bytes per rank, KV-cache capacity, and whether it fits.
+
+    Works on a config.json alone (no weights needed); uses the safetensors headers when present
+    (for a Hub repo id: its config and headers, read without downloading the weights).
+
+    Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
+    """
+    print_plan(target, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction, draft=draft,
+                kv_cache_dtype=kv_cache_dtype, reserve=reserve, embedding=embedding, recipe=recipe, scope=scope,
+                max_model_len=max_model_len, report=report, json_out=json_out)
+
+
+def print_plan(target: str, *, gpus: int, gpu: str | None, gpu_memory: str | None, memory_fraction: float,
+                draft: str | None, kv_cache_dtype: str, reserve: str, embedding: str, recipe: str | None,
+                scope: str | None, max_model_len: int | None, report: Path | None, json_out: bool) -> None:
+    """`eagle3 plan` and `eagle3 serve --dry-run --plan`: one accounting (eagle3.runtime.plan)."""
+    from eagle3 import hub
+    from eagle3.runtime import plan as plan_mod
+    from eagle3.serve.launcher import parse_bytes
+
+    mem = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
+    plan_mod.check_options(gpus=gpus, gpu=gpu, gpu_memory=mem, memory_fraction=memory_fraction,
+                           kv_cache_dtype=kv_cache_dtype, embedding=embedding)
+    # A repo id is planned from its config and safetensors headers (range requests), like inspect.
+    where, reader = hub.header_view(target)
+    model = plan_mod.load_model(where, "TARGET", recipe, scope, reader=reader, name=target)
+    dmodel = None
+    if draft is not None:
+        dwhere, dreader = hub.header_view(draft)
+        dmodel = plan_mod.load_model(dwhere, "--draft", reader=dreader, name=draft)
+    p = plan_mod.plan(
+        model, gpus=gpus, gpu=gpu, gpu_memory=mem,
+        memory_fraction=memory_fraction, draft=dmodel, kv_cache_dtype=kv_cache_dtype,
+        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, max_model_len=max_model_len)
+    if report is not None:
+        report.write_text(json.dumps(p.to_json(), indent=2) + "\n")
+    if json_out:
+        print_json(p.to_json())
+    else:
+        for line in plan_mod.summary_lines(p):
+            typer.echo(line)

@@ -1,0 +1,173 @@
+"""``eagle3 serve``: the bundled OpenAI-compatible server, ``--validate`` through it, ``--engine`` hand-off,
+and ``--dry-run --plan``."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from eagle3.cli.app import app
+from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+from eagle3.cli.plan import print_plan
+
+
+@app.command()
+def serve(
+    target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
+    draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = 3,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
+    port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = False,
+    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = 64,
+    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = 0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
+    request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
+    validate: Annotated[str | None, typer.Option(help="Run a validation through the HTTP API, then stop: gsm8k.")] = None,
+    limit: Annotated[int | None, typer.Option(help="--validate: first N test questions.")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="--validate: few-shot exemplars.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="--validate: requests in flight.")] = 1,
+    dataset: Annotated[Path | None, typer.Option(help="--validate: directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="--validate: new tokens per answer (lm-eval: 256).")] = 256,
+    report: Annotated[Path | None, typer.Option(help="--validate: write the JSON report here (+ .png figure).")] = None,
+    figure: Annotated[Path | None, typer.Option(help="--validate: the figure's path (default: REPORT with .png).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="--validate: replace an existing report / figure.")] = False,
+    min_accuracy: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this exact match.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="--validate: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this acceptance rate.")] = None,
+    baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
+    engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = 1,
+    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = "auto",
+    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = False,
+    kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
+    quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
+    gpu: Annotated[str | None, typer.Option(help="--plan: h100|h200|mi300x|mi325x|mi355x.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="--plan: memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
+    memory_fraction: Annotated[float, typer.Option(help="--plan: fraction of each GPU's memory the runtime may use.")] = 0.9,
+) -> None:
+    """Serve TARGET (+ EAGLE-3 draft) over an OpenAI-compatible API, validate it, or hand off.
+
+    Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
+
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
+
+    eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
+
+    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
+
+    eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
+
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
+    /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
+    """
+    from eagle3.errors import UsageError
+
+    if plan:
+        _print_serve_plan(target, draft, tensor_parallel_size, gpu, gpu_memory, memory_fraction, kv_cache_dtype,
+                          max_model_len, to_stdout=dry_run)
+        if dry_run and engine is None:
+            return
+    elif gpu is not None or gpu_memory is not None:
+        raise UsageError("--gpu / --gpu-memory go with --plan")
+    if engine is not None:
+        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=num_speculative_tokens, host=host,
+                  port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
+                  kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
+                  served_model_name=served_model_name, max_model_len=max_model_len)
+        return
+    if dry_run:
+        raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
+    from eagle3.serve import launcher
+
+    eopts = launcher.EngineOptions(
+        num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
+        kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
+        max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
+        enforce_eager=enforce_eager)
+    name = served_model_name or target.resolve().name
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
+    if validate is not None:
+        from eagle3.validate import ValidateOptions
+
+        vopts = ValidateOptions(task=validate, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
+                                dataset=dataset, max_tokens=max_tokens, model=name, report=report, figure=figure,
+                                overwrite=overwrite, min_accuracy=min_accuracy, min_acceptance=min_acceptance,
+                                accuracy_filter=accuracy_filter, inputs=(target, draft))
+        _serve_and_validate(target, draft, eopts, vopts, name, api_key=api_key, host=host,
+                            port=0 if port is None else port, baseline=baseline)
+        return
+    _serve_http(target, draft, eopts, name, api_key=api_key, host=host, port=8000 if port is None else port,
+                log_level=log_level, ready_file=ready_file, max_request_bytes=max_request_bytes,
+                request_timeout=request_timeout)
+
+
+def _print_serve_plan(target: Path, draft: Path | None, gpus: int, gpu: str | None, gpu_memory: str | None,
+                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool) -> None:
+    """``--plan``: the same projection as `eagle3 plan`, for the serve command's own target, draft, GPU
+    count and context length; printed first (stdout for --dry-run, else stderr before the load)."""
+    kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
+    with contextlib.redirect_stdout(sys.stdout if to_stdout else sys.stderr):
+        print_plan(str(target), gpus=gpus, gpu=gpu, gpu_memory=gpu_memory,
+                   memory_fraction=memory_fraction, draft=None if draft is None else str(draft),
+                   kv_cache_dtype=kv, reserve="4GiB", embedding="replicated", recipe=None, scope=None,
+                   max_model_len=max_model_len, report=None, json_out=False)
+
+
+def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, **kwargs: Any) -> None:
+    """``--engine``: print the other engine's launch command, and run it unless ``--dry-run``."""
+    from eagle3.serve import engines
+
+    cmd = engines.build_command(engine, target, draft, **kwargs)
+    for note in cmd.notes:
+        typer.echo(f"# note: {note}", err=True)
+    typer.echo(cmd.shell())
+    if not dry_run:
+        raise typer.Exit(engines.run(cmd))
+
+
+def _serve_and_validate(target: Path, draft: Path | None, eopts: Any, vopts: Any, name: str, *,
+                        api_key: str | None, host: str, port: int, baseline: bool) -> None:
+    """``--validate``: serve on a free port, run the validation through the HTTP API, stop."""
+    from eagle3.serve import launcher
+    from eagle3.validate.report import summary_lines
+
+    result = launcher.serve_and_validate(target, draft, eopts, vopts, model_name=name, api_key=api_key,
+                                         host=host, port=port, baseline=baseline,
+                                         echo=lambda s: typer.echo(s, err=True))
+    report = vopts.report
+    exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
+
+
+def _serve_http(target: Path, draft: Path | None, eopts: Any, name: str, *, api_key: str | None, host: str,
+                port: int, log_level: str, ready_file: Path | None, max_request_bytes: str,
+                request_timeout: float) -> None:
+    """The server itself: limits checked and the socket bound before the (long) load, then serve."""
+    from eagle3.errors import UsageError
+    from eagle3.serve import launcher
+    from eagle3.serve.limits import ServerLimits
+
+    if not request_timeout > 0:
+        raise UsageError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    limits = ServerLimits(launcher.parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
+    sock = launcher.listen_socket(host, port)  # before the (long) load
+    llm = launcher.build_llm(target, draft, eopts)
+    api = launcher.build_app(llm, name, api_key=api_key, root=str(target), limits=limits)
+    launcher.serve_forever(api, host, port, log_level, sock=sock, ready_file=ready_file,
+                           on_ready=lambda url: typer.echo(f"eagle3: serving {name} on {url}/v1", err=True))

@@ -1,0 +1,129 @@
+"""``eagle3 validate`` and ``eagle3 bench``: a running (or in-process) server measured from the client side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eagle3.cli.app import app
+from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+
+
+@app.command("validate")
+def validate_cmd(
+    base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")],
+    task: Annotated[str, typer.Option(help="Validation task.")] = "gsm8k",
+    model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
+    baseline_url: Annotated[str | None, typer.Option(help="The same target without speculation: lossless check and speedup.")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N test questions.")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="Few-shot exemplars.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 1,
+    dataset: Annotated[Path | None, typer.Option(help="Directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per answer (lm-eval: 256).")] = 256,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here (+ .png figure).")] = None,
+    figure: Annotated[Path | None, typer.Option(help="The figure's path (default: REPORT with .png).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing report / figure.")] = False,
+    min_accuracy: Annotated[float | None, typer.Option(help="Fail (exit 1) below this exact match.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="Fail (exit 1) below this acceptance rate.")] = None,
+) -> None:
+    """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on GSM8K.
+
+    Example: eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
+
+    Prompts, stop strings, greedy decoding and scoring are lm-eval's gsm8k task; speculative
+    acceptance is read from the server's /metrics when it has them. Exit code 1 on a missed threshold.
+    """
+    from eagle3 import validate as val
+    from eagle3.validate.report import summary_lines
+
+    vopts = val.ValidateOptions(task=task, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
+                                dataset=dataset, max_tokens=max_tokens, model=model, api_key=api_key, report=report,
+                                figure=figure, overwrite=overwrite, min_accuracy=min_accuracy,
+                                min_acceptance=min_acceptance, accuracy_filter=accuracy_filter)
+    prep = val.prepare(vopts)
+    run = val.evaluate(base_url, prep, vopts)
+    base = val.evaluate(baseline_url, prep, vopts, "baseline") if baseline_url else None
+    result = val.finish(run, base, prep, vopts, {"engine": "external"})
+    exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
+
+
+@app.command()
+def bench(
+    target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
+    draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = 3,
+    base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
+    dataset: Annotated[str, typer.Option(help="random|gsm8k prompts.")] = "random",
+    dataset_path: Annotated[Path | None, typer.Option(help="gsm8k: directory with train.jsonl + test.jsonl.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="random: tokenizer directory (default: TARGET).")] = None,
+    input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 256,
+    output_len: Annotated[int, typer.Option(help="New tokens per request (random: exactly, with ignore_eos).")] = 128,
+    num_prompts: Annotated[int, typer.Option(help="Requests per concurrency level.")] = 32,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, e.g. 1,4,16.")] = "1",
+    seed: Annotated[int, typer.Option(help="Random prompts seed.")] = 0,
+    report: Annotated[Path | None, typer.Option(help="Write the results as JSON.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing report.")] = False,
+    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = 1,
+    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = "auto",
+    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = False,
+) -> None:
+    """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
+
+    Examples: eagle3 bench --base-url http://127.0.0.1:8000 --tokenizer ./Kimi-K2.5 --concurrency 1,8,32
+
+    eagle3 bench ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --input-len 64 --output-len 32
+    """
+    from eagle3.errors import UsageError
+    from eagle3.validate import bench as b
+    from eagle3.validate.report import write_json_atomic
+
+    if (target is None) == (base_url is None):
+        raise UsageError("give either TARGET (served in-process) or --base-url")
+    if report is not None:
+        from eagle3.checkpoint import check_output_path
+
+        check_output_path(report, [target, draft, dataset_path, tokenizer], what="report")
+        if report.is_dir():
+            raise UsageError(f"{report}: --report names a directory; give a file path")
+        if report.exists() and not overwrite:
+            raise UsageError(f"{report} exists; pass --overwrite to replace it")
+    opts = b.BenchOptions(dataset=dataset, dataset_path=dataset_path, input_len=input_len, output_len=output_len,
+                          num_prompts=num_prompts, concurrency=b.parse_levels(concurrency), seed=seed, model=model,
+                          api_key=api_key)
+    opts.check()
+    tok = None
+    if tokenizer is not None or target is not None:
+        from eagle3.runtime.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer or target, trust_remote_code)
+    if target is not None:
+        from eagle3.serve import launcher
+
+        eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                                       trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
+                                       backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager)
+        llm = launcher.build_llm(target, draft, eopts)
+        try:
+            api = launcher.build_app(llm, target.resolve().name, root=str(target))
+            with launcher.ServerThread(api) as url:
+                result = b.run_bench(url, opts, tok)
+                result["tensor_parallel_size"] = tensor_parallel_size
+                result.update(launcher.engine_info(llm))
+        finally:
+            launcher.close_llm(llm)
+    else:
+        result = b.run_bench(base_url, opts, tok)
+    for line in b.bench_lines(result):
+        typer.echo(line)
+    if report is not None:
+        write_json_atomic(report, result)
+        typer.echo(f"report: {report}")
