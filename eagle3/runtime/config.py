@@ -240,6 +240,12 @@ class MLASpec:
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5 * self.rope.softmax_mscale()
 
+    @property
+    def cache_width(self) -> int:
+        """Values per token in the latent KV cache (and kv_a_proj's output): the normalised latent
+        ``c`` then the RoPE'd shared key ``k_pe`` (576 for Kimi)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     @staticmethod
     def from_config(cfg: dict[str, Any], where: str, eps: float, latent_norm_eps: float | None) -> MLASpec:
         dr = _req(cfg, "qk_rope_head_dim", where)

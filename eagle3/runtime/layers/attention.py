@@ -53,7 +53,7 @@ class MLAAttention(nn.Module):
             self.q_b_proj = Linear(spec.q_lora_rank, nh * dqk, backend, name + ".q_b_proj")
         else:
             self.q_proj = Linear(in_dim, nh * dqk, backend, name + ".q_proj")
-        self.kv_a_proj_with_mqa = Linear(in_dim, spec.kv_lora_rank + spec.qk_rope_head_dim, backend,
+        self.kv_a_proj_with_mqa = Linear(in_dim, spec.cache_width, backend,
                                          name + ".kv_a_proj_with_mqa")
         # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM when their formats agree
         # (vLLM's fused_qkv_a_proj); `load_a` decides.
@@ -66,10 +66,6 @@ class MLAAttention(nn.Module):
         self.kv_b_packed: LinearWeight | None = None
         self.dtype = torch.float32
         self.absorbed = True
-
-    @property
-    def cache_dim(self) -> int:
-        return self.spec.kv_lora_rank + self.spec.qk_rope_head_dim
 
     def load_a(self, q_a: LinearWeight, act_q: ActQuant, kv_a: LinearWeight, act_kv: ActQuant, dtype: torch.dtype,
                device: torch.device) -> None:
@@ -131,7 +127,7 @@ class MLAAttention(nn.Module):
         s, be = self.spec, self.backend
         t, nh = x.shape[0], s.num_heads
         if self.fused_a is not None:
-            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.cache_dim], dim=-1)
+            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(qa))
         elif s.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -146,12 +142,12 @@ class MLAAttention(nn.Module):
         # one rotation for the nh query heads and the shared key
         pe = self.rotary(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
         q_pe, k_pe = pe[:, :nh], pe[:, nh]
-        flat = cache.view(-1, self.cache_dim)
+        flat = cache.view(-1, self.spec.cache_width)
         be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
         if self.absorbed:
             w_uk, w_uv_t = self.absorbed_matrices()
             q_abs = be.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nh, rkv]
-            q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.cache_dim)
+            q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.spec.cache_width)
             o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan)
             o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), w_uv_t).transpose(0, 1)
         else:

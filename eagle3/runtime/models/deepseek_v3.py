@@ -75,7 +75,7 @@ class DeepseekV3Model(nn.Module):
                               f"{spec.prefix}lm_head")
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec((self.spec.mla.kv_lora_rank + self.spec.mla.qk_rope_head_dim,), self.dtype)
+        return KVCacheSpec((self.spec.mla.cache_width,), self.dtype)
 
     def set_absorbed(self, absorbed: bool) -> None:
         """Absorbed MLA (default) or the naive per-head expansion (tests)."""

@@ -73,7 +73,7 @@ class Eagle3DraftModel(nn.Module):
         s = self.spec
         if s.attention == "mla":
             assert s.mla is not None
-            return KVCacheSpec((s.mla.kv_lora_rank + s.mla.qk_rope_head_dim,), self.dtype)
+            return KVCacheSpec((s.mla.cache_width,), self.dtype)
         assert s.mha is not None
         return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.dtype)
 
