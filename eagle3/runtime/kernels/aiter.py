@@ -3,9 +3,8 @@ MI300-class GPUs, the routed-expert MoE (``aiter.fused_moe.fused_moe``) and MLA 
 attention (``aiter.mla.mla_decode_fwd``). Every other op, and every case the adapter does not take
 (below), runs on the base backend: triton on a GPU where triton imports, else the torch reference.
 
-Written against aiter's documented API (shared/docs/research/kernel_backends.md section 4.1, checked
-against ROCm/aiter's ``aiter/mla.py``), always with keyword arguments (the positional order changed
-between releases). **Unverified on real ROCm**: CI runs it against a fake ``aiter`` module
+Written against aiter's documented API (checked against ROCm/aiter's ``aiter/mla.py``), always with
+keyword arguments (the positional order changed between releases). **Unverified on real ROCm**: CI runs it against a fake ``aiter`` module
 (tests/runtime/fake_aiter/) that checks the argument contracts (names, shapes, dtypes, shuffled
 weights, head counts) and computes with the torch reference; no MI300 was available to this project.
 
@@ -29,8 +28,8 @@ bottom-right causal convention: the sequence's queries are its last ``n`` positi
 (MHA drafts, fp32 models, queries that are not the last positions) runs on the base backend.
 
 Batch invariance is aiter's business: its split-KV count depends on the batch (``get_meta_param``
-picks ``num_kv_splits`` from the CU count and the batch size), so ``batch_invariant`` is False and
-speculative greedy output may differ from plain greedy output in the last bits on real hardware.
+picks ``num_kv_splits`` from the CU count and the batch size), so the backend is not batch invariant
+and speculative greedy output may differ from plain greedy output in the last bits on real hardware.
 """
 
 from __future__ import annotations
@@ -253,7 +252,6 @@ class AiterBackend(TorchBackend):
     """aiter's MoE and MLA over a base backend that runs everything else (see the module doc)."""
 
     name = "aiter"
-    batch_invariant = False  # aiter's split-KV count follows the batch (module doc)
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)

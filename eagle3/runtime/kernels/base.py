@@ -1,10 +1,10 @@
 """The kernel interface: canonical weights, the ops a model calls, and backend selection.
 
-Design (shared/docs/research/kernel_backends.md sections 0 and 5):
+Design (docs/kernels.md):
 
 * The loader turns every on-disk format into one of a few *canonical* weights
   (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`) that keep
-  the packed codes and scales as on disk (DESIGN.md, "Packed canonical weights"); the bits are
+  the packed codes and scales as on disk; the bits are
   decoded through ``eagle3.formats.codecs`` (:func:`dequantize`, :meth:`Int4Weight.unpack`). A
   backend never sees a file layout.
 * Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, pre-transpose;
@@ -17,9 +17,9 @@ Design (shared/docs/research/kernel_backends.md sections 0 and 5):
 
 Batch invariance is part of the contract: for every op, the result for one token (row) must not
 depend on which other tokens share the call. The reference achieves it by construction (see
-``torch_ref``); other backends must keep it or declare themselves non-invariant
-(:attr:`KernelBackend.batch_invariant`), in which case the engine cannot promise that speculative
-greedy output equals plain greedy output.
+``torch_ref``); a backend that cannot keep it (aiter, whose split-KV count follows the batch) says
+so in its module docstring: the engine then cannot promise that speculative greedy output equals
+plain greedy output.
 """
 
 from __future__ import annotations
@@ -157,8 +157,7 @@ class LinearOp(ABC):
     @abstractmethod
     def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
         """Once, at load. May keep or relayout ``weight`` (it owns it afterwards), but a quantized
-        weight stays quantized: no backend keeps a dense copy of it (DESIGN.md, packed canonical
-        weights); dense values are made per call in a bounded scratch."""
+        weight stays quantized: no backend keeps a dense copy of it; dense values are made per call in a bounded scratch."""
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,7 +199,6 @@ class KernelBackend(ABC):
     """Factory for the weighted ops plus the weightless ones."""
 
     name: str = "?"
-    batch_invariant: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
