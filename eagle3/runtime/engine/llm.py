@@ -212,7 +212,8 @@ class LLM:
 
         if self.tensor_parallel_size == 1:
             return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
-        from eagle3.runtime.parallel import TPGroup, TPTarget, TPWorkers
+        from eagle3.runtime.engine.worker import TPTarget, TPWorkers
+        from eagle3.runtime.parallel import TPGroup
 
         world = self.tensor_parallel_size
         if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + world:
