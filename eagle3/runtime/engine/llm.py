@@ -186,9 +186,8 @@ class LLM:
                                   capturer=graphs.default_capturer() if self.cuda_graphs else None)
         self.proposer = None
         if self.draft is not None:
-            self.proposer = EagleProposer(self.draft, self.runner.draft_kv, self.k, self.runner.meta,
-                                          self.config.draft_sampling, self.generator,
-                                          forward_fn=self.runner.forward_draft)
+            self.proposer = EagleProposer(self.draft, self.k, self.runner.forward_draft,
+                                          self.config.draft_sampling, self.generator)
         self.stats = SpecStats(max(self.k, 1))
         self.num_steps = 0
         self.num_preemptions = 0
