@@ -67,9 +67,6 @@ from eagle3.runtime.tokenizer import load_tokenizer
 logger = logging.getLogger("eagle3.runtime")
 
 PromptType = str | Seq[int]
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-           "float": torch.float32}
 _CPU_KV_BYTES = 256 << 20  # default KV budget on CPU: plenty for the tiny and small models
 _GPU_KV_FRACTION = 0.8  # of the memory left free after loading
 _DEFAULT_MAX_MODEL_LEN = 4096  # when the target does not say
@@ -96,14 +93,6 @@ class RequestOutput:
     finished_time: float | None = None
 
 
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise UsageError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
 class LLM:
     """Target (+ optional EAGLE-3 draft) with a paged KV cache and continuous batching.
 
@@ -116,41 +105,35 @@ class LLM:
     where ``import aiter`` works, torch otherwise; docs/kernels.md), ``torch``, ``triton`` or ``aiter``.
     On a GPU the uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py) unless
     ``enforce_eager=True``; on the CPU every step is eager.
-    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.parallel`): this
+    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.engine.worker`): this
     process is rank 0 and spawns N-1 worker processes; ``close()`` (or exit) stops them. Only one such
     LLM can run in a process at a time (one torch.distributed group).
+
+    Every engine option is a field of :class:`~eagle3.runtime.engine.config.EngineConfig`, passed
+    either as keyword arguments (``LLM(t, d, num_speculative_tokens=4)``) or whole (``config=``).
     """
 
     def __init__(self, target: str | os.PathLike[str] | TargetModel,
                  draft: str | os.PathLike[str] | DraftModel | None = None, *,
-                 num_speculative_tokens: int = 3, dtype: str | torch.dtype = "bfloat16",
-                 device: str | torch.device = "cpu", backend: str = "auto", tokenizer: Any = "auto",
-                 trust_remote_code: bool = False, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> None:
-        self.config = EngineConfig(
-            num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            draft_sampling=draft_sampling, seed=seed, log_stats=log_stats)
-        self.device = torch.device(device)
+                 config: EngineConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise UsageError(f"pass either config= or engine options ({', '.join(sorted(options))}), not both")
+        self.config = config if config is not None else EngineConfig.from_kwargs(**options)
+        cfg = self.config
+        self.device = torch.device(cfg.device)
         self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        self.tensor_parallel_size = tensor_parallel_size
-        self._workers: Any = None  # parallel.TPWorkers at tensor_parallel_size > 1
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        self._workers: Any = None  # engine.worker.TPWorkers at tensor_parallel_size > 1
         from eagle3.runtime.kernels import resolve_backend_name
 
-        backend = resolve_backend_name(backend, self.device)  # "auto" -> the device's default, checked
-        self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
+        backend = resolve_backend_name(cfg.backend, self.device)  # "auto" -> the device's default, checked
+        self.target: TargetModel = self._load_target(target, cfg.torch_dtype(), backend)
         self.kernel_backend: str = getattr(getattr(self.target, "backend", None), "name", backend)
-        self.enforce_eager = bool(enforce_eager)
+        self.enforce_eager = bool(cfg.enforce_eager)
         try:
             self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
             self.k = self.config.num_speculative_tokens if self.draft is not None else 0
-            self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
+            self.tokenizer = self._load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.eos_ids = self._eos_ids()
         except BaseException:
             self.close()
