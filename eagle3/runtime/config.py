@@ -8,7 +8,7 @@
 
 Which checkpoint is which (family, flags, aux-id convention, vocabulary maps) is decided by
 ``eagle3.formats.detect``; this module only turns those facts and the config's numbers into specs.
-Specs: kimi_quant_formats.md 1.2 and 5, eagle3_formats.md 2-3 and 8.
+The fields follow the checkpoints' ``config.json`` (DeepSeek-V3 / Kimi text config; EAGLE-3 drafts).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ class TargetSpec:
 class DraftSpec:
     """One-layer EAGLE-3 / 3.1 draft. ``attention`` is ``"mha"`` (Llama) or ``"mla"``.
 
-    Flags (eagle3_formats.md 3): ``fc_norm`` (3.1: an RMSNorm per aux chunk before fc),
+    Flags: ``fc_norm`` (3.1: an RMSNorm per aux chunk before fc),
     ``norm_before_fc`` (one RMSNorm over the whole aux concat), ``norm_output`` (3.1: carry the
     post-norm hidden), ``norm_before_residual`` (residual = hidden_norm(h)).
     ``aux_layer_ids`` are in the input-to-layer convention (None: the target's default)."""

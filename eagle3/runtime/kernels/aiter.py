@@ -89,7 +89,7 @@ _WARNED: set[str] = set()
 
 def pack_int4_pairs(codes: torch.Tensor) -> torch.Tensor:
     """Signed INT4 codes ``[..., K]`` (int8 in [-8, 7]) -> uint8 ``[..., K/2]``, two's-complement
-    nibbles, even k in the low nibble (aiter's i4x2, kernel_backends.md 4.1 / 5)."""
+    nibbles, even k in the low nibble (aiter's i4x2)."""
     u = (codes.to(torch.int16) & 0xF).to(torch.uint8)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
 
@@ -145,7 +145,7 @@ class AiterMoE(MoEOp):
             s2 = torch.stack([d.scale for d in down])  # type: ignore[union-attr]
             self.w1 = shuffle(pack_int4_pairs(c1).to(device), layout=(16, 16), use_int4=True)
             self.w2 = shuffle(pack_int4_pairs(c2).to(device), layout=(16, 16), use_int4=True)
-            # group scales [E, K/32, N] in bf16 (kernel_backends.md 4.1: "bf16 group scales [E, K//32, N]")
+            # group scales [E, K/32, N] in bf16 (aiter's a16w4 layout)
             self.w1_scale = s1.transpose(1, 2).to(device=device, dtype=torch.bfloat16).contiguous()
             self.w2_scale = s2.transpose(1, 2).to(device=device, dtype=torch.bfloat16).contiguous()
 
@@ -263,7 +263,7 @@ class AiterBackend(TorchBackend):
             base_name = "triton" if _importable("triton") else "torch"
         self.base: KernelBackend = get_backend(base_name, self.device)
         params = inspect.signature(self.aiter.mla.mla_decode_fwd).parameters
-        # page_size / nhead_kv exist since aiter 0.1.8-ish (kernel_backends.md 4.0); pass them when taken
+        # page_size / nhead_kv exist in newer aiter releases only; pass them when taken
         self._mla_extra = {k: 1 for k in ("page_size", "nhead_kv") if k in params}
         self.calls = {"mla": 0, "mla_fallback": 0}
 

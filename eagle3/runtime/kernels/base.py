@@ -76,7 +76,7 @@ class Int4Weight:
     ``W[n, k] = codes[n, k] * scale[n, k // group_size]`` (group scales ``[N, K/G]``) or
     ``codes[n, k] * scale[n]`` (per-channel, ``group_size=None``), times ``tensor_scale`` when
     set (Quark's two-stage W4A8: per-tensor FP8 stage scale). The product is formed in
-    ``scale.dtype`` - compressed-tensors' rule (bf16 for Kimi), see kimi_quant_formats.md 2.3."""
+    ``scale.dtype`` - compressed-tensors' rule (bf16 for Kimi)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -172,7 +172,7 @@ class MoEOp(ABC):
     """Routed experts: ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x)) * up_e(x))``, ``e = ids[t, j]``.
 
     The sum over the top-k slots runs in fp32 in slot order, then casts to the compute dtype
-    (transformers' default ``grouped_mm`` path does the same, transformers_kimi_tiny.md 5.6)."""
+    (transformers' default ``grouped_mm`` path does the same)."""
 
     @abstractmethod
     def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
@@ -272,7 +272,7 @@ BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton", "aiter")
 
 def _importable(module: str) -> bool:
     """True when ``import module`` succeeds. Any exception counts as "no": ``import aiter`` raises a
-    RuntimeError (not an ImportError) on a machine without ROCm (kernel_backends.md 4.0)."""
+    RuntimeError (not an ImportError) on a machine without ROCm."""
     import importlib
 
     try:

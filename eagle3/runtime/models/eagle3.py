@@ -1,5 +1,5 @@
 """EAGLE-3 / EAGLE-3.1 draft: one decoder layer (Llama MHA or DeepSeek MLA) over
-``[input_layernorm(embed(token)), hidden_norm(h)]`` (eagle3_formats.md 3).
+``[input_layernorm(embed(token)), hidden_norm(h)]``.
 
 ::
 
