@@ -58,7 +58,7 @@ from eagle3.runtime.kernels.base import (
     LinearWeight,
     MXFP4Weight,
 )
-from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.linear import Linear, Shard
 from eagle3.runtime.layers.moe import MoE
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
@@ -75,7 +75,7 @@ class WeightReader:
     def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
                  act_override: ActQuant = None, tp: TPGroup = SINGLE) -> None:
         self.reader = CheckpointReader(path)
-        self.tp = tp
+        self.keep_bias = tp.rank == 0  # linear_part's default for input-column parts
         self.path = self.reader.path
         self.quant = quant
         self.dtype = dtype
@@ -125,34 +125,41 @@ class WeightReader:
             act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
         return w, act
 
-    def load_linear(self, layer: Linear, module: str, rows: tuple[int, int] | None = None,
-                    cols: tuple[int, int] | None = None) -> None:
-        w, act = self.linear_part(module, rows, cols)
+    def load_linear(self, layer: Linear, module: str) -> None:
+        """Load the part of ``module`` that ``layer`` holds (:attr:`Linear.shard`: whole, or a
+        tensor-parallel layer's rows / columns)."""
+        w, act = self.shard_part(module, layer.shard)
         with _named(self, module):
             layer.load(w, act, self.dtype, self.device)
 
-    def linear_part(self, module: str, rows: tuple[int, int] | None = None,
-                    cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
-        """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
-        ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
-        if self.tp.world == 1:  # the whole weight (TP=1 reads exactly as it always did)
-            rows = cols = None
+    def shard_part(self, module: str, shard: Shard) -> tuple[LinearWeight, ActQuant]:
+        """The part of ``module`` a layer's :class:`~eagle3.runtime.layers.linear.Shard` names."""
+        return self.linear_part(module, shard.rows, shard.cols, shard.keep_bias)
+
+    def linear_part(self, module: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+                    keep_bias: bool | None = None) -> tuple[LinearWeight, ActQuant]:
+        """Output rows ``rows`` or input columns ``cols`` of a Linear, reading only those bytes where
+        the format allows; the whole weight when neither is given. ``keep_bias`` (with ``cols``):
+        whether this part carries the bias (a row-parallel bias is added once); default: as the
+        reader was built (``tp``: the group's first member keeps it)."""
+        if keep_bias is None:
+            keep_bias = self.keep_bias
         if rows is not None or cols is not None:
-            part = self._decode_part(module, rows, cols)
+            part = self._decode_part(module, rows, cols, keep_bias)
             if part is not None:
                 return part
         w, act = self.linear(module)
         if rows is not None:
             w = slice_out(w, *rows)
         if cols is not None:
-            w = slice_in(w, *cols, keep_bias=self.tp.rank == 0)
+            w = slice_in(w, *cols, keep_bias=keep_bias)
             if isinstance(w, DenseWeight) and act is not None:
                 act = None  # decoded fallback of slice_in: runs as a float weight
         return w, act
 
     def _decode_part(self, m: str, rows: tuple[int, int] | None,
-                     cols: tuple[int, int] | None) -> tuple[LinearWeight, ActQuant] | None:
-        """This rank's rows (output features) or input columns of module ``m``, read straight from
+                     cols: tuple[int, int] | None, keep_bias: bool) -> tuple[LinearWeight, ActQuant] | None:
+        """Rows (output features) or input columns of module ``m``, read straight from
         the shard's bytes (:meth:`CheckpointReader.get_rows`): packed words and scale groups are
         cut on their boundaries. None when the format or the range does not allow it (then the
         caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
@@ -192,7 +199,7 @@ class WeightReader:
                 k = info.shape[1]
                 w = DenseWeight(self.get_part(n_w, rows, cols))
             elif dt == torch.int32 and self.quant.int4_per_group:
-                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. This rank's
+                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. The part's
                 # output rows are stored columns (whole words of 8), its input columns stored rows.
                 k, n = info.shape[0], info.shape[1] * 8
                 sk = self.reader.info(n_scale).shape
@@ -251,7 +258,7 @@ class WeightReader:
         if self.has(bias_name):
             if rows is not None:
                 w.bias = self.get_part(bias_name, rows)
-            elif self.tp.rank == 0:  # row parallel: the bias is added once, on rank 0
+            elif keep_bias:  # row parallel: the bias is added once, on one rank
                 w.bias = self.get(bias_name)
         if isinstance(w, DenseWeight):
             return w, None
@@ -370,13 +377,14 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
     (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1).
-    ``tp``: this process's rank of a tensor-parallel group: only its shard is built (parallel.py)."""
+    ``tp``: this process's place in a tensor-parallel group: the model's parallel layers hold only
+    their shard and the reader reads only that (runtime/layers/linear.py)."""
     _check_act_override(act_override)
     spec = target_spec(path, latent_norm_eps)
     dev = _device(device)
     be = get_backend(backend, dev)
     model = DeepseekV3Model(spec, be, dtype, tp)
-    wr = WeightReader(path, spec.quant, dtype, dev, act_override, tp)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
     p = spec.prefix
     with torch.no_grad():
         embed = wr.get(f"{p}{keys.TARGET_EMBED}")
@@ -388,11 +396,10 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
-        vocab = model.vocab_range
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
-            wr.load_linear(model.lm_head, head, rows=vocab)
+            wr.load_linear(model.lm_head, head)
         elif spec.tie_word_embeddings:
-            model.lm_head.load(DenseWeight(embed[vocab[0]: vocab[1]]), None, dtype, dev)
+            model.lm_head.load(DenseWeight(model.lm_head.shard.take_rows(embed)), None, dtype, dev)
         else:
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
@@ -404,7 +411,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
     wr.norm(layer.input_layernorm, p + "input_layernorm.weight")
     wr.norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-    _load_mla(wr, layer.self_attn, p + "self_attn.", sharded=True)
+    _load_mla(wr, layer.self_attn, p + "self_attn.")
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         gate_w = wr.get(p + "mlp.gate.weight")
@@ -414,7 +421,7 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
         bias_name = p + "mlp.gate.e_score_correction_bias"
         mlp.load_router(gate_w, wr.get(bias_name) if wr.has(bias_name) else None, wr.device)
         gates, ups, downs, acts = [], [], [], set()
-        for e in range(*mlp.expert_range):  # expert parallel: only this rank's experts are read
+        for e in range(*mlp.expert_range):  # expert parallel: only the experts the layer holds are read
             for proj, out in (("gate_proj", gates), ("up_proj", ups), ("down_proj", downs)):
                 w, act = wr.linear(f"{p}mlp.experts.{e}.{proj}")
                 out.append(w)
@@ -427,20 +434,16 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
                 raise ShapeError(f"{wr.path}: {p}mlp.experts: expert weights are not all {list(want[name])}")
         mlp.load_experts(gates, ups, downs, acts.pop(), wr.dtype, wr.device)
         if mlp.shared is not None:
-            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.", sharded=True)
+            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.")
     else:
-        _load_mlp(wr, mlp, p + "mlp.", sharded=True)
+        _load_mlp(wr, mlp, p + "mlp.")
 
 
-def _load_mlp(wr: WeightReader, mlp: Any, p: str, sharded: bool = False) -> None:
-    """gate/up/down of a SwiGLU MLP; ``sharded``: this rank's intermediate columns (gate/up rows,
-    down input columns), as the target's MLPs are built (``mlp.inter`` is the local width)."""
-    if sharded and wr.tp.world > 1:
-        lo, hi = wr.tp.split(mlp.full_inter)
-        (g, ag), (u, au) = (wr.linear_part(p + n, rows=(lo, hi)) for n in ("gate_proj", "up_proj"))
-        d, ad = wr.linear_part(p + "down_proj", cols=(lo, hi))
-    else:
-        (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
+def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
+    """gate/up/down of a SwiGLU MLP: the parts the layer holds (``mlp.gate_up_shard`` of gate and of
+    up, ``mlp.down.shard`` of down; whole unless the MLP is tensor parallel)."""
+    (g, ag), (u, au) = (wr.shard_part(p + n, mlp.gate_up_shard) for n in ("gate_proj", "up_proj"))
+    d, ad = wr.shard_part(p + "down_proj", mlp.down.shard)
     if ag != au:
         raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
     with _named(wr, p + "gate_proj/up_proj"):
@@ -458,31 +461,23 @@ def _named(wr: WeightReader, what: str) -> Iterator[None]:
         raise FormatError(f"{wr.path}: {what}: {e}") from None
 
 
-def _load_mla(wr: WeightReader, attn: Any, p: str, sharded: bool = False) -> None:
-    """MLA weights; ``sharded``: this rank's heads (attn.spec.num_heads of them, see DecoderLayer):
-    q_b / q / kv_b rows, o_proj input columns; q_a / kv_a whole (replicated)."""
-    s = attn.spec
-    q_rows = kv_rows = o_cols = None
-    if sharded and wr.tp.world > 1:
-        h0 = wr.tp.rank * s.num_heads
-        h1 = h0 + s.num_heads
-        q_rows = (h0 * s.qk_head_dim, h1 * s.qk_head_dim)
-        kv_rows = (h0 * (s.qk_nope_head_dim + s.v_head_dim), h1 * (s.qk_nope_head_dim + s.v_head_dim))
-        o_cols = (h0 * s.v_head_dim, h1 * s.v_head_dim)
+def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
+    """MLA weights, each the part the layer holds (its heads' q_b / q / kv_b rows and o_proj input
+    columns under tensor parallelism; q_a / kv_a whole)."""
     if attn.spec.q_lora_rank is not None:
         (qa, act_q), (kva, act_kv) = wr.linear(p + "q_a_proj"), wr.linear(p + "kv_a_proj_with_mqa")
         with _named(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
             attn.load_a(qa, act_q, kva, act_kv, wr.dtype, wr.device)
         wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
-        wr.load_linear(attn.q_b_proj, p + "q_b_proj", rows=q_rows)
+        wr.load_linear(attn.q_b_proj, p + "q_b_proj")
     else:
-        wr.load_linear(attn.q_proj, p + "q_proj", rows=q_rows)
+        wr.load_linear(attn.q_proj, p + "q_proj")
         wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
-    kv_b, _ = wr.linear_part(p + "kv_b_proj", rows=kv_rows)
+    kv_b, _ = wr.shard_part(p + "kv_b_proj", attn.kv_b_shard)
     with _named(wr, p + "kv_b_proj"):
         attn.load_kv_b(kv_b, wr.dtype, wr.device)
-    wr.load_linear(attn.o_proj, p + "o_proj", cols=o_cols)
+    wr.load_linear(attn.o_proj, p + "o_proj")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,7 +563,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
             wr.load_linear(model.lm_head, "lm_head")
         elif lm_head is not None:  # the target's, whole (its own lm_head is split over tensor-parallel ranks)
             model.lm_head = lm_head
-        elif getattr(target, "tp", SINGLE).world > 1:
+        elif target.lm_head.out_features != target.vocab_size:  # the target's holds part of the vocabulary
             raise UsageError(f"{where}: the draft shares the target's lm_head, which is split over the "
                              f"tensor-parallel ranks; pass the whole one (lm_head=load_lm_head(target_dir))")
         else:

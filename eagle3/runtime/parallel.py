@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.errors import UsageError
 from eagle3.runtime.kernels.base import (
     DenseWeight,
     FP8Weight,
@@ -85,12 +84,6 @@ def split(n: int, world: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(n, world)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (rank < extra)
-
-
-def head_split(num_heads: int, tp: TPGroup, what: str) -> tuple[int, int]:
-    if num_heads % tp.world:
-        raise UsageError(f"{what}: {num_heads} attention heads do not split over tensor_parallel_size={tp.world}")
-    return tp.split(num_heads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ cache through ``kv_b_proj`` into per-head keys and values; it exists for tests.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from eagle3.errors import ShapeError
+from eagle3.errors import ShapeError, UsageError
 from eagle3.runtime.config import MHASpec, MLASpec
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.kernels.base import (
@@ -33,16 +34,27 @@ from eagle3.runtime.kernels.base import (
     weight_tensors,
     weight_to,
 )
-from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, Shard
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.layers.rotary import RotaryEmbedding
+from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
 class MLAAttention(nn.Module):
+    """MLA over the paged latent cache. Tensor parallel by heads: this rank holds ``spec.num_heads
+    / tp.world`` of them (q_b / q and kv_b rows, o_proj input columns; q_a / kv_a replicated) and
+    returns the attention output summed over the ranks."""
+
     def __init__(self, spec: MLASpec, in_dim: int, out_dim: int, rotary: RotaryEmbedding, backend: KernelBackend,
-                 name: str = "") -> None:
+                 name: str = "", tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        if spec.num_heads % tp.world:
+            raise UsageError(f"{name}: {spec.num_heads} attention heads do not split over "
+                             f"tensor_parallel_size={tp.world}")
+        full_heads = spec.num_heads
+        spec = dataclasses.replace(spec, num_heads=full_heads // tp.world)  # this rank's heads
         self.spec = spec
+        self.tp = tp
         self.backend = backend
         self.rotary = rotary
         self.name = name
@@ -50,16 +62,21 @@ class MLAAttention(nn.Module):
         if spec.q_lora_rank is not None:
             self.q_a_proj = Linear(in_dim, spec.q_lora_rank, backend, name + ".q_a_proj")
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps, backend)
-            self.q_b_proj = Linear(spec.q_lora_rank, nh * dqk, backend, name + ".q_b_proj")
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, full_heads * dqk, backend, name + ".q_b_proj",
+                                                 tp, unit=dqk)
         else:
-            self.q_proj = Linear(in_dim, nh * dqk, backend, name + ".q_proj")
+            self.q_proj = ColumnParallelLinear(in_dim, full_heads * dqk, backend, name + ".q_proj", tp, unit=dqk)
+        # kv_b_proj is absorbed (not a Linear): this rank's heads' rows of it.
+        self.kv_b_shard = Shard.of_rows(tp, full_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+                                        spec.qk_nope_head_dim + spec.v_head_dim)
         self.kv_a_proj_with_mqa = Linear(in_dim, spec.cache_width, backend,
                                          name + ".kv_a_proj_with_mqa")
         # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM when their formats agree
         # (vLLM's fused_qkv_a_proj); `load_a` decides.
         self.fused_a: Linear | None = None
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.latent_norm_eps, backend)
-        self.o_proj = Linear(nh * spec.v_head_dim, out_dim, backend, name + ".o_proj")
+        self.o_proj = RowParallelLinear(full_heads * spec.v_head_dim, out_dim, backend, name + ".o_proj", tp,
+                                        unit=spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
         self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
         # A quantized kv_b_proj stays packed; the two absorbed matrices are decoded from it per call.
@@ -152,7 +169,7 @@ class MLAAttention(nn.Module):
             o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), w_uv_t).transpose(0, 1)
         else:
             o = self._naive(q_nope, q_pe, flat, meta, plan)
-        return self.o_proj(o.reshape(t, nh * s.v_head_dim))
+        return self.tp.reduce(self.o_proj(o.reshape(t, nh * s.v_head_dim)))
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, meta: AttnMetadata,
                plan: Any) -> torch.Tensor:
