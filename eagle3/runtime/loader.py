@@ -376,7 +376,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
-    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1).
+    (transformers uses 1e-6 there).
     ``tp``: this process's place in a tensor-parallel group: the model's parallel layers hold only
     their shard and the reader reads only that (runtime/layers/linear.py)."""
     _check_act_override(act_override)

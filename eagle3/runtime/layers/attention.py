@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: DeepSeek MLA (latent cache, absorbed form) and Llama MHA.
 
-MLA (kimi_quant_formats.md 5.2-5.3). Per token and layer the cache holds ``[c (kv_lora, after
+MLA (DeepSeek-V3). Per token and layer the cache holds ``[c (kv_lora, after
 kv_a_layernorm), k_pe (qk_rope, after RoPE)]``. The absorbed form folds ``kv_b_proj`` into the
 query and the output::
 

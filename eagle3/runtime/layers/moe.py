@@ -1,5 +1,5 @@
 """SwiGLU MLP and the DeepSeek-V3 MoE block (sigmoid router with correction bias, group-limited
-top-k, routed experts + always-on shared experts), kimi_quant_formats.md 5.4.
+top-k, routed experts + always-on shared experts) as in DeepSeek-V3.
 
 Numerics as transformers: router logits ``x.float() @ W.float().T``; selection on
 ``sigmoid + e_score_correction_bias``, weights are the unbiased scores, renormalised

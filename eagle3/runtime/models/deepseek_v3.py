@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / Kimi-K2.x target (kimi_quant_formats.md 5): MLA attention over a paged latent
+"""DeepSeek-V3 / Kimi-K2.x target: MLA attention over a paged latent
 cache, dense SwiGLU in the first ``first_k_dense_replace`` layers, MoE after; returns the
 post-norm hidden states and the EAGLE-3 aux states ("input to layer k", concatenated in
 ascending id order; ``k == num_layers`` is the last layer's output before the final norm)."""
