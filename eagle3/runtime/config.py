@@ -8,7 +8,7 @@
 
 Which checkpoint is which (family, flags, aux-id convention, vocabulary maps) is decided by
 ``eagle3.formats.detect``; this module only turns those facts and the config's numbers into specs.
-Specs: kimi_quant_formats.md 1.2 and 5, eagle3_formats.md 2-3 and 8.
+The fields follow the checkpoints' ``config.json`` (DeepSeek-V3 / Kimi text config; EAGLE-3 drafts).
 """
 
 from __future__ import annotations
@@ -240,6 +240,12 @@ class MLASpec:
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5 * self.rope.softmax_mscale()
 
+    @property
+    def cache_width(self) -> int:
+        """Values per token in the latent KV cache (and kv_a_proj's output): the normalised latent
+        ``c`` then the RoPE'd shared key ``k_pe`` (576 for Kimi)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     @staticmethod
     def from_config(cfg: dict[str, Any], where: str, eps: float, latent_norm_eps: float | None) -> MLASpec:
         dr = _req(cfg, "qk_rope_head_dim", where)
@@ -365,7 +371,7 @@ class TargetSpec:
 class DraftSpec:
     """One-layer EAGLE-3 / 3.1 draft. ``attention`` is ``"mha"`` (Llama) or ``"mla"``.
 
-    Flags (eagle3_formats.md 3): ``fc_norm`` (3.1: an RMSNorm per aux chunk before fc),
+    Flags: ``fc_norm`` (3.1: an RMSNorm per aux chunk before fc),
     ``norm_before_fc`` (one RMSNorm over the whole aux concat), ``norm_output`` (3.1: carry the
     post-norm hidden), ``norm_before_residual`` (residual = hidden_norm(h)).
     ``aux_layer_ids`` are in the input-to-layer convention (None: the target's default)."""

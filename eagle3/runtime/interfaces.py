@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from eagle3.formats.detect import default_aux_layer_ids  # noqa: F401 - the one definition, re-exported
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from eagle3.runtime.config import DraftSpec, TargetSpec
     from eagle3.runtime.context import AttnMetadata
@@ -48,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 class KVCacheSpec(NamedTuple):
     """Per-layer, per-token cache layout. A tuple so that ``shape, dtype = m.kv_cache_spec()``.
 
-    * MLA (target and MLA draft): ``shape = (kv_lora_rank + qk_rope_head_dim,)`` - the
+    * MLA (target and MLA draft): ``shape = (MLASpec.cache_width,)`` = ``(kv_lora_rank + qk_rope_head_dim,)`` - the
       normalised latent ``c`` followed by the RoPE'd shared key ``k_pe`` (576 for Kimi).
     * MHA (Llama draft): ``shape = (2, num_key_value_heads, head_dim)`` - K then V, K after RoPE.
     """
@@ -65,11 +67,6 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, num_blocks: int, block
     and ``0 * NaN`` from uninitialised memory would poison the result."""
     return [torch.zeros(num_blocks, block_size, *spec.shape, dtype=spec.dtype, device=device)
             for _ in range(num_layers)]
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """vLLM / ATOM / SafeAILab default, "input to layer k" convention: ``(2, N//2, N-3)``."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 @runtime_checkable

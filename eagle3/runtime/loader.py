@@ -1,41 +1,16 @@
-"""Checkpoint -> runtime model, straight from the files (no convert step), one tensor at a time.
+"""Checkpoint -> runtime model, straight from the files (no convert step), one tensor at a time:
+:func:`load_target` (DeepSeek-V3 / Kimi), :func:`load_draft` (EAGLE-3 / 3.1), :func:`load_lm_head`,
+and what a loaded model keeps in memory (:func:`resident_weight_bytes`).
 
-Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit decode goes through
-``eagle3.formats.codecs``):
-
-* bf16 / fp16 / fp32 weights;
-* compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi routed experts, W4A16):
-  ``weight_packed`` + ``weight_scale`` + ``weight_shape``;
-* Quark W4A8: reorder-packed INT4 ``weight`` int32 + per-tensor ``weight_scale`` (0-d or [1]) +
-  per-channel ``weight_scale_2`` [N], with dynamic per-token FP8 (default, as the config says) or
-  INT8 (``act_override="int8"``) activations;
-* Quark INT4 per-channel (or per-group, stored transposed) ``weight`` + ``weight_scale``;
-* Quark MXFP4: uint8 E2M1 ``weight`` + uint8 E8M0 ``weight_scale``, dynamic MXFP4 activations
-  when ``input_tensors`` says so;
-* FP8 E4M3: DeepSeek 128x128 ``weight_scale_inv`` blocks, or per-channel / per-tensor
-  ``weight_scale`` (Quark ptpc_fp8 drafts, with dynamic per-token FP8 activations when the
-  config asks for them).
-
-The Kimi-K2.5 wrapper's ``vision_tower.*`` / ``mm_projector.*`` tensors are never read.
-
-What the runtime does with each format (first steps, documented):
-
-* Every quantized weight stays packed in memory as it is on disk (codes + scales; Quark's
-  transposed per-group INT4 is relaid out once to words along the input dim, the same bytes).
-  The torch reference decodes per call, exactly as compressed-tensors / Quark do (``bf16(q * s)``
-  for INT4 W4A16), into a bounded scratch; no backend keeps a dense copy
-  (:func:`resident_weight_bytes` accounts for it).
-* DeepSeek block-FP8 weights run weight-only with compute-dtype activations (engines quantize
-  activations per 1x128 group; the reference does not).
-* W4A8 runs as an integer GEMM (INT8) or an exact float64 GEMM (FP8 activations), see
-  ``kernels/torch_ref.py``.
+Each checkpoint format is decoded into a canonical weight by :class:`eagle3.runtime.weights.WeightReader`
+(which formats, and what the runtime does with each, is described there). Over a tensor-parallel
+group the model's parallel layers say which part of each weight they hold (``layers/linear.py``);
+this module passes those parts to the reader and never computes a range itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,294 +18,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.checkpoint import CheckpointReader
-from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
-from eagle3.formats import codecs, detect, keys
-from eagle3.runtime.config import DraftSpec, QuantSpec, TargetSpec
+from eagle3.errors import FormatError, ShapeError, UsageError
+from eagle3.formats import detect, keys
+from eagle3.runtime.config import DraftSpec, TargetSpec
 from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.kernels import get_backend
 from eagle3.runtime.kernels.base import (
     ACT_QUANTS,
     ActQuant,
     DenseWeight,
-    FP8Weight,
-    Int4Weight,
-    LinearWeight,
-    MXFP4Weight,
 )
 from eagle3.runtime.layers.linear import Linear
 from eagle3.runtime.layers.moe import MoE
-from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
 from eagle3.runtime.models.eagle3 import Eagle3DraftModel
-from eagle3.runtime.parallel import SINGLE, TPGroup, slice_in, slice_out
-
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-class WeightReader:
-    """Reads named tensors and decodes one Linear module into a canonical weight."""
-
-    def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
-                 act_override: ActQuant = None, tp: TPGroup = SINGLE) -> None:
-        self.reader = CheckpointReader(path)
-        self.tp = tp
-        self.path = self.reader.path
-        self.quant = quant
-        self.dtype = dtype
-        self.device = device
-        self.act_override = act_override
-        self.used: dict[str, int] = {}  # tensor -> bytes read of it (a shard's rows only, when sliced)
-
-    def has(self, name: str) -> bool:
-        return name in self.reader
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the checkpoint tensors read so far (what the model was built from)."""
-        return sum(self.used.values())
-
-    def get(self, name: str) -> torch.Tensor:
-        self.used[name] = self.reader.info(name).nbytes
-        return self.reader.get(name)
-
-    def get_part(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """Rows / columns of one tensor, reading only those bytes (a tensor-parallel shard)."""
-        info = self.reader.info(name)
-        r0, r1 = rows if rows is not None else (0, info.shape[0])
-        c0, c1 = cols if cols is not None else (None, None)
-        t = self.reader.get_rows(name, r0, r1, c0, c1)
-        self.used[name] = self.used.get(name, 0) + t.numel() * t.element_size()
-        return t
-
-    def norm(self, module: RMSNorm, name: str) -> None:
-        t = self.get(name)
-        if tuple(t.shape) != (module.size,):
-            raise ShapeError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}, expected [{module.size}]")
-        module.load(t.to(self.device), self.dtype)
-
-    def linear(self, module: str) -> tuple[LinearWeight, ActQuant]:
-        """Decode ``<module>.*`` (format told by the tensors present) -> (weight, activation quant)."""
-        w = self._decode(module)
-        bias_name = f"{module}.bias"
-        if self.has(bias_name):
-            w.bias = self.get(bias_name)
-        if isinstance(w, DenseWeight):
-            return w, None
-        act = self.quant.act_for(module)
-        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
-            act = self.act_override
-        if isinstance(w, FP8Weight) and w.block is not None:
-            act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
-        return w, act
-
-    def load_linear(self, layer: Linear, module: str, rows: tuple[int, int] | None = None,
-                    cols: tuple[int, int] | None = None) -> None:
-        w, act = self.linear_part(module, rows, cols)
-        with _named(self, module):
-            layer.load(w, act, self.dtype, self.device)
-
-    def linear_part(self, module: str, rows: tuple[int, int] | None = None,
-                    cols: tuple[int, int] | None = None) -> tuple[LinearWeight, ActQuant]:
-        """This rank's part of a Linear: output rows ``rows`` (column parallel) or input columns
-        ``cols`` (row parallel: the bias stays on rank 0); the whole weight when neither is given."""
-        if self.tp.world == 1:  # the whole weight (TP=1 reads exactly as it always did)
-            rows = cols = None
-        if rows is not None or cols is not None:
-            part = self._decode_part(module, rows, cols)
-            if part is not None:
-                return part
-        w, act = self.linear(module)
-        if rows is not None:
-            w = slice_out(w, *rows)
-        if cols is not None:
-            w = slice_in(w, *cols, keep_bias=self.tp.rank == 0)
-            if isinstance(w, DenseWeight) and act is not None:
-                act = None  # decoded fallback of slice_in: runs as a float weight
-        return w, act
-
-    def _decode_part(self, m: str, rows: tuple[int, int] | None,
-                     cols: tuple[int, int] | None) -> tuple[LinearWeight, ActQuant] | None:
-        """This rank's rows (output features) or input columns of module ``m``, read straight from
-        the shard's bytes (:meth:`CheckpointReader.get_rows`): packed words and scale groups are
-        cut on their boundaries. None when the format or the range does not allow it (then the
-        caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
-        a range across a packing boundary)."""
-        n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
-        n_zp = f"{m}.{keys.ZERO_POINT}"
-        # Zero points are one small tensor per module (Quark writes all-zero ones): read whole, checked.
-        if self.has(n_zp) and bool(self.get(n_zp).any()):
-            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
-
-        def ok(lo: int, hi: int, total: int, step: int) -> bool:
-            return lo % step == 0 and (hi % step == 0 or hi == total)
-
-        def cdiv(a: int, b: int) -> int:
-            return -(-a // b)
-
-        w: LinearWeight
-        if self.has(n_packed):
-            n, k = (int(x) for x in self.get(f"{m}.{keys.CT_SHAPE}").tolist())
-            sk = self.reader.info(n_scale).shape
-            if len(sk) != 2 or not sk[1] or k % sk[1]:
-                return None
-            g = k // sk[1]
-            r, c = rows or (0, n), cols or (0, k)
-            if not (ok(*c, k, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
-                return None
-            packed = self.get_part(n_packed, r, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
-            scale = self.get_part(n_scale, r, (c[0] // g, c[1] // g) if cols else None)
-            w = Int4Weight(packed, scale, group_size=g, packing="ct", in_features=c[1] - c[0])
-        elif self.has(n_w):
-            info = self.reader.info(n_w)
-            if len(info.shape) != 2:
-                return None
-            dt = info.torch_dtype
-            n = info.shape[0]
-            if dt in _FLOATS:
-                k = info.shape[1]
-                w = DenseWeight(self.get_part(n_w, rows, cols))
-            elif dt == torch.int32 and self.quant.int4_per_group:
-                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. This rank's
-                # output rows are stored columns (whole words of 8), its input columns stored rows.
-                k, n = info.shape[0], info.shape[1] * 8
-                sk = self.reader.info(n_scale).shape
-                if len(sk) != 2 or not sk[0] or k % sk[0]:
-                    return None
-                g = k // sk[0]
-                r, c = rows or (0, n), cols or (0, k)
-                if not (ok(*r, n, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
-                    return None
-                stored = self.get_part(n_w, c, (r[0] // 8, cdiv(r[1], 8)) if rows else None)
-                st_scale = self.get_part(n_scale, (c[0] // g, c[1] // g), r if rows else None)
-                reorder = self.quant.pack_method == "reorder"
-                codes = codecs.quark_int4_unpack(stored, reorder=reorder)[:, : r[1] - r[0]].t().contiguous()
-                w = Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), st_scale.float().t().contiguous(),
-                               group_size=g, packing="quark" if reorder else "quark_order", in_features=c[1] - c[0])
-            elif dt == torch.int32:  # Quark INT4 per-channel / W4A8: words along the input dim
-                k = info.shape[1] * 8
-                c = cols or (0, k)
-                if not ok(*c, k, 8):
-                    return None
-                words = self.get_part(n_w, rows, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
-                # The scales as _quark_int4 reads them (a stride-0 stand-in for the words: no memory).
-                full = self._quark_int4(m, torch.zeros((), dtype=torch.int32).expand(n, info.shape[1]))
-                r = rows or (0, n)
-                scale = full.scale[r[0]: r[1]]
-                w = Int4Weight(words, scale, None, tensor_scale=full.tensor_scale, packing=full.packing,
-                               in_features=c[1] - c[0])
-            elif dt == torch.uint8:  # MXFP4
-                k = info.shape[1] * 2
-                c = cols or (0, k)
-                if not ok(*c, k, 32):
-                    return None
-                w = MXFP4Weight(self.get_part(n_w, rows, (c[0] // 2, c[1] // 2) if cols else None),
-                                self.get_part(n_scale, rows, (c[0] // 32, c[1] // 32) if cols else None))
-            elif dt in _FP8:
-                k = info.shape[1]
-                r, c = rows or (0, n), cols or (0, k)
-                n_inv = f"{m}.{keys.SCALE_INV}"
-                if self.has(n_inv):
-                    bn, bk = self.quant.fp8_block or (128, 128)
-                    if not (ok(*r, n, bn) and ok(*c, k, bk)):
-                        return None
-                    scale = self.get_part(n_inv, (r[0] // bn, cdiv(r[1], bn)),
-                                          (c[0] // bk, cdiv(c[1], bk)) if cols else None).float()
-                    w = FP8Weight(self.get_part(n_w, rows, cols), scale, block=(bn, bk))
-                else:
-                    s = self.get(n_scale).float()
-                    if s.dim() >= 1 and s.shape[0] == n and n > 1:
-                        s = s[r[0]: r[1]]
-                    w = FP8Weight(self.get_part(n_w, rows, cols), s)
-            else:
-                return None
-        else:
-            return None
-        bias_name = f"{m}.bias"
-        if self.has(bias_name):
-            if rows is not None:
-                w.bias = self.get_part(bias_name, rows)
-            elif self.tp.rank == 0:  # row parallel: the bias is added once, on rank 0
-                w.bias = self.get(bias_name)
-        if isinstance(w, DenseWeight):
-            return w, None
-        act = self.quant.act_for(m)
-        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
-            act = self.act_override
-        if isinstance(w, FP8Weight) and w.block is not None:
-            act = None
-        return w, act
-
-    def _decode(self, m: str) -> LinearWeight:
-        n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
-        n_scale = f"{m}.{keys.SCALE}"
-        n_inv, n_zp = f"{m}.{keys.SCALE_INV}", f"{m}.{keys.ZERO_POINT}"
-        # Quark's export writes all-zero zero points for symmetric schemes (int4-draft): those are fine.
-        if self.has(n_zp) and bool(self.get(n_zp).any()):
-            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
-        if self.has(n_packed):  # compressed-tensors pack-quantized INT4
-            packed, scale = self.get(n_packed), self.get(n_scale)
-            shape = self.get(f"{m}.{keys.CT_SHAPE}").tolist()
-            n, k = int(shape[0]), int(shape[1])
-            if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] * 8 < k:
-                raise ShapeError(f"{self.path}: tensor {n_packed!r} is {packed.dtype}{list(packed.shape)}, not int32 "
-                                 f"[{n}, {-(-k // 8)}] for weight_shape {[n, k]}")
-            if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
-                raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
-            # kept packed as on disk; the backend decodes it (codecs.ct_int4_unpack) when it runs
-            return Int4Weight(packed, scale, group_size=k // scale.shape[1], packing="ct", in_features=k)
-        if not self.has(n_w):
-            raise CheckpointError(f"{self.path}: missing tensor {n_w!r} (or {n_packed!r}) of module {m!r}")
-        w = self.get(n_w)
-        if w.dtype in _FLOATS:
-            return DenseWeight(w)
-        if w.dtype == torch.int32:  # Quark INT4 (reorder or natural nibble order)
-            return self._quark_int4(m, w)
-        if w.dtype == torch.uint8:  # Quark MXFP4
-            scale = self.get(n_scale)
-            if scale.dtype != torch.uint8 or scale.shape[0] != w.shape[0] or scale.shape[1] * 32 != w.shape[1] * 2:
-                raise ShapeError(f"{self.path}: tensor {n_scale!r} is {scale.dtype}{list(scale.shape)}; MXFP4 weight "
-                                 f"{list(w.shape)} needs uint8 [{w.shape[0]}, {w.shape[1] * 2 // 32}]")
-            return MXFP4Weight(w, scale)
-        if w.dtype in _FP8:
-            if self.has(n_inv):
-                return FP8Weight(w, self.get(n_inv).float(), block=self.quant.fp8_block or (128, 128))
-            return FP8Weight(w, self.get(n_scale).float())
-        raise FormatError(f"{self.path}: tensor {n_w!r} has dtype {w.dtype}, not a weight format eagle3 reads")
-
-    def _quark_int4(self, m: str, w: torch.Tensor) -> Int4Weight:
-        """Quark INT4, kept packed (int32 words along the input dim, Quark's nibble order)."""
-        reorder = self.quant.pack_method == "reorder"
-        packing = "quark" if reorder else "quark_order"
-        scale = self.get(f"{m}.{keys.SCALE}").float()
-        n_s2 = f"{m}.{keys.SCALE_2}"
-        if w.dim() != 2:
-            raise ShapeError(f"{self.path}: tensor {m + '.' + keys.WEIGHT!r} has shape {list(w.shape)}, not 2-D")
-        if self.quant.int4_per_group:  # Quark per_group INT4 is stored transposed: [K, N/8], scale [K/G, N]
-            # Relaid out once to words along the input dim (the same codes, the same bytes), so that
-            # rows decode independently like every other INT4 weight.
-            codes = codecs.quark_int4_unpack(w, reorder=reorder).t().contiguous()
-            n, k = codes.shape
-            scale = scale.t().contiguous()
-            if scale.shape[0] != n or k % scale.shape[1]:
-                raise ShapeError(f"{self.path}: {m}: per-group scale {list(scale.shape)} does not fit weight [{n}, {k}]")
-            return Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), scale, group_size=k // scale.shape[1],
-                              packing=packing, in_features=k)
-        n, k = int(w.shape[0]), int(w.shape[1]) * 8
-        if self.has(n_s2):  # two-stage W4A8: W = q * scale_2[n] * scale
-            s2 = self.get(n_s2).float().reshape(-1)
-            if s2.shape[0] != n or scale.numel() != 1:
-                raise ShapeError(f"{self.path}: {m}: W4A8 weight {[n, k]} needs weight_scale_2 "
-                                 f"[{n}] and a per-tensor weight_scale, got {list(s2.shape)} and "
-                                 f"{list(scale.shape)}")
-            return Int4Weight(w, s2, None, tensor_scale=scale.reshape(()), packing=packing, in_features=k)
-        if scale.numel() == 1:
-            return Int4Weight(w, scale.reshape(1).expand(n).contiguous(), packing=packing, in_features=k)
-        if scale.reshape(-1).shape[0] != n:
-            raise ShapeError(f"{self.path}: {m}: per-channel scale {list(scale.shape)} does not fit weight "
-                             f"{[n, k]}")
-        return Int4Weight(w, scale.reshape(-1), packing=packing, in_features=k)
+from eagle3.runtime.parallel import SINGLE, TPGroup
+from eagle3.runtime.weights import WeightReader, named_errors
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -369,14 +72,15 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
-    (transformers uses 1e-6 there, transformers_kimi_tiny.md 5.1).
-    ``tp``: this process's rank of a tensor-parallel group: only its shard is built (parallel.py)."""
+    (transformers uses 1e-6 there).
+    ``tp``: this process's place in a tensor-parallel group: the model's parallel layers hold only
+    their shard and the reader reads only that (runtime/layers/linear.py)."""
     _check_act_override(act_override)
     spec = target_spec(path, latent_norm_eps)
     dev = _device(device)
     be = get_backend(backend, dev)
     model = DeepseekV3Model(spec, be, dtype, tp)
-    wr = WeightReader(path, spec.quant, dtype, dev, act_override, tp)
+    wr = WeightReader(path, spec.quant, dtype, dev, act_override)
     p = spec.prefix
     with torch.no_grad():
         embed = wr.get(f"{p}{keys.TARGET_EMBED}")
@@ -388,11 +92,10 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
-        vocab = model.vocab_range
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
-            wr.load_linear(model.lm_head, head, rows=vocab)
+            wr.load_linear(model.lm_head, head)
         elif spec.tie_word_embeddings:
-            model.lm_head.load(DenseWeight(embed[vocab[0]: vocab[1]]), None, dtype, dev)
+            model.lm_head.load(DenseWeight(model.lm_head.shard.take_rows(embed)), None, dtype, dev)
         else:
             raise FormatError(f"{wr.path}: no tensor {head + '.weight'!r} and tie_word_embeddings is false")
     model.to(dev)  # module buffers (RoPE frequencies, ...); the ops' prepared weights are there already
@@ -404,7 +107,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
 def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
     wr.norm(layer.input_layernorm, p + "input_layernorm.weight")
     wr.norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-    _load_mla(wr, layer.self_attn, p + "self_attn.", sharded=True)
+    _load_mla(wr, layer.self_attn, p + "self_attn.")
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         gate_w = wr.get(p + "mlp.gate.weight")
@@ -414,7 +117,7 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
         bias_name = p + "mlp.gate.e_score_correction_bias"
         mlp.load_router(gate_w, wr.get(bias_name) if wr.has(bias_name) else None, wr.device)
         gates, ups, downs, acts = [], [], [], set()
-        for e in range(*mlp.expert_range):  # expert parallel: only this rank's experts are read
+        for e in range(*mlp.expert_range):  # expert parallel: only the experts the layer holds are read
             for proj, out in (("gate_proj", gates), ("up_proj", ups), ("down_proj", downs)):
                 w, act = wr.linear(f"{p}mlp.experts.{e}.{proj}")
                 out.append(w)
@@ -427,62 +130,39 @@ def _load_target_layer(wr: WeightReader, layer: Any, p: str) -> None:
                 raise ShapeError(f"{wr.path}: {p}mlp.experts: expert weights are not all {list(want[name])}")
         mlp.load_experts(gates, ups, downs, acts.pop(), wr.dtype, wr.device)
         if mlp.shared is not None:
-            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.", sharded=True)
+            _load_mlp(wr, mlp.shared, p + "mlp.shared_experts.")
     else:
-        _load_mlp(wr, mlp, p + "mlp.", sharded=True)
+        _load_mlp(wr, mlp, p + "mlp.")
 
 
-def _load_mlp(wr: WeightReader, mlp: Any, p: str, sharded: bool = False) -> None:
-    """gate/up/down of a SwiGLU MLP; ``sharded``: this rank's intermediate columns (gate/up rows,
-    down input columns), as the target's MLPs are built (``mlp.inter`` is the local width)."""
-    if sharded and wr.tp.world > 1:
-        lo, hi = wr.tp.split(mlp.full_inter)
-        (g, ag), (u, au) = (wr.linear_part(p + n, rows=(lo, hi)) for n in ("gate_proj", "up_proj"))
-        d, ad = wr.linear_part(p + "down_proj", cols=(lo, hi))
-    else:
-        (g, ag), (u, au), (d, ad) = (wr.linear(p + n) for n in ("gate_proj", "up_proj", "down_proj"))
+def _load_mlp(wr: WeightReader, mlp: Any, p: str) -> None:
+    """gate/up/down of a SwiGLU MLP: the parts the layer holds (``mlp.gate_up_shard`` of gate and of
+    up, ``mlp.down.shard`` of down; whole unless the MLP is tensor parallel)."""
+    (g, ag), (u, au) = (wr.shard_part(p + n, mlp.gate_up_shard) for n in ("gate_proj", "up_proj"))
+    d, ad = wr.shard_part(p + "down_proj", mlp.down.shard)
     if ag != au:
         raise FormatError(f"{wr.path}: {p}gate_proj and up_proj have different activation quantization")
-    with _named(wr, p + "gate_proj/up_proj"):
+    with named_errors(wr, p + "gate_proj/up_proj"):
         mlp.load(g, u, d, ag, ad, wr.dtype, wr.device)
 
 
-@contextlib.contextmanager
-def _named(wr: WeightReader, what: str) -> Iterator[None]:
-    """Name the checkpoint and module in shape / fusion errors raised while loading ``what``."""
-    try:
-        yield
-    except ShapeError as e:
-        raise ShapeError(f"{wr.path}: {e}") from None
-    except UsageError as e:  # weights that cannot be fused (different formats)
-        raise FormatError(f"{wr.path}: {what}: {e}") from None
-
-
-def _load_mla(wr: WeightReader, attn: Any, p: str, sharded: bool = False) -> None:
-    """MLA weights; ``sharded``: this rank's heads (attn.spec.num_heads of them, see DecoderLayer):
-    q_b / q / kv_b rows, o_proj input columns; q_a / kv_a whole (replicated)."""
-    s = attn.spec
-    q_rows = kv_rows = o_cols = None
-    if sharded and wr.tp.world > 1:
-        h0 = wr.tp.rank * s.num_heads
-        h1 = h0 + s.num_heads
-        q_rows = (h0 * s.qk_head_dim, h1 * s.qk_head_dim)
-        kv_rows = (h0 * (s.qk_nope_head_dim + s.v_head_dim), h1 * (s.qk_nope_head_dim + s.v_head_dim))
-        o_cols = (h0 * s.v_head_dim, h1 * s.v_head_dim)
+def _load_mla(wr: WeightReader, attn: Any, p: str) -> None:
+    """MLA weights, each the part the layer holds (its heads' q_b / q / kv_b rows and o_proj input
+    columns under tensor parallelism; q_a / kv_a whole)."""
     if attn.spec.q_lora_rank is not None:
         (qa, act_q), (kva, act_kv) = wr.linear(p + "q_a_proj"), wr.linear(p + "kv_a_proj_with_mqa")
-        with _named(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
+        with named_errors(wr, p + "q_a_proj/kv_a_proj_with_mqa"):
             attn.load_a(qa, act_q, kva, act_kv, wr.dtype, wr.device)
         wr.norm(attn.q_a_layernorm, p + "q_a_layernorm.weight")
-        wr.load_linear(attn.q_b_proj, p + "q_b_proj", rows=q_rows)
+        wr.load_linear(attn.q_b_proj, p + "q_b_proj")
     else:
-        wr.load_linear(attn.q_proj, p + "q_proj", rows=q_rows)
+        wr.load_linear(attn.q_proj, p + "q_proj")
         wr.load_linear(attn.kv_a_proj_with_mqa, p + "kv_a_proj_with_mqa")
     wr.norm(attn.kv_a_layernorm, p + "kv_a_layernorm.weight")
-    kv_b, _ = wr.linear_part(p + "kv_b_proj", rows=kv_rows)
-    with _named(wr, p + "kv_b_proj"):
+    kv_b, _ = wr.shard_part(p + "kv_b_proj", attn.kv_b_shard)
+    with named_errors(wr, p + "kv_b_proj"):
         attn.load_kv_b(kv_b, wr.dtype, wr.device)
-    wr.load_linear(attn.o_proj, p + "o_proj", cols=o_cols)
+    wr.load_linear(attn.o_proj, p + "o_proj")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,7 +240,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
             q, k, v, o = (wr.linear(f"{lp}self_attn.{n}_proj") for n in "qkvo")
             if len({q[1], k[1], v[1]}) != 1:
                 raise FormatError(f"{wr.path}: {lp}self_attn q/k/v have different activation quantization")
-            with _named(wr, lp + "self_attn.q/k/v_proj"):
+            with named_errors(wr, lp + "self_attn.q/k/v_proj"):
                 model.self_attn.load(q[0], k[0], v[0], o[0], q[1], o[1], dtype, dev)
         _load_mlp(wr, model.mlp, lp + "mlp.")
         wr.norm(model.norm, keys.DRAFT_NORM)
@@ -568,7 +248,7 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
             wr.load_linear(model.lm_head, "lm_head")
         elif lm_head is not None:  # the target's, whole (its own lm_head is split over tensor-parallel ranks)
             model.lm_head = lm_head
-        elif getattr(target, "tp", SINGLE).world > 1:
+        elif target.lm_head.out_features != target.vocab_size:  # the target's holds part of the vocabulary
             raise UsageError(f"{where}: the draft shares the target's lm_head, which is split over the "
                              f"tensor-parallel ranks; pass the whole one (lm_head=load_lm_head(target_dir))")
         else:

@@ -1,22 +1,7 @@
-"""Tensor + expert parallelism on torch.distributed (DESIGN.md, "The runtime at real size").
-
-Layout (nano-vllm's, shared/docs/research/runtime_eval_anchors.md A.1): rank 0 is the driver
-process itself (it holds rank 0's shard and runs the engine: scheduler, sampling, the draft), ranks
-1..N-1 are worker processes spawned with ``torch.multiprocessing`` (spawn). Rank 0 in the driver
-keeps the step's outputs (aux hidden states, gathered logits) where the engine and the draft need
-them: nothing large ever crosses a process boundary, only the step's small inputs (token ids,
-positions, block tables, slot mapping), which go to each worker over a pipe (pickled, a few KB a
-step). A pipe rather than nano-vllm's shared-memory ring because its end-of-file tells a worker
-that the driver died (no orphans), and a dead worker shows as a broken pipe on the driver's side.
-
-Sharding (each rank builds only its part, :func:`split`):
-
-* MLA: ``q_b_proj`` / ``kv_b_proj`` split by heads, ``o_proj`` by its input columns + reduce;
-  ``q_a`` / ``kv_a`` and the latent KV cache replicated;
-* MoE: routed experts split across ranks (expert parallel, the router replicated), shared experts
-  and the dense MLP column/row split; the routed partial and the shared partial are reduced once;
-* embedding replicated, ``lm_head`` split by vocabulary rows, logits gathered;
-* the draft runs on rank 0 only (it is one layer and every rank would compute the same thing).
+"""The tensor-parallel process group: this process's rank (:class:`TPGroup`), the rank-order
+collectives the layers call, and joining the group (:func:`init_rank`). The worker processes that
+make up the group are started by :mod:`eagle3.runtime.engine.worker`; which rows or columns of a
+weight a rank holds is decided by the parallel layers themselves (``runtime/layers``).
 
 Determinism: :meth:`TPGroup.reduce` all-gathers the partials and sums them locally in rank order, so
 a row's sum does not depend on the batch (an all_reduce picks its algorithm by message size). The
@@ -25,40 +10,19 @@ sum is in a different order than a TP=1 GEMM's, so logits differ from TP=1 by ro
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
-import pickle
-import signal
 import socket
-import threading
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-from eagle3.errors import Eagle3Error, UsageError
-from eagle3.runtime.kernels.base import (
-    DenseWeight,
-    FP8Weight,
-    Int4Weight,
-    LinearWeight,
-    MXFP4Weight,
-    dequantize,
-)
 
 logger = logging.getLogger("eagle3.runtime")
 
 # Collective timeout: a rank that stops answering fails the step after this long instead of
 # hanging it (a dead rank's closed sockets fail it at once).
 _TIMEOUT_S = float(os.environ.get("EAGLE3_TP_TIMEOUT", "300"))
-_READY_TIMEOUT_S = float(os.environ.get("EAGLE3_TP_LOAD_TIMEOUT", "3600"))
-
-
-class TPWorkerError(Eagle3Error):
-    """A tensor-parallel worker died or failed: the engine cannot run steps any more."""
 
 
 @dataclass(frozen=True)
@@ -112,81 +76,12 @@ def split(n: int, world: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def head_split(num_heads: int, tp: TPGroup, what: str) -> tuple[int, int]:
-    if num_heads % tp.world:
-        raise UsageError(f"{what}: {num_heads} attention heads do not split over tensor_parallel_size={tp.world}")
-    return tp.split(num_heads)
-
-
-# ---------------------------------------------------------------------------------------------
-# Slicing canonical weights
-# ---------------------------------------------------------------------------------------------
-
-
-def slice_out(w: LinearWeight, r0: int, r1: int) -> LinearWeight:
-    """Rows ``r0 .. r1-1`` (output features) of a canonical weight: column-parallel layers. Every
-    packed format is row-major in N, so this is a plain slice of codes and scales."""
-    bias = None if w.bias is None else w.bias[r0:r1]
-    if isinstance(w, DenseWeight):
-        return DenseWeight(w.weight[r0:r1], bias)
-    if isinstance(w, Int4Weight):
-        return dataclasses.replace(w, codes=w.codes[r0:r1], scale=w.scale[r0:r1], bias=bias)
-    if isinstance(w, MXFP4Weight):
-        return MXFP4Weight(w.packed[r0:r1], w.scale[r0:r1], bias)
-    if isinstance(w, FP8Weight):
-        s = w.scale
-        if w.block is not None:
-            bn = w.block[0]
-            if r0 % bn or (r1 % bn and r1 != w.shape[0]):
-                return DenseWeight(dequantize(w, torch.float32, (r0, r1)), bias)
-            s = s[r0 // bn: -(-r1 // bn)]
-        elif s.dim() >= 1 and s.shape[0] == w.shape[0]:
-            s = s[r0:r1]
-        return FP8Weight(w.weight[r0:r1], s, w.block, bias)
-    raise TypeError(f"not a canonical weight: {type(w).__name__}")
-
-
-def slice_in(w: LinearWeight, k0: int, k1: int, keep_bias: bool) -> LinearWeight:
-    """Input columns ``k0 .. k1-1`` of a canonical weight: row-parallel layers (``o_proj``,
-    ``down_proj``), whose partial outputs are summed across ranks; the bias stays on one rank
-    (``keep_bias``). Packed words / scale groups are sliced when the range falls on their
-    boundaries; otherwise (a tiny model's FP8 128-blocks) the slice is decoded to a dense weight."""
-    bias = w.bias if keep_bias else None
-    if isinstance(w, DenseWeight):
-        return DenseWeight(w.weight[:, k0:k1], bias)
-    if isinstance(w, Int4Weight):
-        g = w.group_size
-        if w.packing is None:
-            codes = w.codes[:, k0:k1]
-        elif k0 % 8 == 0 and (k1 % 8 == 0 or k1 == w.shape[1]):
-            codes = w.codes[:, k0 // 8: -(-k1 // 8)]
-        else:
-            codes = None
-        if codes is not None and (g is None or (k0 % g == 0 and (k1 - k0) % g == 0)):
-            scale = w.scale if g is None else w.scale[:, k0 // g: k1 // g]
-            return dataclasses.replace(w, codes=codes, scale=scale, bias=bias,
-                                       in_features=None if w.packing is None else k1 - k0)
-    elif isinstance(w, MXFP4Weight):
-        if k0 % 32 == 0 and (k1 - k0) % 32 == 0:
-            return MXFP4Weight(w.packed[:, k0 // 2: k1 // 2], w.scale[:, k0 // 32: k1 // 32], bias)
-    elif isinstance(w, FP8Weight):
-        if w.block is None:
-            return FP8Weight(w.weight[:, k0:k1], w.scale, None, bias)
-        bk = w.block[1]
-        if k0 % bk == 0 and (k1 % bk == 0 or k1 == w.shape[1]):
-            return FP8Weight(w.weight[:, k0:k1], w.scale[:, k0 // bk: -(-k1 // bk)], w.block, bias)
-    else:
-        raise TypeError(f"not a canonical weight: {type(w).__name__}")
-    # Not on a packing boundary: the local slice only, decoded (a fallback the real shapes never take).
-    return DenseWeight(dequantize(w, torch.float32)[:, k0:k1].contiguous(), bias)
-
-
 # ---------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -196,7 +91,7 @@ def _dist_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"  # ROCm builds report "cuda" and run RCCL as nccl
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, rank: int) -> torch.device:
     """One GPU per rank: rank r uses device index (base + r); CPU ranks share the CPU."""
     if device.type != "cuda":
         return device
@@ -210,271 +105,3 @@ def init_rank(rank: int, world: int, port: int, device: torch.device) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(_dist_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=_TIMEOUT_S))
-
-
-def _worker_main(rank: int, world: int, port: int, target: str, load_kw: dict[str, Any], conn: Any,
-                 num_threads: int) -> None:
-    """A worker rank: load this rank's shard, then run the driver's steps until the pipe closes."""
-    # Ctrl-C reaches the whole process group; the driver decides what stops (it closes the pipe).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(num_threads)
-    try:
-        device = _rank_device(torch.device(load_kw.pop("device")), rank)
-        init_rank(rank, world, port, device)
-        from eagle3.runtime.interfaces import allocate_kv_cache
-        from eagle3.runtime.loader import load_target
-
-        model = load_target(target, device=device, tp=TPGroup(rank, world), **load_kw)
-        conn.send(("ready", None))
-    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
-        _send_quietly(conn, ("error", f"{type(err).__name__}: {err}"))
-        return
-    kv: list[torch.Tensor] = []
-    hidden: torch.Tensor | None = None
-    try:
-        with torch.inference_mode():
-            while True:
-                try:
-                    msg = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    return  # the driver is gone
-                op = msg[0]
-                if op == "exit":
-                    return
-                if op == "kv":
-                    kv = allocate_kv_cache(model.kv_cache_spec(), model.num_layers, msg[1], msg[2], device)
-                elif op == "forward":
-                    input_ids, meta, aux_ids = msg[1:]
-                    hidden, _ = model.forward(input_ids.to(device), _meta_to(meta, device), kv, aux_ids)
-                elif op == "logits":
-                    assert hidden is not None
-                    model.compute_logits(hidden[msg[1].to(device)])
-    except BaseException as err:  # noqa: BLE001 - the driver sees this rank's sockets close
-        logger.error("tensor-parallel rank %d failed: %s: %s", rank, type(err).__name__, err)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
-def _send_quietly(conn: Any, msg: Any, raw: bool = False) -> None:
-    try:
-        if raw:
-            conn.send_bytes(pickle.dumps(msg))
-        else:
-            conn.send(msg)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _meta_to(meta: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return meta
-    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
-                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
-
-
-class TPWorkers:
-    """The driver's handle on ranks 1..N-1: spawn, broadcast the step inputs, watch and stop them."""
-
-    def __init__(self, world: int, target: str, load_kw: dict[str, Any], device: torch.device) -> None:
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-
-        if dist.is_available() and dist.is_initialized():
-            raise UsageError("a tensor-parallel LLM is already running in this process; close() it first "
-                             "(one torch.distributed group per process)")
-        self.world = world
-        self.port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
-        self.dead: str | None = None
-        self._lock = threading.Lock()
-        threads = max(1, torch.get_num_threads())
-        for rank in range(1, world):
-            parent, child = ctx.Pipe()
-            kw = dict(load_kw, device=str(device))
-            p = ctx.Process(target=_worker_main, args=(rank, world, self.port, str(target), kw, child, threads),
-                            name=f"eagle3-tp-rank{rank}", daemon=True)
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-
-    def init_driver_rank(self, device: torch.device) -> torch.device:
-        dev = _rank_device(device, 0)
-        try:
-            init_rank(0, self.world, self.port, dev)
-        except Exception as err:
-            self.close()
-            raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {err}") from None
-        return dev
-
-    def start_driver_rank(self, device: torch.device) -> torch.device:
-        """Join the group in a background thread, so that the driver loads its shard while the workers
-        start (spawn, import torch, connect): the rendezvous waits for the slowest worker to start,
-        which took as long as a TP=2 rank's load of the full-width slice here. :meth:`join_driver_rank`
-        waits for it."""
-        dev = _rank_device(device, 0)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)  # (the current device is per thread)
-        self._rdv_error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                init_rank(0, self.world, self.port, dev)
-            except BaseException as err:  # noqa: BLE001 - re-raised by join_driver_rank
-                self._rdv_error = err
-
-        self._rdv = threading.Thread(target=run, name="eagle3-tp-rendezvous", daemon=True)
-        self._rdv.start()
-        return dev
-
-    def join_driver_rank(self) -> None:
-        """Wait for :meth:`start_driver_rank`'s rendezvous; a worker that exits meanwhile fails it at
-        once instead of after the rendezvous timeout."""
-        while self._rdv.is_alive():
-            self._rdv.join(0.2)
-            for rank, p in enumerate(self.procs, start=1):
-                if self._rdv.is_alive() and not p.is_alive():
-                    err = self._worker_error(rank)
-                    self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited before joining the group: {err}")
-        if self._rdv_error is not None:
-            self.close()
-            raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {self._rdv_error}")
-
-    def _worker_error(self, rank: int) -> str:
-        """What a worker that exited reported (or its exit code)."""
-        p, c = self.procs[rank - 1], self.conns[rank - 1]
-        try:
-            if c.poll(0):
-                kind, info = c.recv()
-                if kind == "error":
-                    return str(info)
-        except (EOFError, OSError):
-            pass
-        return f"exit code {p.exitcode}"
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        for rank, (p, c) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
-            while not c.poll(0.2):
-                if not p.is_alive():
-                    self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited while loading "
-                                        f"(exit code {p.exitcode})")
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} did not load in {_READY_TIMEOUT_S:.0f} s")
-            try:
-                kind, info = c.recv()
-            except (EOFError, OSError):
-                kind, info = "error", f"exited (exit code {p.exitcode})"
-            if kind != "ready":
-                self.close()
-                raise TPWorkerError(f"tensor-parallel worker rank {rank} failed to load: {info}")
-
-    def check(self) -> None:
-        """Raise if a worker is gone (then for good: the group cannot run without it)."""
-        if self.dead is None:
-            for rank, p in enumerate(self.procs, start=1):
-                if not p.is_alive():
-                    self.dead = f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
-                    break
-        if self.dead is not None:
-            raise TPWorkerError(f"{self.dead}; the engine cannot run any more steps, restart it")
-
-    def broadcast(self, msg: tuple[Any, ...]) -> None:
-        self.check()
-        # Plain pickle, by value: Connection.send's pickler would move each tensor to shared memory
-        # and pass a file descriptor (torch.multiprocessing's reducers), far more than a few KB cost.
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, c in enumerate(self.conns, start=1):
-            try:
-                c.send_bytes(data)
-            except (BrokenPipeError, EOFError, OSError) as err:
-                self.dead = f"tensor-parallel worker rank {rank} is gone ({type(err).__name__})"
-                self.check()
-
-    def collective_failed(self, err: BaseException) -> TPWorkerError:
-        """The error for a step whose collective raised: a worker died (usually) or hung."""
-        for _ in range(20):  # the dead process is reaped a moment after its sockets close
-            if any(not p.is_alive() for p in self.procs):
-                break
-            time.sleep(0.05)
-        try:
-            self.check()
-        except TPWorkerError as e:
-            return e
-        self.dead = f"a tensor-parallel collective failed ({type(err).__name__}: {err})"
-        return TPWorkerError(f"{self.dead}; the engine cannot run any more steps, restart it")
-
-    @property
-    def alive(self) -> bool:
-        return self.dead is None and all(p.is_alive() for p in self.procs)
-
-    def close(self) -> None:
-        """Stop every worker (politely, then by signal) and leave the process group."""
-        import torch.distributed as dist
-
-        with self._lock:
-            for c in self.conns:
-                _send_quietly(c, ("exit",), raw=True)
-            for p in self.procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            for c in self.conns:
-                c.close()
-            self.conns = []
-            self.procs = []
-            if dist.is_available() and dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
-
-
-class TPTarget:
-    """Rank 0's target model as the engine sees it: each forward / logits call is broadcast to the
-    workers first, then run locally (the collectives inside pair the ranks up). Everything else
-    (spec, embedding, vocab size, KV layout) is the local model's."""
-
-    def __init__(self, model: Any, workers: TPWorkers) -> None:
-        self.model = model
-        self.workers = workers
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["model"], name)
-
-    def forward(self, input_ids: torch.Tensor, meta: Any, kv_caches: list[torch.Tensor],
-                aux_layer_ids: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cpu_meta = _meta_to(meta, torch.device("cpu"))
-        self.workers.broadcast(("forward", input_ids.cpu(), cpu_meta, aux_layer_ids))
-        try:
-            return self.model.forward(input_ids, meta, kv_caches, aux_layer_ids)
-        except Exception as err:  # the ranks are out of step now: the group cannot go on
-            raise self.workers.collective_failed(err) from None
-
-    def compute_logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.workers.broadcast(("logits", rows.cpu()))
-        try:
-            return self.model.compute_logits(hidden[rows])
-        except Exception as err:  # as in forward
-            raise self.workers.collective_failed(err) from None
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise UsageError("at tensor_parallel_size > 1 logits are computed by row index (compute_logits_at)")
-
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        self.workers.broadcast(("kv", num_blocks, block_size))

@@ -14,33 +14,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3.errors import UsageError
-from eagle3.runtime.tokenizer import load_tokenizer
+from eagle3.runtime.engine.config import EngineConfig
 
 logger = logging.getLogger("eagle3.serve")
 _START_TIMEOUT_S = 60.0
 
 
-@dataclass
-class EngineOptions:
-    """What the runtime engine is built with (``eagle3 serve`` flags)."""
-
-    num_speculative_tokens: int = 3
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    backend: str = "auto"  # kernel backend: auto|torch|triton|aiter (kernels.resolve_backend_name)
-    enforce_eager: bool = False  # no CUDA graphs
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    seed: int = 0
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1  # ranks of the bundled runtime (worker processes, parallel.py)
+# The engine's options are the runtime's EngineConfig (every field and default declared there);
+# ``EngineOptions`` is the name the CLI builds it by.
+EngineOptions = EngineConfig
 
 
 def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
@@ -55,7 +41,7 @@ def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
     return n
 
 
-def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions) -> Any:
+def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig) -> Any:
     """The runtime's :class:`~eagle3.runtime.engine.llm.LLM` for a target directory (+ draft)."""
     from eagle3.runtime.engine.llm import LLM
 
@@ -64,13 +50,7 @@ def build_llm(target: str | Path, draft: str | Path | None, opts: EngineOptions)
         raise UsageError(f"{target}: not a checkpoint directory")
     if draft is not None and not Path(draft).is_dir():
         raise UsageError(f"--draft {draft}: not a checkpoint directory")
-    tokenizer = load_tokenizer(target, opts.trust_remote_code)
-    return LLM(target, draft, num_speculative_tokens=opts.num_speculative_tokens, dtype=opts.dtype,
-               device=opts.device, backend=opts.backend, tokenizer=tokenizer,
-               trust_remote_code=opts.trust_remote_code, kv_cache_memory=opts.kv_cache_memory,
-               max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-               max_model_len=opts.max_model_len, seed=opts.seed, tensor_parallel_size=opts.tensor_parallel_size,
-               enforce_eager=opts.enforce_eager)
+    return LLM(target, draft, config=config)
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
@@ -232,7 +212,7 @@ class ServerThread:
         self.thread.join(30.0)
 
 
-def serve_and_validate(target: Path, draft: Path | None, eopts: EngineOptions, vopts: Any, *,
+def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, *,
                        model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                        baseline: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same

@@ -1,20 +1,39 @@
-"""Engine settings (scheduling, KV cache, speculation): one small dataclass, validated once."""
+"""Engine options: one dataclass holding every option the engine is built with, validated once.
+
+``LLM(target, draft, **options)`` builds it from its keyword arguments, ``eagle3 serve`` / ``bench``
+from their flags (``eagle3.serve.launcher``); nothing else declares a default. Importing this module
+does not import torch (the CLI builds a config before it loads anything).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from eagle3.errors import UsageError
 
 MAX_SPECULATIVE_TOKENS = 8
+DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+BACKENDS = ("auto", "torch", "triton", "aiter")
 
 
 @dataclass
 class EngineConfig:
+    # -- models and devices
     num_speculative_tokens: int = 3  # k draft tokens per target step (ignored without a draft)
+    dtype: Any = "bfloat16"  # compute dtype: a name in DTYPES or a torch.dtype
+    device: Any = "cpu"  # str or torch.device; rank r of a tensor-parallel group uses index + r
+    backend: str = "auto"  # kernel backend: auto | torch | triton | aiter (kernels.resolve_backend_name)
+    tensor_parallel_size: int = 1  # ranks running the target (this process + N-1 workers, engine/worker.py)
+    enforce_eager: bool = False  # no CUDA graphs for the uniform steps
+    tokenizer: Any = "auto"  # "auto" (the target directory's), a path, a tokenizer object, or None
+    trust_remote_code: bool = False
+    # -- KV cache
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for target + draft caches; None: a default
+    # -- scheduling
     max_num_seqs: int = 64  # running sequences per step
     # Query tokens per target forward (drafts included). 2048 holds a whole 5-shot GSM8K prompt
     # (~1,600 tokens); measured on the tiny target + draft (8 such prompts, CPU): 512 -> 4.3 s,
@@ -22,6 +41,7 @@ class EngineConfig:
     # decoding sequences share with a prefill.
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the target's max_position_embeddings
+    # -- speculation and sampling
     draft_sampling: str = "sample"  # "sample": drafts drawn from q; "greedy": argmax drafts
     seed: int = 0  # engine generator, used by requests without their own seed
     log_stats: bool = False  # print the acceptance line after generate()
@@ -30,6 +50,10 @@ class EngineConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise UsageError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES:
+            raise UsageError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.block_size < 1:
             raise UsageError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -40,3 +64,22 @@ class EngineConfig:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config from ``LLM``'s keyword arguments; an unknown name is a one-line UsageError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise UsageError(f"unknown engine option(s) {', '.join(unknown)}; the options are {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def torch_dtype(self) -> Any:
+        """:attr:`dtype` as a ``torch.dtype``."""
+        import torch
+
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+                "fp32": torch.float32, "float": torch.float32}[self.dtype]

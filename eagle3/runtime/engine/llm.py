@@ -44,10 +44,11 @@ import sys
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -67,9 +68,7 @@ from eagle3.runtime.tokenizer import load_tokenizer
 logger = logging.getLogger("eagle3.runtime")
 
 PromptType = str | Seq[int]
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-           "float": torch.float32}
+_R = TypeVar("_R")
 _CPU_KV_BYTES = 256 << 20  # default KV budget on CPU: plenty for the tiny and small models
 _GPU_KV_FRACTION = 0.8  # of the memory left free after loading
 _DEFAULT_MAX_MODEL_LEN = 4096  # when the target does not say
@@ -96,14 +95,6 @@ class RequestOutput:
     finished_time: float | None = None
 
 
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise UsageError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
 class LLM:
     """Target (+ optional EAGLE-3 draft) with a paged KV cache and continuous batching.
 
@@ -116,41 +107,35 @@ class LLM:
     where ``import aiter`` works, torch otherwise; docs/kernels.md), ``torch``, ``triton`` or ``aiter``.
     On a GPU the uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py) unless
     ``enforce_eager=True``; on the CPU every step is eager.
-    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.parallel`): this
+    ``tensor_parallel_size=N > 1`` runs the target on N ranks (:mod:`eagle3.runtime.engine.worker`): this
     process is rank 0 and spawns N-1 worker processes; ``close()`` (or exit) stops them. Only one such
     LLM can run in a process at a time (one torch.distributed group).
+
+    Every engine option is a field of :class:`~eagle3.runtime.engine.config.EngineConfig`, passed
+    either as keyword arguments (``LLM(t, d, num_speculative_tokens=4)``) or whole (``config=``).
     """
 
     def __init__(self, target: str | os.PathLike[str] | TargetModel,
                  draft: str | os.PathLike[str] | DraftModel | None = None, *,
-                 num_speculative_tokens: int = 3, dtype: str | torch.dtype = "bfloat16",
-                 device: str | torch.device = "cpu", backend: str = "auto", tokenizer: Any = "auto",
-                 trust_remote_code: bool = False, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 draft_sampling: str = "sample", seed: int = 0, log_stats: bool = False,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> None:
-        self.config = EngineConfig(
-            num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            draft_sampling=draft_sampling, seed=seed, log_stats=log_stats)
-        self.device = torch.device(device)
+                 config: EngineConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise UsageError(f"pass either config= or engine options ({', '.join(sorted(options))}), not both")
+        self.config = config if config is not None else EngineConfig.from_kwargs(**options)
+        cfg = self.config
+        self.device = torch.device(cfg.device)
         self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        self.tensor_parallel_size = tensor_parallel_size
-        self._workers: Any = None  # parallel.TPWorkers at tensor_parallel_size > 1
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        self._workers: Any = None  # engine.worker.TPWorkers at tensor_parallel_size > 1
         from eagle3.runtime.kernels import resolve_backend_name
 
-        backend = resolve_backend_name(backend, self.device)  # "auto" -> the device's default, checked
-        self.target: TargetModel = self._load_target(target, _as_dtype(dtype), backend)
+        backend = resolve_backend_name(cfg.backend, self.device)  # "auto" -> the device's default, checked
+        self.target: TargetModel = self._load_target(target, cfg.torch_dtype(), backend)
         self.kernel_backend: str = getattr(getattr(self.target, "backend", None), "name", backend)
-        self.enforce_eager = bool(enforce_eager)
+        self.enforce_eager = bool(cfg.enforce_eager)
         try:
             self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
             self.k = self.config.num_speculative_tokens if self.draft is not None else 0
-            self.tokenizer = self._load_tokenizer(tokenizer, trust_remote_code)
+            self.tokenizer = self._load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.eos_ids = self._eos_ids()
         except BaseException:
             self.close()
@@ -186,10 +171,8 @@ class LLM:
                                   capturer=graphs.default_capturer() if self.cuda_graphs else None)
         self.proposer = None
         if self.draft is not None:
-            self.proposer = EagleProposer(self.draft, self.runner.draft_kv, self.k, self.runner.meta,
-                                          self.config.draft_sampling, self.generator,
-                                          forward_fn=self.runner.forward_draft)
-        self.stats = SpecStats(max(self.k, 1))
+            self.proposer = EagleProposer(self.draft, self.k, self.runner.forward_draft,
+                                          self.config.draft_sampling, self.generator)
         self.num_steps = 0
         self.num_preemptions = 0
         self._ids = itertools.count()
@@ -212,7 +195,8 @@ class LLM:
 
         if self.tensor_parallel_size == 1:
             return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
-        from eagle3.runtime.parallel import TPGroup, TPTarget, TPWorkers
+        from eagle3.runtime.engine.worker import TPTarget, TPWorkers
+        from eagle3.runtime.parallel import TPGroup
 
         world = self.tensor_parallel_size
         if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + world:
@@ -418,8 +402,6 @@ class LLM:
             except Exception as err:  # this sequence's bookkeeping, not the step's
                 self._fail(seq, err)
                 continue
-            if item.samples:
-                self.stats.observe(len(item.draft_ids), len(emitted) - 1)
             if self.proposer is not None and not seq.is_finished:
                 num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
                 items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
@@ -433,12 +415,7 @@ class LLM:
         for o in outputs:
             if o.finished:
                 self._seqs.pop(o.request_id, None)
-        # A sequence that failed while its output was built is finished now: free its blocks.
-        for s in done + progressed:
-            if s.is_finished and s.block_table:
-                self.block_manager.free(s)
-                if s in self.scheduler.running:
-                    self.scheduler.running.remove(s)
+        self.scheduler.release(done + progressed)
         return outputs
 
     # -- failure isolation (see the module docstring) -----------------------------------------
@@ -447,57 +424,67 @@ class LLM:
                        seq.request_id, type(err).__name__, err, exc_info=err)
         seq.fail(err)
 
-    def _run_target_isolated(self, scheduled: list[ScheduledSeq]) -> TargetStepOutput:
-        """``runner.run_target`` over the batch; when it raises, once per sequence, failing only
-        the sequences that fail alone. The result has the batch's layout either way (a failed
-        sequence gets no tokens and zero aux rows)."""
+    def _isolated(self, what: str, seqs: list[Sequence], run: Callable[[list[int]], _R]) -> list[_R | None]:
+        """``run`` over the whole batch (indices into ``seqs``); when it raises, ``run`` once per
+        sequence, failing only the sequences that fail alone. Returns ``[result]`` for the batch,
+        else one result per sequence (``None`` where it failed)."""
         try:
-            return self.runner.run_target(scheduled)
+            return [run(list(range(len(seqs))))]
         except Exception as err:
-            if len(scheduled) == 1:
-                self._fail(scheduled[0].seq, err)
-                return TargetStepOutput([[]], None, [0])
-            logger.warning("a batched step of %d sequences failed (%s: %s); running each alone to find "
-                           "which", len(scheduled), type(err).__name__, err)
+            if len(seqs) == 1:
+                self._fail(seqs[0], err)
+                return [None]
+            logger.warning("%s for %d sequences failed (%s: %s); running each alone to find which", what,
+                           len(seqs), type(err).__name__, err)
+        results: list[_R | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                results.append(run([i]))
+            except Exception as err:
+                self._fail(seq, err)
+                results.append(None)
+        return results
+
+    def _run_target_isolated(self, scheduled: list[ScheduledSeq]) -> TargetStepOutput:
+        """``runner.run_target`` with failure isolation (:meth:`_isolated`). The result has the
+        batch's layout either way (a failed sequence gets no tokens and no aux rows)."""
+        results = self._isolated("a batched step", [it.seq for it in scheduled],
+                                 lambda idx: self.runner.run_target([scheduled[i] for i in idx]))
+        if len(results) == 1 and results[0] is not None:  # the batch ran
+            return results[0]
         emitted: list[list[int]] = []
-        auxes: list[torch.Tensor | None] = []
+        auxes: list[torch.Tensor] = []
         row_starts: list[int] = []
         rows = 0
-        for item in scheduled:
+        for item, one in zip(scheduled, results, strict=True):
             row_starts.append(rows)
-            try:
-                one = self.runner.run_target([item])
-            except Exception as err:
-                self._fail(item.seq, err)
+            if one is None:
                 emitted.append([])
-                auxes.append(None)
                 continue
             emitted.append(one.emitted[0])
-            auxes.append(one.aux)
+            if one.aux is not None:
+                auxes.append(one.aux)
             rows += item.num_query_tokens
         # Failed sequences contribute no aux rows; row_starts above already skip them.
-        kept = [a for a in auxes if a is not None]
-        aux = torch.cat(kept) if kept else None
-        return TargetStepOutput(emitted, aux, row_starts)
+        return TargetStepOutput(emitted, torch.cat(auxes) if auxes else None, row_starts)
 
     def _propose_isolated(self, items: list[ProposeItem]) -> None:
         assert self.proposer is not None
-        try:
-            self.proposer.propose(items, self.target.vocab_size)
-            return
-        except Exception as err:
-            if len(items) == 1:
-                self._fail(items[0].seq, err)
-                return
-            logger.warning("drafting for %d sequences failed (%s: %s); drafting each alone", len(items),
-                           type(err).__name__, err)
-        for it in items:
-            it.seq.clear_drafts()
+        proposer = self.proposer
+
+        def run(idx: list[int]) -> None:
+            if len(idx) < len(items):  # a retry alone: drop what the failed batch left behind
+                for i in idx:
+                    items[i].seq.clear_drafts()
             try:
-                self.proposer.propose([it], self.target.vocab_size)
-            except Exception as err:
-                it.seq.clear_drafts()
-                self._fail(it.seq, err)
+                proposer.propose([items[i] for i in idx], self.target.vocab_size)
+            except Exception:
+                if len(idx) < len(items):
+                    for i in idx:
+                        items[i].seq.clear_drafts()
+                raise
+
+        self._isolated("drafting", [it.seq for it in items], run)
 
     def _output_or_error(self, seq: Sequence) -> RequestOutput:
         try:
@@ -609,9 +596,14 @@ class LLM:
     def stats_line(self) -> str:
         return self.stats.line()
 
+    @property
+    def stats(self) -> SpecStats:
+        """Engine-wide acceptance counters (counted once, in :meth:`Scheduler.commit`)."""
+        return self.scheduler.stats
+
     def reset_stats(self) -> None:
         """Start the engine-wide acceptance counters afresh (e.g. after a warm-up)."""
-        self.stats = SpecStats(self.stats.num_speculative_tokens)
+        self.scheduler.stats = SpecStats(self.stats.num_speculative_tokens)
 
 
 def _is_model(obj: Any) -> bool:

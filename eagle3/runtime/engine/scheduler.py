@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
+from eagle3.runtime.spec.stats import SpecStats
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.k = num_speculative_tokens  # 0 without a draft
         self.eos_ids = eos_ids
+        # Engine-wide acceptance counters (each request also keeps its own in seq.stats).
+        self.stats = SpecStats(max(num_speculative_tokens, 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -143,6 +146,7 @@ class Scheduler:
         # (recovered or bonus) is the input of the next forward. Rejected slots are dropped here.
         seq.num_computed_tokens = item.start + item.num_tokens + num_accepted
         seq.append_checked(emitted, self.eos_ids, self.max_model_len)
+        self.stats.observe(num_drafts, num_accepted)
         return item.num_tokens + num_accepted
 
     def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
@@ -158,3 +162,12 @@ class Scheduler:
             elif seq.status == SequenceStatus.RUNNING:
                 self.block_manager.trim(seq, seq.num_computed_tokens)
         return finished
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free the blocks of those ``seqs`` that finished after :meth:`finish_step` (a request
+        that failed while its output was built) and drop them from the running set."""
+        for seq in seqs:
+            if seq.is_finished and seq.block_table:
+                self.block_manager.free(seq)
+                if seq in self.running:
+                    self.running.remove(seq)

@@ -3,9 +3,8 @@ MI300-class GPUs, the routed-expert MoE (``aiter.fused_moe.fused_moe``) and MLA 
 attention (``aiter.mla.mla_decode_fwd``). Every other op, and every case the adapter does not take
 (below), runs on the base backend: triton on a GPU where triton imports, else the torch reference.
 
-Written against aiter's documented API (shared/docs/research/kernel_backends.md section 4.1, checked
-against ROCm/aiter's ``aiter/mla.py``), always with keyword arguments (the positional order changed
-between releases). **Unverified on real ROCm**: CI runs it against a fake ``aiter`` module
+Written against aiter's documented API (checked against ROCm/aiter's ``aiter/mla.py``), always with
+keyword arguments (the positional order changed between releases). **Unverified on real ROCm**: CI runs it against a fake ``aiter`` module
 (tests/runtime/fake_aiter/) that checks the argument contracts (names, shapes, dtypes, shuffled
 weights, head counts) and computes with the torch reference; no MI300 was available to this project.
 
@@ -29,8 +28,8 @@ bottom-right causal convention: the sequence's queries are its last ``n`` positi
 (MHA drafts, fp32 models, queries that are not the last positions) runs on the base backend.
 
 Batch invariance is aiter's business: its split-KV count depends on the batch (``get_meta_param``
-picks ``num_kv_splits`` from the CU count and the batch size), so ``batch_invariant`` is False and
-speculative greedy output may differ from plain greedy output in the last bits on real hardware.
+picks ``num_kv_splits`` from the CU count and the batch size), so the backend is not batch invariant
+and speculative greedy output may differ from plain greedy output in the last bits on real hardware.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ _WARNED: set[str] = set()
 
 def pack_int4_pairs(codes: torch.Tensor) -> torch.Tensor:
     """Signed INT4 codes ``[..., K]`` (int8 in [-8, 7]) -> uint8 ``[..., K/2]``, two's-complement
-    nibbles, even k in the low nibble (aiter's i4x2, kernel_backends.md 4.1 / 5)."""
+    nibbles, even k in the low nibble (aiter's i4x2)."""
     u = (codes.to(torch.int16) & 0xF).to(torch.uint8)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
 
@@ -146,7 +145,7 @@ class AiterMoE(MoEOp):
             s2 = torch.stack([d.scale for d in down])  # type: ignore[union-attr]
             self.w1 = shuffle(pack_int4_pairs(c1).to(device), layout=(16, 16), use_int4=True)
             self.w2 = shuffle(pack_int4_pairs(c2).to(device), layout=(16, 16), use_int4=True)
-            # group scales [E, K/32, N] in bf16 (kernel_backends.md 4.1: "bf16 group scales [E, K//32, N]")
+            # group scales [E, K/32, N] in bf16 (aiter's a16w4 layout)
             self.w1_scale = s1.transpose(1, 2).to(device=device, dtype=torch.bfloat16).contiguous()
             self.w2_scale = s2.transpose(1, 2).to(device=device, dtype=torch.bfloat16).contiguous()
 
@@ -253,7 +252,6 @@ class AiterBackend(TorchBackend):
     """aiter's MoE and MLA over a base backend that runs everything else (see the module doc)."""
 
     name = "aiter"
-    batch_invariant = False  # aiter's split-KV count follows the batch (module doc)
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -265,7 +263,7 @@ class AiterBackend(TorchBackend):
             base_name = "triton" if _importable("triton") else "torch"
         self.base: KernelBackend = get_backend(base_name, self.device)
         params = inspect.signature(self.aiter.mla.mla_decode_fwd).parameters
-        # page_size / nhead_kv exist since aiter 0.1.8-ish (kernel_backends.md 4.0); pass them when taken
+        # page_size / nhead_kv exist in newer aiter releases only; pass them when taken
         self._mla_extra = {k: 1 for k in ("page_size", "nhead_kv") if k in params}
         self.calls = {"mla": 0, "mla_fallback": 0}
 

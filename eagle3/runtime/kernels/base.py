@@ -1,10 +1,10 @@
 """The kernel interface: canonical weights, the ops a model calls, and backend selection.
 
-Design (shared/docs/research/kernel_backends.md sections 0 and 5):
+Design (docs/kernels.md):
 
 * The loader turns every on-disk format into one of a few *canonical* weights
   (:class:`DenseWeight`, :class:`Int4Weight`, :class:`MXFP4Weight`, :class:`FP8Weight`) that keep
-  the packed codes and scales as on disk (DESIGN.md, "Packed canonical weights"); the bits are
+  the packed codes and scales as on disk; the bits are
   decoded through ``eagle3.formats.codecs`` (:func:`dequantize`, :meth:`Int4Weight.unpack`). A
   backend never sees a file layout.
 * Each weighted op is an object with ``prepare(...)`` (once, at load: relayout, pre-transpose;
@@ -17,9 +17,9 @@ Design (shared/docs/research/kernel_backends.md sections 0 and 5):
 
 Batch invariance is part of the contract: for every op, the result for one token (row) must not
 depend on which other tokens share the call. The reference achieves it by construction (see
-``torch_ref``); other backends must keep it or declare themselves non-invariant
-(:attr:`KernelBackend.batch_invariant`), in which case the engine cannot promise that speculative
-greedy output equals plain greedy output.
+``torch_ref``); a backend that cannot keep it (aiter, whose split-KV count follows the batch) says
+so in its module docstring: the engine then cannot promise that speculative greedy output equals
+plain greedy output.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Int4Weight:
     ``W[n, k] = codes[n, k] * scale[n, k // group_size]`` (group scales ``[N, K/G]``) or
     ``codes[n, k] * scale[n]`` (per-channel, ``group_size=None``), times ``tensor_scale`` when
     set (Quark's two-stage W4A8: per-tensor FP8 stage scale). The product is formed in
-    ``scale.dtype`` - compressed-tensors' rule (bf16 for Kimi), see kimi_quant_formats.md 2.3."""
+    ``scale.dtype`` - compressed-tensors' rule (bf16 for Kimi)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -157,8 +157,7 @@ class LinearOp(ABC):
     @abstractmethod
     def prepare(self, weight: LinearWeight, act: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
         """Once, at load. May keep or relayout ``weight`` (it owns it afterwards), but a quantized
-        weight stays quantized: no backend keeps a dense copy of it (DESIGN.md, packed canonical
-        weights); dense values are made per call in a bounded scratch."""
+        weight stays quantized: no backend keeps a dense copy of it; dense values are made per call in a bounded scratch."""
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +172,7 @@ class MoEOp(ABC):
     """Routed experts: ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x)) * up_e(x))``, ``e = ids[t, j]``.
 
     The sum over the top-k slots runs in fp32 in slot order, then casts to the compute dtype
-    (transformers' default ``grouped_mm`` path does the same, transformers_kimi_tiny.md 5.6)."""
+    (transformers' default ``grouped_mm`` path does the same)."""
 
     @abstractmethod
     def prepare(self, gate: list[LinearWeight], up: list[LinearWeight], down: list[LinearWeight],
@@ -200,7 +199,6 @@ class KernelBackend(ABC):
     """Factory for the weighted ops plus the weightless ones."""
 
     name: str = "?"
-    batch_invariant: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -274,7 +272,7 @@ BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "triton", "aiter")
 
 def _importable(module: str) -> bool:
     """True when ``import module`` succeeds. Any exception counts as "no": ``import aiter`` raises a
-    RuntimeError (not an ImportError) on a machine without ROCm (kernel_backends.md 4.0)."""
+    RuntimeError (not an ImportError) on a machine without ROCm."""
     import importlib
 
     try:

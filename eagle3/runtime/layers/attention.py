@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: DeepSeek MLA (latent cache, absorbed form) and Llama MHA.
 
-MLA (kimi_quant_formats.md 5.2-5.3). Per token and layer the cache holds ``[c (kv_lora, after
+MLA (DeepSeek-V3). Per token and layer the cache holds ``[c (kv_lora, after
 kv_a_layernorm), k_pe (qk_rope, after RoPE)]``. The absorbed form folds ``kv_b_proj`` into the
 query and the output::
 
@@ -15,12 +15,13 @@ cache through ``kv_b_proj`` into per-head keys and values; it exists for tests.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from eagle3.errors import ShapeError
+from eagle3.errors import ShapeError, UsageError
 from eagle3.runtime.config import MHASpec, MLASpec
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.kernels.base import (
@@ -33,16 +34,27 @@ from eagle3.runtime.kernels.base import (
     weight_tensors,
     weight_to,
 )
-from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, Shard
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.layers.rotary import RotaryEmbedding
+from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
 class MLAAttention(nn.Module):
+    """MLA over the paged latent cache. Tensor parallel by heads: this rank holds ``spec.num_heads
+    / tp.world`` of them (q_b / q and kv_b rows, o_proj input columns; q_a / kv_a replicated) and
+    returns the attention output summed over the ranks."""
+
     def __init__(self, spec: MLASpec, in_dim: int, out_dim: int, rotary: RotaryEmbedding, backend: KernelBackend,
-                 name: str = "") -> None:
+                 name: str = "", tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        if spec.num_heads % tp.world:
+            raise UsageError(f"{name}: {spec.num_heads} attention heads do not split over "
+                             f"tensor_parallel_size={tp.world}")
+        full_heads = spec.num_heads
+        spec = dataclasses.replace(spec, num_heads=full_heads // tp.world)  # this rank's heads
         self.spec = spec
+        self.tp = tp
         self.backend = backend
         self.rotary = rotary
         self.name = name
@@ -50,26 +62,27 @@ class MLAAttention(nn.Module):
         if spec.q_lora_rank is not None:
             self.q_a_proj = Linear(in_dim, spec.q_lora_rank, backend, name + ".q_a_proj")
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps, backend)
-            self.q_b_proj = Linear(spec.q_lora_rank, nh * dqk, backend, name + ".q_b_proj")
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, full_heads * dqk, backend, name + ".q_b_proj",
+                                                 tp, unit=dqk)
         else:
-            self.q_proj = Linear(in_dim, nh * dqk, backend, name + ".q_proj")
-        self.kv_a_proj_with_mqa = Linear(in_dim, spec.kv_lora_rank + spec.qk_rope_head_dim, backend,
+            self.q_proj = ColumnParallelLinear(in_dim, full_heads * dqk, backend, name + ".q_proj", tp, unit=dqk)
+        # kv_b_proj is absorbed (not a Linear): this rank's heads' rows of it.
+        self.kv_b_shard = Shard.of_rows(tp, full_heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+                                        spec.qk_nope_head_dim + spec.v_head_dim)
+        self.kv_a_proj_with_mqa = Linear(in_dim, spec.cache_width, backend,
                                          name + ".kv_a_proj_with_mqa")
         # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM when their formats agree
         # (vLLM's fused_qkv_a_proj); `load_a` decides.
         self.fused_a: Linear | None = None
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.latent_norm_eps, backend)
-        self.o_proj = Linear(nh * spec.v_head_dim, out_dim, backend, name + ".o_proj")
+        self.o_proj = RowParallelLinear(full_heads * spec.v_head_dim, out_dim, backend, name + ".o_proj", tp,
+                                        unit=spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
         self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
         # A quantized kv_b_proj stays packed; the two absorbed matrices are decoded from it per call.
         self.kv_b_packed: LinearWeight | None = None
         self.dtype = torch.float32
         self.absorbed = True
-
-    @property
-    def cache_dim(self) -> int:
-        return self.spec.kv_lora_rank + self.spec.qk_rope_head_dim
 
     def load_a(self, q_a: LinearWeight, act_q: ActQuant, kv_a: LinearWeight, act_kv: ActQuant, dtype: torch.dtype,
                device: torch.device) -> None:
@@ -131,7 +144,7 @@ class MLAAttention(nn.Module):
         s, be = self.spec, self.backend
         t, nh = x.shape[0], s.num_heads
         if self.fused_a is not None:
-            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.cache_dim], dim=-1)
+            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(qa))
         elif s.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -146,17 +159,17 @@ class MLAAttention(nn.Module):
         # one rotation for the nh query heads and the shared key
         pe = self.rotary(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
         q_pe, k_pe = pe[:, :nh], pe[:, nh]
-        flat = cache.view(-1, self.cache_dim)
+        flat = cache.view(-1, self.spec.cache_width)
         be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
         if self.absorbed:
             w_uk, w_uv_t = self.absorbed_matrices()
             q_abs = be.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nh, rkv]
-            q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.cache_dim)
+            q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.spec.cache_width)
             o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan)
             o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), w_uv_t).transpose(0, 1)
         else:
             o = self._naive(q_nope, q_pe, flat, meta, plan)
-        return self.o_proj(o.reshape(t, nh * s.v_head_dim))
+        return self.tp.reduce(self.o_proj(o.reshape(t, nh * s.v_head_dim)))
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, meta: AttnMetadata,
                plan: Any) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """SwiGLU MLP and the DeepSeek-V3 MoE block (sigmoid router with correction bias, group-limited
-top-k, routed experts + always-on shared experts), kimi_quant_formats.md 5.4.
+top-k, routed experts + always-on shared experts) as in DeepSeek-V3.
 
 Numerics as transformers: router logits ``x.float() @ W.float().T``; selection on
 ``sigmoid + e_score_correction_bias``, weights are the unbiased scores, renormalised
@@ -13,20 +13,28 @@ import torch
 from torch import nn
 
 from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, MoEOp, concat_out_features
-from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.linear import Linear, RowParallelLinear, Shard
 from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
 class DenseMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM.
 
-    def __init__(self, hidden: int, inter: int, backend: KernelBackend, name: str = "") -> None:
+    Tensor parallel by intermediate columns: this rank holds rows ``[lo, hi)`` of gate and of up
+    (merged column parallel, :attr:`gate_up_shard`) and those input columns of down (row
+    parallel); the output is summed over the ranks unless ``reduce_results=False`` (the MoE's shared
+    experts, whose partial sum the MoE reduces together with its routed experts')."""
+
+    def __init__(self, hidden: int, inter: int, backend: KernelBackend, name: str = "", tp: TPGroup = SINGLE,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.inter = inter
-        self.full_inter = inter  # the unsharded width (set by a tensor-parallel owner)
+        self.gate_up_shard = Shard.of_rows(tp, inter)  # of gate_proj and of up_proj, each
+        self.inter = self.gate_up_shard.size(inter)
         self.backend = backend
-        self.gate_up = Linear(hidden, 2 * inter, backend, name + ".gate_up_proj")
-        self.down = Linear(inter, hidden, backend, name + ".down_proj")
+        self.tp = tp
+        self.reduce_results = reduce_results
+        self.gate_up = Linear(hidden, 2 * self.inter, backend, name + ".gate_up_proj")
+        self.down = RowParallelLinear(inter, hidden, backend, name + ".down_proj", tp)
 
     def load(self, gate: LinearWeight, up: LinearWeight, down: LinearWeight, act_gate_up: ActQuant,
              act_down: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
@@ -35,7 +43,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(self.backend.silu(g) * u)
+        y = self.down(self.backend.silu(g) * u)
+        return self.tp.reduce(y) if self.reduce_results else y
 
 
 class MoE(nn.Module):
@@ -58,13 +67,11 @@ class MoE(nn.Module):
         self.register_buffer("e_score_correction_bias", None)
         self.experts: MoEOp | None = None
         # Expert parallel: this rank holds experts [lo, hi) and computes them for every token; the
-        # shared experts are split by their intermediate columns. The caller reduces the sum.
+        # shared experts are split by their intermediate columns. forward reduces the sum of both.
         self.expert_range = tp.split(num_experts)
         self.tp = tp
-        lo, hi = tp.split(inter * n_shared)
-        self.shared = DenseMLP(hidden, hi - lo, backend, name + ".shared_experts") if n_shared else None
-        if self.shared is not None:
-            self.shared.full_inter = inter * n_shared
+        self.shared = (DenseMLP(hidden, inter * n_shared, backend, name + ".shared_experts", tp, reduce_results=False)
+                       if n_shared else None)
         self.kind = "unloaded"
 
     def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
@@ -112,7 +119,7 @@ class MoE(nn.Module):
         y = self.experts(x, ids, w)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y
+        return self.tp.reduce(y)
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         """The routed experts' tensors (packed as on disk; see KernelBackend ops)."""

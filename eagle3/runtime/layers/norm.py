@@ -1,5 +1,5 @@
 """RMSNorm with transformers' numerics: normalise in fp32, cast back, multiply by the weight in
-the activation dtype (transformers_kimi_tiny.md 5.2)."""
+the activation dtype."""
 
 from __future__ import annotations
 

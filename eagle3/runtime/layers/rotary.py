@@ -1,15 +1,15 @@
 """Rotary position embeddings: default / linear / llama3 / YaRN frequencies, interleaved
 (DeepSeek, Kimi MLA) or NeoX (Llama drafts) rotation.
 
-YaRN follows transformers' ``_compute_yarn_parameters`` (= DeepSeek's ``yarn``), verified equal in
-kimi_quant_formats.md 5.2: ramped interpolation between ``base^(-2i/d)`` and ``/factor``, and
+YaRN follows transformers' ``_compute_yarn_parameters`` (= DeepSeek's ``yarn``), verified equal:
+ramped interpolation between ``base^(-2i/d)`` and ``/factor``, and
 cos/sin scaled by ``attention_factor = mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both
 are set, else ``mscale(f)``. (vLLM's Llama YaRN ignores ``mscale``/``mscale_all_dim`` and always
 scales by ``mscale(f)``; for a Llama draft with ``mscale == mscale_all_dim`` this differs: we
 follow the config's meaning as transformers does.)
 
 cos/sin are computed in fp32 from ``position * inv_freq`` and cast to the activation dtype
-before rotating, as transformers does (bit-exact in bf16, transformers_kimi_tiny.md 5.3).
+before rotating, as transformers does (bit-exact in bf16).
 """
 
 from __future__ import annotations

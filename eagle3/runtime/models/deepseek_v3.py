@@ -1,11 +1,9 @@
-"""DeepSeek-V3 / Kimi-K2.x target (kimi_quant_formats.md 5): MLA attention over a paged latent
+"""DeepSeek-V3 / Kimi-K2.x target: MLA attention over a paged latent
 cache, dense SwiGLU in the first ``first_k_dense_replace`` layers, MoE after; returns the
 post-norm hidden states and the EAGLE-3 aux states ("input to layer k", concatenated in
 ascending id order; ``k == num_layers`` is the last layer's output before the final norm)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import nn
@@ -16,11 +14,11 @@ from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.interfaces import KVCacheSpec
 from eagle3.runtime.kernels.base import KernelBackend
 from eagle3.runtime.layers.attention import MLAAttention
-from eagle3.runtime.layers.linear import Linear
+from eagle3.runtime.layers.linear import VocabParallelLMHead
 from eagle3.runtime.layers.moe import DenseMLP, MoE
 from eagle3.runtime.layers.norm import RMSNorm
 from eagle3.runtime.layers.rotary import RotaryEmbedding
-from eagle3.runtime.parallel import SINGLE, TPGroup, head_split
+from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
 class DecoderLayer(nn.Module):
@@ -28,12 +26,8 @@ class DecoderLayer(nn.Module):
                  name: str, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.tp = tp
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps, backend)
-        # This rank's heads (all of them at TP=1); o_proj's partial output is reduced below.
-        lo, hi = head_split(spec.mla.num_heads, tp, name + ".self_attn")
-        mla = dataclasses.replace(spec.mla, num_heads=hi - lo)
-        self.self_attn = MLAAttention(mla, h, h, rotary, backend, name + ".self_attn")
+        self.self_attn = MLAAttention(spec.mla, h, h, rotary, backend, name + ".self_attn", tp)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps, backend)
         self.mlp: nn.Module
         if spec.is_moe_layer(index):
@@ -41,14 +35,12 @@ class DecoderLayer(nn.Module):
                            spec.n_shared_experts, spec.n_group, spec.topk_group, spec.scoring_func,
                            spec.norm_topk_prob, spec.routed_scaling_factor, backend, name + ".mlp", tp)
         else:
-            lo, hi = tp.split(spec.intermediate_size)
-            self.mlp = DenseMLP(h, hi - lo, backend, name + ".mlp")
-            self.mlp.full_inter = spec.intermediate_size
+            self.mlp = DenseMLP(h, spec.intermediate_size, backend, name + ".mlp", tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: torch.Tensor, plan: object) -> torch.Tensor:
-        h = h + self.tp.reduce(self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, plan))
-        return h + self.tp.reduce(self.mlp(self.post_attention_layernorm(h)))
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DeepseekV3Model(nn.Module):
@@ -57,7 +49,6 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, spec: TargetSpec, backend: KernelBackend, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.spec = spec
-        self.tp = tp
         self.backend = backend
         self.dtype = dtype
         self.num_layers = spec.num_layers
@@ -70,12 +61,10 @@ class DeepseekV3Model(nn.Module):
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.vocab_range = tp.split(spec.vocab_size)  # this rank's lm_head rows
-        self.lm_head = Linear(spec.hidden_size, self.vocab_range[1] - self.vocab_range[0], backend,
-                              f"{spec.prefix}lm_head")
+        self.lm_head = VocabParallelLMHead(spec.hidden_size, spec.vocab_size, backend, f"{spec.prefix}lm_head", tp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec((self.spec.mla.kv_lora_rank + self.spec.mla.qk_rope_head_dim,), self.dtype)
+        return KVCacheSpec((self.spec.mla.cache_width,), self.dtype)
 
     def set_absorbed(self, absorbed: bool) -> None:
         """Absorbed MLA (default) or the naive per-head expansion (tests)."""
@@ -111,4 +100,4 @@ class DeepseekV3Model(nn.Module):
         return frozenset(ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_cols(self.lm_head(hidden).float(), self.vocab_size)
+        return self.lm_head.logits(hidden)

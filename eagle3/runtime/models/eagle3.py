@@ -1,5 +1,5 @@
 """EAGLE-3 / EAGLE-3.1 draft: one decoder layer (Llama MHA or DeepSeek MLA) over
-``[input_layernorm(embed(token)), hidden_norm(h)]`` (eagle3_formats.md 3).
+``[input_layernorm(embed(token)), hidden_norm(h)]``.
 
 ::
 
@@ -73,7 +73,7 @@ class Eagle3DraftModel(nn.Module):
         s = self.spec
         if s.attention == "mla":
             assert s.mla is not None
-            return KVCacheSpec((s.mla.kv_lora_rank + s.mla.qk_rope_head_dim,), self.dtype)
+            return KVCacheSpec((s.mla.cache_width,), self.dtype)
         assert s.mha is not None
         return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.dtype)
 

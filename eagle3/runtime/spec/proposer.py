@@ -18,11 +18,12 @@ verifier treats the draft as a point mass (vLLM v1 EAGLE).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.engine.sequence import Sequence as Seq
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
 
@@ -31,24 +32,25 @@ from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_
 class ProposeItem:
     """One sequence's input to the proposer for this step."""
 
-    seq: Sequence
+    seq: Seq
     start: int  # first committed position of this step (draft step 0 runs over start .. start+count-1)
     count: int  # committed positions this step
     aux: torch.Tensor  # [count, n*H] target aux states of those positions
     num_drafts: int  # tokens to propose after step 0 (0: only fill the draft KV)
 
 
+# (input_ids, hidden, block_tables, starts, counts) -> (post_norm, next_hidden)
+DraftForward = Callable[[torch.Tensor, torch.Tensor, Sequence[Sequence[int]], Sequence[int], Sequence[int]],
+                        tuple[torch.Tensor, torch.Tensor]]
+
+
 class EagleProposer:
-    def __init__(self, draft: DraftModel, kv_caches: list[torch.Tensor], num_speculative_tokens: int,
-                 meta_fn, draft_sampling: str = "sample", generator: torch.Generator | None = None,
-                 forward_fn=None) -> None:
+    def __init__(self, draft: DraftModel, num_speculative_tokens: int, forward_fn: DraftForward,
+                 draft_sampling: str = "sample", generator: torch.Generator | None = None) -> None:
         self.draft = draft
-        self.kv = kv_caches[0] if len(kv_caches) == 1 else kv_caches
         self.k = num_speculative_tokens
-        self.meta_fn = meta_fn  # (block_tables, starts, counts) -> AttnMetadata (ModelRunner.meta)
-        # (input_ids, hidden, block_tables, starts, counts) -> (post, next): ModelRunner.forward_draft
-        # (CUDA graphs for uniform steps); default: an eager draft forward.
-        self.forward_fn = forward_fn or self._eager_forward
+        # One draft step over its KV cache (ModelRunner.forward_draft: a CUDA graph when uniform).
+        self.forward_fn = forward_fn
         self.draft_sampling = draft_sampling
         self.generator = generator
         ids = torch.arange(draft.vocab_size, dtype=torch.int64)
@@ -103,10 +105,6 @@ class EagleProposer:
             seq.draft_probs = None
             if probs[0] is not None and not seq.params.greedy:
                 seq.draft_probs = torch.stack([q[b] for q in probs[:n]])
-
-    def _eager_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables, starts, counts
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.draft.forward(input_ids, hidden, self.meta_fn(block_tables, starts, counts), self.kv)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, target_vocab_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
