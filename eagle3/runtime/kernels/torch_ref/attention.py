@@ -228,12 +228,6 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, slots).float()
 
 
-def _partials(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One key tile's softmax partial sums: ``[..., R, kt] x [..., kt, dv]`` -> ``[..., R, dv + 1]``,
-    numerator (fixed-shape GEMM rows) then denominator (a row sum of fixed length ``kt``)."""
-    return torch.cat([torch.bmm(p, v), p.sum(-1, keepdim=True)], dim=-1)
-
-
 def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
                   out: torch.Tensor) -> None:
     """Gathered units: ``qs [T, hkv, g, d]`` (fp32, scaled) -> rows of ``out [T, hkv, g, dv]``.
@@ -264,11 +258,16 @@ def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         v = _gather(v_cache, flat).view(nk * nqt, kt, hkv, dv)
         v = (v.transpose(1, 2) if hkv > 1 else v).reshape(b, kt, dv)
-    z = _partials(p, v).view(nk, nqt, hkv, r, dv + 1)
-    acc = z[0] + 0.0  # 0 + x, as the per-sequence schedule starts from zeros
+    # Per key tile the softmax partial sums: numerator (fixed-shape GEMM rows) and denominator (a
+    # row sum of fixed length kt), added in key-tile order from zero (0 + x, as the per-sequence
+    # schedule starts from zeros). Kept apart, not concatenated: the same sums without the copy.
+    num = torch.bmm(p, v).view(nk, nqt, hkv, r, dv)
+    den = p.sum(-1).view(nk, nqt, hkv, r)
+    acc, acc_den = num[0] + 0.0, den[0] + 0.0
     for j in range(1, nk):
-        acc += z[j]
-    o = (acc[..., :dv] / acc[..., dv:]).view(nqt, hkv, qt, g, dv).transpose(1, 2).reshape(nqt * qt, hkv, g, dv)
+        acc += num[j]
+        acc_den += den[j]
+    o = (acc / acc_den[..., None]).view(nqt, hkv, qt, g, dv).transpose(1, 2).reshape(nqt * qt, hkv, g, dv)
     if u.dst is None:
         out.copy_(o)
     else:

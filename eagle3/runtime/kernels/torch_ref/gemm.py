@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -15,13 +14,19 @@ if TYPE_CHECKING:  # pragma: no cover
 ROW_TILE = 16  # GEMM rows per tile: every float GEMM is a [ROW_TILE, K] x [K, N] product
 
 
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad dim -2 of ``x`` up to a multiple of ``multiple`` (at least one tile)."""
+def _pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` in ``dtype`` (default its own) with dim -2 zero-padded up to a multiple of ``multiple``
+    (at least one tile): the widening and the padding in one copy (the same values as
+    ``F.pad(x.to(dtype), ...)``: a widening cast is exact)."""
+    dtype = dtype or x.dtype
     m = x.shape[-2]
     target = max(multiple, -(-m // multiple) * multiple)
     if target == m:
-        return x
-    return F.pad(x, (0, 0, 0, target - m))
+        return x if x.dtype == dtype else x.to(dtype)
+    out = x.new_empty(*x.shape[:-2], target, x.shape[-1], dtype=dtype)
+    out[..., :m, :].copy_(x)
+    out[..., m:, :].zero_()
+    return out
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -39,7 +44,7 @@ def mm_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     if m == 0:
         return x.new_empty(0, w_t.shape[1])
-    xp = _pad_rows(x if x.dtype == w_t.dtype else x.to(w_t.dtype), ROW_TILE)
+    xp = _pad_rows(x, ROW_TILE, w_t.dtype)
     nb = xp.shape[0] // ROW_TILE
     out = torch.bmm(xp.view(nb, ROW_TILE, k), w_t.expand(nb, k, w_t.shape[1])).view(nb * ROW_TILE, -1)[:m]
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -52,7 +57,7 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[-1]
     if m == 0:
         return x.new_empty(b, 0, n)
-    xp = _pad_rows(x if x.dtype == w.dtype else x.to(w.dtype), ROW_TILE)
+    xp = _pad_rows(x, ROW_TILE, w.dtype)
     nb = xp.shape[1] // ROW_TILE
     if nb == 1:
         out = torch.bmm(xp, w)[:, :m]

@@ -340,7 +340,7 @@ def _bank_gemm(x: torch.Tensor, bank: _Bank, e: int, tiles: list[tuple[int, int]
     m, k = x.shape
     if m == 0:
         return x.new_empty(0, bank.n)
-    xp = _pad_rows(x if x.dtype == cd else x.to(cd), ROW_TILE)
+    xp = _pad_rows(x, ROW_TILE, cd)
     nb = xp.shape[0] // ROW_TILE
     xt = xp.view(nb, ROW_TILE, k)
     out = xp.new_empty(nb, ROW_TILE, bank.n)
