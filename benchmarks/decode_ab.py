@@ -1,6 +1,6 @@
 """Decode speed of the torch reference with and without the reused decode scratch, in one process.
 
-The packed weights are decoded per call (issue 11). ``torch_ref.REUSE_SCRATCH`` (default) decodes them
+The packed weights are decoded per call (issue 11). ``torch_ref.packed.REUSE_SCRATCH`` (default) decodes them
 into reused per-thread buffers; False decodes into per-call tensors, as before. On a shared machine
 wall times drift by 2x within minutes, so comparing two runs says little: this script loads the
 target once and runs every decode step twice, once per mode (alternating which goes first), with the
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     meta = build_attn_metadata(tables, [plen + s] * batch, [1] * batch, bs)
                     logits = {}
                     for mode in (("scratch", "per_call") if s % 2 == 0 else ("per_call", "scratch")):
-                        torch_ref.REUSE_SCRATCH = mode == "scratch"
+                        torch_ref.packed.REUSE_SCRATCH = mode == "scratch"
                         t = time.perf_counter()
                         h, _ = model.forward(nxt, meta, kv)  # the same KV slots: rewritten with the same values
                         logits[mode] = model.compute_logits(h)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     identical = identical and torch.equal(logits["scratch"], logits["per_call"])
                     nxt = logits["scratch"].argmax(-1)
         finally:
-            torch_ref.REUSE_SCRATCH = True
+            torch_ref.packed.REUSE_SCRATCH = True
         tps = {m: batch * len(v) / sum(v) for m, v in times.items()}
         out["batches"][str(batch)] = {"step_s": times, "tokens_per_s": tps,
                                       "speedup": tps["scratch"] / tps["per_call"], "bit_identical": identical}

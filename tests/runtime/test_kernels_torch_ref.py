@@ -257,7 +257,7 @@ def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: 
     """Long prefill chunks (per-sequence schedule), a short chunk and a decode row (gathered
     units), in one forward, in memory-bounded groups or not: every row is bit-identical to the
     same query decoded alone."""
-    import eagle3.runtime.kernels.torch_ref as tr
+    from eagle3.runtime.kernels.torch_ref import attention as tr  # (tunables live in their module)
 
     lens_new, lens_ctx = [300, 40, 7, 1], [0, 100, 150, 250]
     meta, _ = _paged(lens_new, lens_ctx, block=4, slots_total=1024, seed=12)

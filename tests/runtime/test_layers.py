@@ -99,6 +99,20 @@ def test_rotation_is_bit_exact_with_transformers_in_bf16(interleaved: bool) -> N
     assert torch.equal(rot(k, cos, sin), hk[0].permute(1, 0, 2))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_rows_equal_per_step_cos_sin(dtype: torch.dtype) -> None:
+    """The per-position cos/sin table (CPU) gives the bits of computing them for the step's
+    positions, whatever the table's size or the positions' order and count."""
+    spec = RopeSpec(dim=64, theta=50000.0, interleaved=True, kind="yarn", factor=32.0,
+                    original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
+    rot = RotaryEmbedding(spec, BE)
+    for pos in (torch.tensor([5]), torch.tensor([3, 0, 255, 256, 1000, 7]), torch.arange(700, 300, -3)):
+        cos, sin = rot.cos_sin(pos, dtype)
+        ref_cos, ref_sin = rot._compute(pos, dtype)
+        assert cos.dtype == dtype and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert rot._tables[dtype][0].shape[0] == 1024  # grown by doubling, not per step
+
 def test_rms_norm_is_bit_exact_with_transformers() -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 

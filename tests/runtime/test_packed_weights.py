@@ -155,7 +155,7 @@ def test_row_tiles_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
         whole = torch_ref.TorchLinear()
         whole.prepare(wt, None, torch.float32, torch.device("cpu"))
         with monkeypatch.context() as mp:
-            mp.setattr(torch_ref, "LINEAR_SCRATCH_BYTES", 128 * k * 4)  # 128 rows of fp32
+            mp.setattr(torch_ref.packed, "LINEAR_SCRATCH_BYTES", 128 * k * 4)  # 128 rows of fp32
             tiled = torch_ref.TorchLinear()
             tiled.prepare(wt, None, torch.float32, torch.device("cpu"))
         assert len(tiled.tiles) == 3 and len(whole.tiles) == 1, kind
@@ -183,8 +183,8 @@ def test_moe_chunks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     outs = []
     for scratch in (1 << 30, 1):
         with monkeypatch.context() as mp:
-            mp.setattr(torch_ref, "_MOE_ALL_BYTES", 0)
-            mp.setattr(torch_ref, "MOE_SCRATCH_BYTES", scratch)
+            mp.setattr(torch_ref.moe, "_MOE_ALL_BYTES", 0)
+            mp.setattr(torch_ref.packed, "MOE_SCRATCH_BYTES", scratch)
             op = torch_ref.TorchMoE()
             op.prepare(gate, up, down, None, torch.float32, torch.device("cpu"))
         assert op.path == "gather" and (op.chunk == 1 if scratch == 1 else op.chunk >= e)
@@ -245,12 +245,12 @@ def test_scratch_decode_gives_the_bits_of_the_dequantized_weight(kind: str, monk
     ref = torch_ref.mm_rows(x, dequantize(wt, torch.bfloat16).float().t())
     assert torch.equal(whole(x), ref) and torch.equal(whole(x[:1]), ref[:1])
     with monkeypatch.context() as mp:
-        mp.setattr(torch_ref, "LINEAR_SCRATCH_BYTES", 128 * k * 4)  # 128 rows of fp32
+        mp.setattr(torch_ref.packed, "LINEAR_SCRATCH_BYTES", 128 * k * 4)  # 128 rows of fp32
         tiled = torch_ref.TorchLinear()
         tiled.prepare(wt, None, torch.bfloat16, cpu)
     assert len(tiled.tiles) == 3
     new = [tiled(x), tiled(x[3:4]), whole(x)]
-    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)  # the per-call tensors
+    monkeypatch.setattr(torch_ref.packed, "_scratch_ok", lambda t: False)  # the per-call tensors
     assert torch.equal(new[0], tiled(x)) and torch.equal(new[0], ref)
     assert torch.equal(new[1], ref[3:4]) and torch.equal(new[2], ref)
 
@@ -267,14 +267,14 @@ def test_looped_moe_scratch_gives_the_same_bits(kind: str, monkeypatch: pytest.M
     x = torch.randn(7, hidden, generator=g).bfloat16()
     ids = torch.randint(0, e, (7, 2), generator=g)
     wts = torch.rand(7, 2, generator=g)
-    monkeypatch.setattr(torch_ref, "_MOE_ALL_BYTES", 0)
-    monkeypatch.setattr(torch_ref, "_MOE_GATHER_BYTES", 0)
-    monkeypatch.setattr(torch_ref, "LINEAR_SCRATCH_BYTES", 128 * hidden * 4)
+    monkeypatch.setattr(torch_ref.moe, "_MOE_ALL_BYTES", 0)
+    monkeypatch.setattr(torch_ref.moe, "_MOE_GATHER_BYTES", 0)
+    monkeypatch.setattr(torch_ref.packed, "LINEAR_SCRATCH_BYTES", 128 * hidden * 4)
     op = torch_ref.TorchMoE()
     op.prepare(gate, up, down, None, torch.bfloat16, torch.device("cpu"))
     assert op.path == "loop" and len(op.tiles13) == 2
     new = op(x, ids, wts)
-    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
+    monkeypatch.setattr(torch_ref.packed, "_scratch_ok", lambda t: False)
     assert torch.equal(new, op(x, ids, wts))
 
 
@@ -315,7 +315,7 @@ def test_w4a8_experts_exact_path_gives_the_same_bits(act: str, monkeypatch: pyte
     lin = torch_ref.TorchLinear()
     lin.prepare(gate[0], act, torch.bfloat16, torch.device("cpu"))
     new = op(x, ids, wts), lin(x), lin(x[:1])
-    monkeypatch.setattr(torch_ref, "_scratch_ok", lambda t: False)
+    monkeypatch.setattr(torch_ref.packed, "_scratch_ok", lambda t: False)
     assert torch.equal(new[0], op(x, ids, wts))
     assert torch.equal(new[1], lin(x)) and torch.equal(new[2], lin(x[:1]))
     if act == "fp8":  # and the float64 reference itself

@@ -75,9 +75,29 @@ class RotaryEmbedding(nn.Module):
         self.backend = backend
         inv_freq, self.attention_factor = compute_inv_freq(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # per-position cos/sin (CPU)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, dim/2]`` each, in ``dtype`` (computed once per forward, shared by all layers)."""
+        """``[T, dim/2]`` each, in ``dtype`` (once per forward, shared by all layers). On CPU rows of
+        a per-position table: every element is a function of its position alone (an elementwise
+        product, cos/sin on the scalar path, elementwise scale and cast), so a table row has the
+        bits a per-step computation gives. Elsewhere computed per call (no host sync: CUDA graphs)."""
+        if positions.device.type == "cpu" and positions.numel() and int(positions.min()) >= 0:
+            idx = positions.to(torch.int64)
+            cos, sin = self._table(int(idx.max()) + 1, dtype)
+            return cos.index_select(0, idx), sin.index_select(0, idx)
+        return self._compute(positions, dtype)
+
+    def _table(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions ``0 .. >= n-1`` in ``dtype``, grown by doubling."""
+        tab = self._tables.get(dtype)
+        if tab is None or tab[0].shape[0] < n:
+            size = max(256, 1 << (n - 1).bit_length())
+            tab = self._compute(torch.arange(size, device=self.inv_freq.device), dtype)
+            self._tables[dtype] = tab
+        return tab
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = self.backend.cos_sin(freqs)
         if self.attention_factor != 1.0:

@@ -1,0 +1,340 @@
+"""Batch-invariant paged attention: fixed-shape tile GEMMs, two schedules with the same bits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eagle3.runtime.context import AttnMetadata
+
+
+
+KEY_TILE = 64  # keys per attention tile
+
+#
+# The numbers. Query rows are tiled per sequence: ``query_tile_tokens(G)`` consecutive tokens x G
+# heads = R rows (a model constant), zero padded. Every score is a row of a fixed-shape
+# ``[R, D] x [D, KEY_TILE]`` GEMM; every per-tile softmax numerator a row of a fixed-shape
+# ``[R, KEY_TILE] x [KEY_TILE, Dv]`` GEMM and every denominator a row sum of fixed length
+# KEY_TILE. A token's softmax is two-pass: the max over all its keys (exact in any order),
+# ``exp(s - max)`` element by element on the scalar path, then the per-tile partials added in
+# key-tile order starting from zero, in fp32. Tiles past a token's own position hold probability
+# exactly 0 and add exact zeros, so computing them or skipping them changes nothing.
+#
+# Two schedules compute exactly these numbers:
+#
+# * gathered units (decode, verify, short chunks): every (row tile, key tile) pair of a group as
+#   one batched GEMM, the keys gathered per pair (``index_select``: one copy per pair);
+# * per sequence (prefill chunks of >= SEQ_PATH_MIN_TOKENS tokens): the sequence's keys gathered
+#   once, then per key tile one batched GEMM over the row tiles that see it with the key tile
+#   broadcast (stride 0, no copy); the row tiles that cannot see a key tile are skipped (causal
+#   skipping halves a prefill's work). The 1,600-token prefill of the tiny target went from
+#   ~11 s (every token gathering its own padded context) to ~1 s.
+#
+# Memory is bounded by ATTN_CHUNK_FLOATS per group of row tiles, never ``T x J``.
+#
+# Both schedules rely on the property the row-tiled linears rely on: a row of a fixed-shape
+# batched GEMM does not depend on its position in the tile, on the other rows or on the batch
+# size (measured here for MKL with R = 4..128, D = 16..576, N = 17..65, contiguous, transposed
+# and stride-0 operands, 1 and 2 threads; below 4 rows MKL takes other kernels, hence
+# ATTN_MIN_ROWS), and that a fixed-length row sum does not depend on the number of rows. Both
+# are re-checked by tests/runtime/test_kernels_torch_ref.py on every run.
+
+ATTN_MIN_ROWS = 4  # rows of a query tile at least (MKL's bmm rows differ below 4 rows, measured)
+SEQ_PATH_MIN_TOKENS = 32  # query tokens of one sequence from which the per-sequence schedule runs
+ATTN_CHUNK_FLOATS = 1 << 23  # fp32 elements of scores / gathered keys one attention chunk holds
+
+
+def query_tile_tokens(group: int) -> int:
+    """Query tokens per row tile for ``group`` query heads per kv head: the fewest giving at
+    least :data:`ATTN_MIN_ROWS` rows (a model constant, never a batch one)."""
+    return max(1, -(-ATTN_MIN_ROWS // group))
+
+
+@dataclass
+class _Units:
+    """Gathered-units schedule for a group of row tiles (short sequences)."""
+
+    tok: torch.Tensor | None  # [nqt, qt] query row per tile slot (T: the zero pad row); None: row = tile
+    slots: torch.Tensor  # [nk, nqt, KEY_TILE] cache slot of each key (0 where there is none)
+    masked: torch.Tensor  # [nk, nqt, qt, KEY_TILE] key NOT visible to the tile slot's token
+    dst: torch.Tensor | None  # query rows of the real tile slots (None: all rows, in order)
+    src: torch.Tensor | None  # flat tile-slot index of each of them
+
+
+@dataclass
+class _SeqChunk:
+    """Per-sequence schedule for one long query chunk with ascending positions."""
+
+    t0: int  # query rows t0 .. t1-1
+    t1: int
+    num_tiles: int  # row tiles (the last one zero padded)
+    num_key_tiles: int
+    key_slots: torch.Tensor  # [num_key_tiles * KEY_TILE] cache slot of key position j (0: none)
+    first: list[int]  # first[j]: first row tile whose last token sees key tile j (ascending in j)
+    masks: list[tuple[int, torch.Tensor]]  # per j: (lo, masked [n, qt, KEY_TILE]) for tiles lo..lo+n-1,
+    #                                        the tiles that see key tile j only in part
+    groups: list[tuple[int, int]]  # row-tile ranges whose scores are held at once
+
+
+@dataclass
+class _Schedule:
+    units: list[_Units]
+    seqs: list[_SeqChunk]
+
+
+class AttnPlan:
+    """Per-forward attention work, shared by every attention layer of a model. Built lazily per
+    query-tile height and memory footprint (they depend on the model's head layout)."""
+
+    def __init__(self, meta: AttnMetadata) -> None:
+        self.device = meta.positions.device
+        self.num_tokens = int(meta.positions.shape[0])
+        self.positions = meta.positions.to("cpu", torch.int64)
+        self.cu = meta.cu_seqlens_q.to("cpu", torch.int64).tolist()
+        self.tables = meta.block_tables.to("cpu", torch.int64)
+        self.block_size = int(meta.block_size)
+        self._schedules: dict[tuple[int, int, int], _Schedule] = {}
+
+    def schedule(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
+        key = (qt, unit_floats, tile_floats)
+        if key not in self._schedules:
+            self._schedules[key] = self._build(qt, unit_floats, tile_floats)
+        return self._schedules[key]
+
+    # -- building --------------------------------------------------------------------------
+    def _key_slots(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slot, present) of key positions ``0 .. length-1`` through block table rows
+        ``tables [..., W]``; absent keys get slot 0 (finite data, never visible)."""
+        bs = self.block_size
+        kpos = torch.arange(length)
+        bi = kpos // bs
+        width = tables.shape[-1]
+        blocks = tables[..., bi.clamp(max=width - 1)]
+        ok = (bi < width) & (blocks >= 0)
+        return torch.where(ok, blocks * bs + kpos % bs, 0), ok
+
+    def _build(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
+        seqs: list[_SeqChunk] = []
+        short: list[int] = []
+        for b in range(len(self.cu) - 1):
+            t0, t1 = self.cu[b], self.cu[b + 1]
+            if t1 == t0:
+                continue
+            pos = self.positions[t0:t1]
+            chunk = None
+            if t1 - t0 >= SEQ_PATH_MIN_TOKENS and bool((pos[1:] > pos[:-1]).all()):
+                chunk = self._seq_chunk(b, t0, t1, pos, qt, tile_floats)
+            if chunk is None:
+                short.append(b)
+            else:
+                seqs.append(chunk)
+        return _Schedule(self._unit_groups(short, qt, unit_floats), seqs)
+
+    def _seq_chunk(self, b: int, t0: int, t1: int, pos: torch.Tensor, qt: int, tile_floats: int) -> _SeqChunk | None:
+        n = t1 - t0
+        nq = -(-n // qt)
+        last = int(pos[-1])
+        nk = last // KEY_TILE + 1
+        slots, ok = self._key_slots(self.tables[b], nk * KEY_TILE)
+        if not bool(ok[: last + 1].all()):
+            return None  # a visible key without a block: let the gathered schedule mask it
+        big = torch.iinfo(torch.int64).max
+        tpos = torch.full((nq * qt,), big, dtype=torch.int64)
+        tpos[:n] = pos
+        tpos = tpos.view(nq, qt)  # zero-padded rows: no mask (their query is zero, result dropped)
+        tile_last = pos[torch.clamp(torch.arange(1, nq + 1) * qt, max=n) - 1]
+        tile_first = pos[torch.arange(nq) * qt]
+        starts = torch.arange(nk) * KEY_TILE
+        first = torch.searchsorted(tile_last, starts).tolist()  # tiles whose last token reaches tile j
+        full = torch.searchsorted(tile_first, starts + KEY_TILE - 1).tolist()  # ... whose first sees all of it
+        kpos = torch.arange(nk * KEY_TILE).view(nk, KEY_TILE)
+        masks = []
+        for j in range(nk):
+            lo, hi = first[j], max(first[j], full[j])
+            masks.append((lo, (kpos[j][None, None, :] > tpos[lo:hi, :, None]).to(self.device)))
+        cost = ((tile_last // KEY_TILE) + 1).tolist()
+        groups, lo, acc = [], 0, 0
+        for i, c in enumerate(cost):
+            if i > lo and (acc + c) * tile_floats > ATTN_CHUNK_FLOATS:
+                groups.append((lo, i))
+                lo, acc = i, 0
+            acc += c
+        groups.append((lo, nq))
+        return _SeqChunk(t0, t1, nq, nk, slots.to(self.device), first, masks, groups)
+
+    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int) -> list[_Units]:
+        if not seqs:
+            return []
+        t = self.num_tokens
+        toks: list[list[int]] = []
+        tpos: list[list[int]] = []
+        tseq: list[int] = []
+        for b in seqs:
+            t0, t1 = self.cu[b], self.cu[b + 1]
+            p = self.positions[t0:t1].tolist()
+            top = max(p)  # pad slots see the sequence's keys: finite scores, result dropped
+            for i in range(t0, t1, qt):
+                k = min(qt, t1 - i)
+                toks.append(list(range(i, i + k)) + [t] * (qt - k))
+                tpos.append(p[i - t0: i - t0 + k] + [top] * (qt - k))
+                tseq.append(b)
+        tok_all = torch.tensor(toks, dtype=torch.int64)
+        pos_all = torch.tensor(tpos, dtype=torch.int64)
+        seq_all = torch.tensor(tseq, dtype=torch.int64)
+        nk_all = int(pos_all.max()) // KEY_TILE + 1
+        per = max(1, ATTN_CHUNK_FLOATS // (nk_all * unit_floats))
+        identity = len(seqs) == len(self.cu) - 1 and qt == 1 and per >= len(toks)
+        groups = []
+        for lo in range(0, len(toks), per):
+            tok, tp = tok_all[lo: lo + per], pos_all[lo: lo + per]
+            nqt = tok.shape[0]
+            nk = int(tp.max()) // KEY_TILE + 1
+            slots, ok = self._key_slots(self.tables[seq_all[lo: lo + per]], nk * KEY_TILE)  # [nqt, J]
+            kpos = torch.arange(nk * KEY_TILE)
+            masked = ~ok[:, None, :] | (kpos[None, None, :] > tp[:, :, None])  # [nqt, qt, J]
+            slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
+            masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
+            dev = self.device
+            if identity:
+                groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None))
+            else:
+                flat = tok.reshape(-1)
+                src = torch.nonzero(flat < t).reshape(-1)
+                groups.append(_Units(tok.to(dev), slots.to(dev), masked.to(dev), flat[src].to(dev), src.to(dev)))
+        return groups
+
+
+def plan_attention(meta: AttnMetadata) -> AttnPlan:
+    return AttnPlan(meta)
+
+
+def _exp_shifted(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``exp(s - m)`` with every element on the scalar path (see :func:`pointwise`); the
+    subtraction writes straight into the strided buffer."""
+    if s.device.type != "cpu":
+        return torch.exp(s - m)
+    buf = s.new_empty(*s.shape, 2)
+    torch.sub(s, m, out=buf[..., 0])
+    return torch.exp(buf[..., 0])
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` in fp32. ``index_select`` copies whole rows (~10x faster than advanced
+    indexing here); the fp32 copy is the GEMM operand."""
+    return torch.index_select(cache, 0, slots).float()
+
+
+def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
+                  out: torch.Tensor) -> None:
+    """Gathered units: ``qs [T, hkv, g, d]`` (fp32, scaled) -> rows of ``out [T, hkv, g, dv]``.
+    ``v_cache`` None: the values are the first ``dv`` dims of the keys (MLA latent)."""
+    t, hkv, g, d = qs.shape
+    dv = out.shape[-1]
+    nk, nqt, kt = u.slots.shape
+    qt = u.masked.shape[2]
+    r = qt * g
+    b = nk * nqt * hkv
+    if u.tok is None:
+        qtile = qs.view(1, nqt, hkv, r, d)
+    else:
+        qpad = torch.cat([qs, qs.new_zeros(1, hkv, g, d)])
+        qtile = qpad[u.tok].transpose(1, 2).reshape(1, nqt, hkv, r, d)
+    qb = qtile.expand(nk, nqt, hkv, r, d).reshape(b, r, d)
+    flat = u.slots.view(-1)
+    k = _gather(k_cache, flat).view(nk * nqt, kt, hkv, d)
+    if hkv > 1:
+        k = k.transpose(1, 2)
+    kb = k.reshape(b, kt, d)
+    s = torch.bmm(qb, kb.transpose(1, 2)).view(nk, nqt, hkv, qt, g, kt)
+    s.masked_fill_(u.masked.view(nk, nqt, 1, qt, 1, kt), float("-inf"))
+    m = s.amax(dim=(0, 5), keepdim=True)
+    p = _exp_shifted(s, m).view(b, r, kt)  # masked keys: exp(-inf) = 0 exactly
+    if v_cache is None:
+        v = kb[..., :dv]  # a strided view: bmm reads it in place
+    else:
+        v = _gather(v_cache, flat).view(nk * nqt, kt, hkv, dv)
+        v = (v.transpose(1, 2) if hkv > 1 else v).reshape(b, kt, dv)
+    # Per key tile the softmax partial sums: numerator (fixed-shape GEMM rows) and denominator (a
+    # row sum of fixed length kt), added in key-tile order from zero (0 + x, as the per-sequence
+    # schedule starts from zeros). Kept apart, not concatenated: the same sums without the copy.
+    num = torch.bmm(p, v).view(nk, nqt, hkv, r, dv)
+    den = p.sum(-1).view(nk, nqt, hkv, r)
+    acc, acc_den = num[0] + 0.0, den[0] + 0.0
+    for j in range(1, nk):
+        acc += num[j]
+        acc_den += den[j]
+    o = (acc / acc_den[..., None]).view(nqt, hkv, qt, g, dv).transpose(1, 2).reshape(nqt * qt, hkv, g, dv)
+    if u.dst is None:
+        out.copy_(o)
+    else:
+        out.index_copy_(0, u.dst, o[u.src])
+
+
+def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, c: _SeqChunk,
+                qt: int, out: torch.Tensor) -> None:
+    """Per-sequence schedule for the rows ``c.t0 .. c.t1-1`` of ``qs`` (see :func:`_attend_units`)."""
+    _, hkv, g, d = qs.shape
+    dv = out.shape[-1]
+    kt, nk, nq = KEY_TILE, c.num_key_tiles, c.num_tiles
+    n = c.t1 - c.t0
+    r = qt * g
+    keys = _gather(k_cache, c.key_slots).view(nk, kt, hkv, d).permute(2, 0, 1, 3).contiguous()  # [hkv, nk, kt, d]
+    if v_cache is None:
+        vals = keys[..., :dv]
+    else:
+        vals = _gather(v_cache, c.key_slots).view(nk, kt, hkv, dv).permute(2, 0, 1, 3).contiguous()
+    q = qs.new_zeros(nq * qt, hkv, g, d)
+    q[:n] = qs[c.t0: c.t1]
+    q = q.view(nq, qt, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, nq, r, d)
+    o = qs.new_empty(hkv, nq, r, dv)
+    for lo, hi in c.groups:
+        for h in range(hkv):
+            m = qs.new_full((hi - lo, r), float("-inf"))
+            scores = []
+            for j in range(nk):
+                a = max(lo, c.first[j])
+                if a >= hi:
+                    break
+                s = torch.bmm(q[h, a:hi], keys[h, j].t().expand(hi - a, d, kt))  # [hi - a, r, kt]
+                mlo, masked = c.masks[j]
+                s0, s1 = max(a, mlo), min(hi, mlo + masked.shape[0])
+                if s1 > s0:
+                    s[s0 - a: s1 - a].view(s1 - s0, qt, g, kt).masked_fill_(masked[s0 - mlo: s1 - mlo, :, None, :],
+                                                                         float("-inf"))
+                mm = m[a - lo:]
+                torch.maximum(mm, s.amax(-1), out=mm)
+                scores.append((a, s))
+            num = qs.new_zeros(hi - lo, r, dv)
+            den = qs.new_zeros(hi - lo, r)
+            for j, (a, s) in enumerate(scores):  # the same fp32 sums as the gathered units' acc
+                p = _exp_shifted(s, m[a - lo:, :, None])
+                num[a - lo:] += torch.bmm(p, vals[h, j].expand(hi - a, kt, dv))
+                den[a - lo:] += p.sum(-1)
+            o[h, lo:hi] = num / den[..., None]
+    out[c.t0: c.t1] = o.view(hkv, nq, qt, g, dv).permute(1, 2, 0, 3, 4).reshape(nq * qt, hkv, g, dv)[:n]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttnPlan,
+                    scale: float) -> torch.Tensor:
+    """fp32 causal attention over the paged cache with batch-invariant numerics (see above)."""
+    t, hkv, g, d = q.shape
+    dv = v_cache.shape[-1]
+    out = q.new_empty(t, hkv, g, dv, dtype=torch.float32)
+    if t == 0:
+        return out.to(q.dtype)
+    shared = v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride() and dv <= d
+    vc = None if shared else v_cache  # MLA: the values are the first kv_lora dims of the cached latent
+    qt = query_tile_tokens(g)
+    r = qt * g
+    unit_floats = hkv * (KEY_TILE * (d + dv) + r * (d + 4 * KEY_TILE + dv + 1))
+    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE)
+    qs = q.float() * scale
+    for u in sched.units:
+        _attend_units(qs, k_cache, vc, u, out)
+    for c in sched.seqs:
+        _attend_seq(qs, k_cache, vc, c, qt, out)
+    return out.to(q.dtype)

@@ -1,0 +1,90 @@
+"""The ``torch`` kernel backend: the ops of this package behind the KernelBackend interface."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.runtime.kernels.base import (
+    KernelBackend,
+    LinearOp,
+    MoEOp,
+    register_backend,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from eagle3.runtime.context import AttnMetadata
+
+from eagle3.runtime.kernels.torch_ref.attention import AttnPlan, paged_attention, plan_attention
+from eagle3.runtime.kernels.torch_ref.elementwise import pointwise, silu
+from eagle3.runtime.kernels.torch_ref.gemm import bmm_rows, compute_dtype, mm_rows
+from eagle3.runtime.kernels.torch_ref.linear import TorchLinear
+from eagle3.runtime.kernels.torch_ref.moe import TorchMoE
+
+
+class TorchBackend(KernelBackend):
+    name = "torch"
+    batch_invariant = True
+
+    def linear(self) -> LinearOp:
+        return TorchLinear()
+
+    def moe(self) -> MoEOp:
+        return TorchMoE()
+
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        return mm_rows(x, w_t.to(compute_dtype(w_t.dtype, w_t.device)))  # widened per call (CPU bf16)
+
+    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return bmm_rows(x, w.to(compute_dtype(w.dtype, w.device)))
+
+    def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return w.to(dtype).contiguous()  # kept in the model dtype; matmul / bmm widen it per call
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one op (bit-identical to the spelled-out
+        # transformers form on CPU, tests/runtime/test_layers.py); the weight multiply stays in the
+        # activation dtype as transformers does it.
+        xf = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), eps=eps)
+        return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return pointwise(torch.sigmoid, x)
+
+    def cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return pointwise(torch.cos, angles), pointwise(torch.sin, angles)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        if interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        slots = slot_mapping.to(device=cache.device, dtype=torch.int64)
+        vals = values.to(cache.dtype)
+        keep = slots >= 0
+        # Under CUDA-graph capture there is no -1 slot (engine/graphs.py pads into a spare block) and
+        # the check, a device sync, is not allowed.
+        capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not bool(keep.all()):
+            slots, vals = slots[keep], vals[keep]
+        cache.index_copy_(0, slots, vals)
+
+    def plan_attention(self, meta: AttnMetadata) -> AttnPlan:
+        return plan_attention(meta)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                  scale: float, plan: AttnPlan | None = None) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan if plan is not None else plan_attention(meta), scale)
+
+
+register_backend("torch", TorchBackend)
