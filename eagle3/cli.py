@@ -88,6 +88,7 @@ def download(
 def inspect(
     path: Annotated[str, typer.Argument(help="Checkpoint directory, .safetensors file or Hub repo id.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the stable JSON form (keys documented in the README).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 2 when the checkpoint disagrees with its architecture's schema.")] = False,
 ) -> None:
     """Identify a checkpoint: role, family, quantization, EAGLE flags, aux layers, tensors.
 
@@ -104,6 +105,9 @@ def inspect(
         _print_json(summary.to_json())
     else:
         detect.print_summary(summary)
+    from eagle3.formats.check import report_problems
+
+    report_problems(where, strict=strict, to_stderr=json_out)
 
 
 @app.command()

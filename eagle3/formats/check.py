@@ -179,4 +179,19 @@ def require_valid(path: str | Path, *, target_layers: int | None = None) -> None
         raise FormatError(str(problems[0]) + more)
 
 
-__all__ = ["Problem", "check_checkpoint", "require_valid"]
+
+def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool = False) -> list[Problem]:
+    """``inspect``'s report: every problem, one line each (stdout, or stderr beside ``--json``);
+    ``strict`` raises the first as a one-line :class:`FormatError` (exit 2) instead of listing them."""
+    import sys
+
+    problems = check_checkpoint(path) if Path(path).is_dir() else []
+    if problems and strict:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise FormatError(str(problems[0]) + more)
+    for p in problems:
+        print(f"schema problem: {p}", file=sys.stderr if to_stderr else sys.stdout)
+    return problems
+
+
+__all__ = ["Problem", "check_checkpoint", "require_valid", "report_problems"]

@@ -64,6 +64,7 @@ from eagle3.checkpoint import (
     write_json,
 )
 from eagle3.errors import Eagle3Error, OutputError, UsageError
+from eagle3.formats import check
 from eagle3.formats.files import INDEX_FILE
 from eagle3.quantize import compat, native, report
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
@@ -514,6 +515,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     dst = check_output(out_p, overwrite, inputs, resume)
     source, reader = inspect_source(src_dir, any_architecture=any_architecture)
     validate_source(source)
+    if not any_architecture:  # the model against its schema, before any weight is read
+        check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     tmp = partial_path(dst)
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite)
