@@ -194,6 +194,10 @@ def _draft(cfg: dict[str, Any], file: Path | str, problems: list[str],
     Ht = top.int("target_hidden_size", H, required=False)
     n_aux = top.int("num_aux_hidden_states", 3, required=False)
     eps = f.float("rms_norm_eps")
+    n_layers = f.int("num_hidden_layers", 1, required=False)
+    if n_layers is not None and n_layers != 1:
+        problems.append(f"{file}: field '{lp}num_hidden_layers' is {n_layers}, expected 1 (an EAGLE-3 draft has "
+                        "one decoder layer)")
     rope = f.rope_scaling()
     f.float("rope_theta")
     fc_norm = top.bool("fc_norm")

@@ -52,14 +52,15 @@ class Schema:
     extras_note: tuple[str, ...] = field(default=())
 
     def allowed_extra(self, name: str) -> bool:
-        """Tensors engines skip: MTP layers past ``num_layers``, a vision tower, rotary buffers."""
+        """Tensors engines skip: the MTP layers' extras, a vision tower and projector, rotary buffers."""
         if _BUFFERS.search(name):
             return True
         if self.family in ("kimi-k2.5", "deepseek-v3"):
             if _VISION.match(name.removeprefix("model.")):
                 return True
             m = _LAYER.match(name)
-            if m and self.num_layers is not None and int(m.group("i")) >= self.num_layers:
+            # an MTP layer's own tensors (enorm, hnorm, eh_proj, shared_head.*) beside its decoder layer
+            if m and self.num_layers is not None and self.num_layers <= int(m.group("i")) < self.num_layers + self.mtp_layers:
                 return True
         return False
 
