@@ -18,8 +18,8 @@ What is an error and what is a warning:
   a missing ``draft_vocab_size`` (SGLang then swaps in the target's lm_head), EAGLE-3.1 flags
   without their tensors, a d2t map out of range, a stale nested ``quantization_config``, ...
 
-Specs: shared/docs/research/eagle3_formats.md sections 1, 2, 5-8, 11 and kimi_quant_formats.md
-sections 1-4; quark_handson.md section 4 for the Quark tensor layouts.
+The tensor layouts of every format: :mod:`eagle3.formats.sizing`; the per-family schema the
+checkpoint is checked against: :mod:`eagle3.formats.schema`; docs/inspect_json.md for the output.
 """
 
 from __future__ import annotations

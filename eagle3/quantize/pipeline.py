@@ -45,6 +45,9 @@ from typing import Any
 
 import torch
 
+import eagle3.quantize.compat as compat
+import eagle3.quantize.native as native
+import eagle3.quantize.report as report
 from eagle3 import __version__, finite
 from eagle3.checkpoint import (
     CheckpointReader,
@@ -66,7 +69,6 @@ from eagle3.checkpoint import (
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
 from eagle3.formats.files import INDEX_FILE
-from eagle3.quantize import compat, native, report
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
@@ -522,7 +524,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite)
     quark_cfg = None
     if engine == "quark":  # fail on a missing Quark before anything is written; its classes build the config
-        from eagle3.quantize import quark as quark_engine
+        import eagle3.quantize.quark as quark_engine
 
         quark_cfg = quark_engine.quantization_config(rec, compat.exclude_list(plan.unquantized, sc.exclude_regex))
 
