@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -412,11 +413,8 @@ def _aux_ids(cfg: dict[str, Any], cfg_file: Path, warnings: list[str]) -> tuple[
     return ids, where
 
 
-def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: str, dims: ModelDims,
-                reader: CheckpointReader, cfg_file: Path, check_vocab_map: bool,
-                warnings: list[str]) -> DraftInfo:
-    names = reader.names()
-    spec = family == SPECULATORS
+def _draft_prefix(reader: CheckpointReader, names: list[str]) -> str:
+    """The decoder layer's prefix: ``midlayer.`` or ``layers.0.``, never both."""
     prefixes = keys.draft_layer_prefixes(names)
     if len(prefixes) == 2:
         a = next(n for n in names if n.startswith(keys.MIDLAYER))
@@ -425,10 +423,12 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
                           f"(e.g. {a!r} and {b!r})")
     if not prefixes:
         raise FormatError(f"{reader.path}: no draft decoder-layer tensors (expected 'midlayer.*' or 'layers.0.*')")
-    prefix = prefixes.pop()
-    has = set(names)
+    return prefixes.pop()
 
-    # Attention: the tensors decide; a disagreeing family or config is worth a warning.
+
+def _draft_attention(cfg: dict[str, Any], family: str, dims: ModelDims, prefix: str, names: list[str],
+                     warnings: list[str]) -> str:
+    """MLA or MHA: the tensors decide; a disagreeing family or config is worth a warning."""
     mla_t = any(n.startswith(prefix + keys.MLA_MARKER) for n in names)
     mha_t = any(n.startswith(prefix + keys.MHA_MARKER) for n in names)
     attention = "mla" if mla_t else "mha" if mha_t else dims.attention
@@ -437,7 +437,20 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     if (dims.kv_lora_rank is not None) != (attention == "mla"):
         warnings.append(f"config {'has' if dims.kv_lora_rank is not None else 'lacks'} kv_lora_rank but the "
                         f"layer tensors are {attention.upper()}")
+    return attention
 
+
+@dataclass
+class _Flags:
+    fc_norm: bool
+    norm_output: bool
+    norm_before_fc: bool
+    norm_before_residual: bool
+    defaulted: list[str]
+
+
+def _draft_flags(cfg: dict[str, Any], cfg_file: Path, spec: bool) -> _Flags:
+    """The EAGLE-3.1 flags, and which of them the config leaves to their defaults."""
     defaulted: list[str] = []
     if cfg.get("eagle_config") is not None and not isinstance(cfg["eagle_config"], dict):
         raise FormatError(f"{cfg_file}: field 'eagle_config' must be an object, got "
@@ -460,17 +473,14 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     norm_before_fc = flag("norm_before_fc", False, (ec, "eagle_config."), (cfg, ""))
     # vLLM's update_eagle3 defaults norm_before_residual to True for speculators configs only.
     norm_before_residual = flag("norm_before_residual", spec, (cfg, ""))
+    return _Flags(fc_norm, norm_output, norm_before_fc, norm_before_residual, defaulted)
 
-    fc_norm_idx = sorted({i for n in names if (i := keys.fc_norm_index(n)) is not None})
-    input_norm = keys.DRAFT_INPUT_NORM in has
-    eagle_version = "3.1" if (fc_norm or norm_output or fc_norm_idx) else "3"
 
-    # Widths: fc is [H, n_aux * H_t].
-    hidden = dims.hidden_size
-    top_th = _int(cfg, "target_hidden_size", cfg_file, "")
-    target_hidden = top_th or hidden
-    if top_th is None:
-        defaulted.append("target_hidden_size")
+def _draft_aux(cfg: dict[str, Any], cfg_file: Path, reader: CheckpointReader, hidden: int, target_hidden: int,
+               spec: bool, warnings: list[str]) -> AuxLayers:
+    """The aux hidden states: ids, count and convention, against fc [H, n_aux * H_t]."""
+    has = set(reader.names())
+    ec = cfg.get("eagle_config") or {}
     fc = reader.info(keys.DRAFT_FC) if keys.DRAFT_FC in has else None
     fc_in = fc.shape[1] if fc is not None and len(fc.shape) == 2 and fc.dtype in _FLOAT_NAMES else None
     if fc is not None and len(fc.shape) == 2 and fc.shape[0] != hidden and fc.dtype in _FLOAT_NAMES:
@@ -502,26 +512,34 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
         cfg.get("eagle3_canonical"), dict) else None
     if ids and marked in ("input", "output"):  # written by `eagle3 convert --engine eagle3`: no guessing
         conv, rule = marked, f"eagle3_canonical.aux_layer_ids_convention says {marked!r}"
-    aux = AuxLayers(count=n_aux, ids=ids, convention=conv, input_ids=to_input_convention(ids, conv) if ids else None,
-                    source=source, rule=rule, use_aux_hidden_state=use_aux)
+    return AuxLayers(count=n_aux, ids=ids, convention=conv, input_ids=to_input_convention(ids, conv) if ids else None,
+                     source=source, rule=rule, use_aux_hidden_state=use_aux)
 
-    # EAGLE-3.1 norms: flags and tensors must agree (engines build fc_norm only from the flag).
-    if fc_norm and not fc_norm_idx:
+
+def _check_eagle31_norms(f: _Flags, fc_norm_idx: list[int], n_aux: int, input_norm: bool,
+                         warnings: list[str]) -> None:
+    """EAGLE-3.1 norms: flags and tensors must agree (engines build fc_norm only from the flag)."""
+    if f.fc_norm and not fc_norm_idx:
         warnings.append("config sets fc_norm but there are no fc_norm.{i}.weight tensors")
-    if fc_norm_idx and not fc_norm:
+    if fc_norm_idx and not f.fc_norm:
         warnings.append(f"{len(fc_norm_idx)} fc_norm tensors but the config does not set fc_norm: engines "
                         f"would ignore them")
     if fc_norm_idx and fc_norm_idx != list(range(n_aux)):
         warnings.append(f"fc_norm tensors for slots {fc_norm_idx} but there are {n_aux} aux states")
-    if norm_before_fc != input_norm:
-        warnings.append(f"norm_before_fc is {str(norm_before_fc).lower()} but input_norm.weight is "
+    if f.norm_before_fc != input_norm:
+        warnings.append(f"norm_before_fc is {str(f.norm_before_fc).lower()} but input_norm.weight is "
                         f"{'present' if input_norm else 'absent'}")
-    if fc_norm and norm_before_fc:
+    if f.fc_norm and f.norm_before_fc:
         warnings.append("both fc_norm and norm_before_fc are set (mutually exclusive in speculators)")
 
-    # Vocabulary: lm_head rows are what the head predicts; d2t maps them into the target vocab.
+
+def _draft_vocab(cfg: dict[str, Any], cfg_file: Path, reader: CheckpointReader, vocab: int | None,
+                 check_vocab_map: bool, warnings: list[str]) -> tuple[TensorInfo | None, int | None, int | None,
+                                                                      VocabMapCheck]:
+    """(lm_head, draft vocab, config's draft_vocab_size, d2t/t2d check): lm_head rows are what the
+    head predicts; d2t maps them into the target vocab."""
+    has = set(reader.names())
     lm_head = next((reader.info(n) for n in (keys.DRAFT_LM_HEAD, "lm_head.weight_packed") if n in has), None)
-    vocab = dims.vocab_size
     cfg_dv = _int(cfg, "draft_vocab_size", cfg_file, "")
     draft_vocab = lm_head.shape[0] if lm_head is not None else cfg_dv
     if lm_head is None:
@@ -535,35 +553,61 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     if draft_vocab is not None and vocab is not None and draft_vocab != vocab and keys.D2T not in has:
         warnings.append(f"draft vocab {draft_vocab} < target vocab {vocab} but no d2t: draft ids cannot be "
                         f"mapped to target ids")
+    return lm_head, draft_vocab, cfg_dv, vmap
 
-    speculators = None
-    if spec:
-        sc = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
-        ver = sc.get("verifier") if isinstance(sc.get("verifier"), dict) else {}
-        pms = sc.get("proposal_methods") if isinstance(sc.get("proposal_methods"), list) else []
-        pm = pms[0] if pms and isinstance(pms[0], dict) else {}
-        speculators = {
-            "version": cfg.get("speculators_version"),
-            "algorithm": sc.get("algorithm"),
-            "verifier": ver.get("name_or_path"),
-            "verifier_architectures": ver.get("architectures"),
-            "speculative_tokens": pm.get("speculative_tokens"),
-        }
-        if not ver.get("name_or_path"):
-            warnings.append("speculators_config.verifier.name_or_path is missing (vLLM requires it)")
+
+def _speculators_info(cfg: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    sc = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    ver = sc.get("verifier") if isinstance(sc.get("verifier"), dict) else {}
+    pms = sc.get("proposal_methods") if isinstance(sc.get("proposal_methods"), list) else []
+    pm = pms[0] if pms and isinstance(pms[0], dict) else {}
+    if not ver.get("name_or_path"):
+        warnings.append("speculators_config.verifier.name_or_path is missing (vLLM requires it)")
+    return {
+        "version": cfg.get("speculators_version"),
+        "algorithm": sc.get("algorithm"),
+        "verifier": ver.get("name_or_path"),
+        "verifier_architectures": ver.get("architectures"),
+        "speculative_tokens": pm.get("speculative_tokens"),
+    }
+
+
+def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: str, dims: ModelDims,
+                reader: CheckpointReader, cfg_file: Path, check_vocab_map: bool,
+                warnings: list[str]) -> DraftInfo:
+    names = reader.names()
+    spec = family == SPECULATORS
+    prefix = _draft_prefix(reader, names)
+    has = set(names)
+    attention = _draft_attention(cfg, family, dims, prefix, names, warnings)
+    flags = _draft_flags(cfg, cfg_file, spec)
+    fc_norm_idx = sorted({i for n in names if (i := keys.fc_norm_index(n)) is not None})
+    input_norm = keys.DRAFT_INPUT_NORM in has
+    eagle_version = "3.1" if (flags.fc_norm or flags.norm_output or fc_norm_idx) else "3"
+
+    hidden = dims.hidden_size
+    top_th = _int(cfg, "target_hidden_size", cfg_file, "")
+    target_hidden = top_th or hidden
+    if top_th is None:
+        flags.defaulted.append("target_hidden_size")
+    aux = _draft_aux(cfg, cfg_file, reader, hidden, target_hidden, spec, warnings)
+    _check_eagle31_norms(flags, fc_norm_idx, aux.count, input_norm, warnings)
+    vocab = dims.vocab_size
+    lm_head, draft_vocab, cfg_dv, vmap = _draft_vocab(cfg, cfg_file, reader, vocab, check_vocab_map, warnings)
+    speculators = _speculators_info(cfg, warnings) if spec else None
 
     return DraftInfo(
         eagle_version=eagle_version,
         layer_prefix=prefix.rstrip("."),
         attention=attention,
         num_layers=dims.num_layers,
-        fc_norm=fc_norm,
+        fc_norm=flags.fc_norm,
         fc_norm_tensors=len(fc_norm_idx),
-        norm_output=norm_output,
-        norm_before_fc=norm_before_fc,
+        norm_output=flags.norm_output,
+        norm_before_fc=flags.norm_before_fc,
         input_norm_tensor=input_norm,
-        norm_before_residual=norm_before_residual,
-        defaulted=defaulted,
+        norm_before_residual=flags.norm_before_residual,
+        defaulted=flags.defaulted,
         aux_layers=aux,
         hidden_size=hidden,
         target_hidden_size=target_hidden,
