@@ -69,7 +69,7 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
     """Convert ``src`` (a checkpoint directory or a Hub id) into ``out``; see the module docstrings
     of :mod:`eagle3.convert.draft` and :mod:`eagle3.convert.target`."""
     from eagle3 import hub
-    from eagle3.formats import check, detect
+    from eagle3.formats import detect
 
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
@@ -79,7 +79,6 @@ def convert(src: str | Path, out: str | Path, *, engine: str | None = None, targ
     src_dir = hub.resolve(src, trust_remote_code=trust_remote_code)
     check_output(out, overwrite, inputs=[src_dir])
     summary = detect.detect(src_dir)
-    check.require_valid(src_dir)  # the model against its schema, before any weight is read
     drop = list(drop or [])
     if summary.role == "draft":
         given = [f for f, v in (("--text-only", text_only), ("--dequantize", dequantize),

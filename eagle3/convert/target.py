@@ -39,7 +39,7 @@ from eagle3.checkpoint import (
 )
 from eagle3.convert.common import Item, Report, write_output
 from eagle3.errors import FormatError, UsageError
-from eagle3.formats import codecs, detect, keys
+from eagle3.formats import check, codecs, detect, keys
 
 DEQUANT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -274,4 +274,7 @@ def convert_target(src: str | Path, out: str | Path, opts: TargetOptions,
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     out_cfg, items, report, reader = plan_target(src, opts, summary)
+    # The model against its schema, after the plan's own (more specific) checks and before any
+    # weight is written; tensors the user drops with --drop are not held against it.
+    check.require_valid(src, ignore=frozenset(d["name"] for d in report.drops if d["reason"] == "--drop"))
     return write_output(Path(out), out_cfg, items, report, reader.path, opts, t0)

@@ -27,7 +27,7 @@ from eagle3.checkpoint import INDEX_FILE, CheckpointReader, read_json
 from eagle3.errors import Eagle3Error, FormatError
 from eagle3.formats import keys
 from eagle3.formats.model_config import DraftConfig, TextStackConfig, parse_config
-from eagle3.formats.schema import Schema, schema_for
+from eagle3.formats.schema import FLOAT_TAGS, Schema, schema_for
 
 _MAX_SHOWN = 3  # names listed in one problem line
 _MAX_MAP_BYTES = 64 << 20  # d2t / t2d values are read up to this size (a 160k vocab's t2d is 160 KB)
@@ -94,19 +94,35 @@ def _fields_for(typed: Any, spec_shape: tuple[int, ...], shape: list[int]) -> st
     return f" ({', '.join(hits)})" if hits else ""
 
 
-def _tensor_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader, typed: Any) -> list[Problem]:
+def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
+    """The schema's tensors with each quantized Linear the files hold dense (a float weight of the
+    logical shape and none of the layout's other tensors) expected dense."""
+    tensors = dict(schema.tensors)
+    for qnames, dense in schema.dense_alternatives.values():
+        w = got.get(dense.name)
+        if (w is not None and w.dtype in FLOAT_TAGS and tuple(w.shape) == dense.shape
+                and not any(n in got for n in qnames if n != dense.name)):
+            for n in qnames:
+                tensors.pop(n, None)
+            tensors[dense.name] = dense
+    return tensors
+
+
+def _tensor_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader, typed: Any,
+                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
     out: list[Problem] = []
-    got = {i.name: i for i in reader.infos()}
-    missing = [n for n in schema.tensors if n not in got and n not in schema.optional]
+    got = {i.name: i for i in reader.infos() if i.name not in ignore}
+    tensors = _resolve_dense(schema, got)
+    missing = [n for n in tensors if n not in got and n not in schema.optional]
     if missing:
         out.append(Problem(cfg_file, missing[0], f"{reader.path}: missing tensor(s) {_names(missing)} that the "
                                                  f"{schema.family} schema of {cfg_file.name} requires"))
-    extra = [n for n in got if n not in schema.tensors and not schema.allowed_extra(n)]
+    extra = [n for n in got if n not in tensors and not schema.allowed_extra(n)]
     if extra:
         out.append(Problem(_where(reader, extra[0]), extra[0],
                            f"{_where(reader, extra[0])}: unexpected tensor(s) {_names(extra)} (not in the "
                            f"{schema.family} schema of {cfg_file.name})"))
-    for name, spec in schema.tensors.items():
+    for name, spec in tensors.items():
         info = got.get(name)
         if info is None:
             continue
@@ -151,7 +167,8 @@ def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader
     return []
 
 
-def check_checkpoint(path: str | Path, *, target_layers: int | None = None) -> list[Problem]:
+def check_checkpoint(path: str | Path, *, target_layers: int | None = None,
+                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
     """Every problem of the checkpoint directory ``path`` against its schema (empty: it conforms, or
     eagle3 has no schema for its architecture). Unreadable headers or index raise their one-line
     :class:`~eagle3.errors.Eagle3Error` as the reader does."""
@@ -168,28 +185,30 @@ def check_checkpoint(path: str | Path, *, target_layers: int | None = None) -> l
         return out
     reader = CheckpointReader(d)
     out += _index_problems(d, reader)
-    return out + check_reader(cfg, typed, cfg_file, reader)
+    return out + check_reader(cfg, typed, cfg_file, reader, ignore)
 
 
 def check_reader(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, cfg_file: Path,
-                 reader: CheckpointReader) -> list[Problem]:
-    """The tensors a reader's headers name against the schema of the typed config ``typed``."""
+                 reader: CheckpointReader, ignore: frozenset[str] = frozenset()) -> list[Problem]:
+    """The tensors a reader's headers name against the schema of the typed config ``typed``
+    (``ignore``: tensors the user drops, e.g. ``convert --drop``)."""
     out: list[Problem] = []
     try:
         schema = schema_for(cfg, typed, str(cfg_file), set(reader.names()))
     except FormatError:  # a quantization_config eagle3 cannot lay out: detect / the commands refuse it
         return []
     out += _layer_problems(cfg_file, schema, reader.names())
-    out += _tensor_problems(cfg_file, schema, reader, typed)
+    out += _tensor_problems(cfg_file, schema, reader, typed, ignore)
     if isinstance(typed, DraftConfig):
         out += _vocab_map_problems(cfg_file, schema, reader)
     return out
 
 
-def require_valid(path: str | Path, *, target_layers: int | None = None) -> None:
+def require_valid(path: str | Path, *, target_layers: int | None = None,
+                  ignore: frozenset[str] = frozenset()) -> None:
     """Raise the first problem of :func:`check_checkpoint` as a one-line :class:`FormatError` (exit 2)."""
     try:
-        problems = check_checkpoint(path, target_layers=target_layers)
+        problems = check_checkpoint(path, target_layers=target_layers, ignore=ignore)
     except Eagle3Error:
         raise
     except (OSError, ValueError, json.JSONDecodeError) as e:  # the reader raises its own one-liners first

@@ -220,8 +220,9 @@ def _draft(cfg: dict[str, Any], file: Path | str, problems: list[str],
         problems.append(f"{file}: field 'draft_vocab_size' is {Vd}, expected at most the vocab size {V}")
     if len(problems) > n0:
         return None
-    return DraftConfig(hidden_size=H, vocab_size=V, draft_vocab_size=Vd, intermediate_size=inter,  # type: ignore[arg-type]
-                       num_attention_heads=nh, target_hidden_size=Ht, num_aux_hidden_states=n_aux,  # type: ignore[arg-type]
+    # fields written as null mean their defaults (the layer's width, three aux states, the full vocab)
+    return DraftConfig(hidden_size=H, vocab_size=V, draft_vocab_size=Vd or V, intermediate_size=inter,  # type: ignore[arg-type]
+                       num_attention_heads=nh, target_hidden_size=Ht or H, num_aux_hidden_states=n_aux or 3,  # type: ignore[arg-type]
                        aux_layer_ids=aux, rms_norm_eps=eps, rope_scaling=rope, mla=mla, speculators=speculators,
                        fc_norm=fc_norm)
 

@@ -49,7 +49,9 @@ class Schema:
     layer_prefix: str = ""  # where a target's decoder layers live ("language_model.model.layers.")
     mtp_layers: int = 0
     vocab_map: tuple[int, int] | None = None  # (vocab, draft_vocab) of a reduced-vocabulary draft
-    extras_note: tuple[str, ...] = field(default=())
+    # module -> (its quantized tensor names, the dense weight that may stand in for them): a Linear a
+    # quantizer left in the model dtype (mixed-precision exports; the engines load either).
+    dense_alternatives: dict[str, tuple[tuple[str, ...], TensorSpec]] = field(default_factory=dict)
 
     def allowed_extra(self, name: str) -> bool:
         """Tensors engines skip: the MTP layers' extras, a vision tower and projector, rotary buffers."""
@@ -79,11 +81,25 @@ def schema_for(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, where:
     specs = {t.name: t for t in sizing.config_tensors(cfg, where)}
     if isinstance(typed, DraftConfig):
         return _draft_schema(specs, typed, names or set())
+    alts = _dense_alternatives(cfg, where)
     mtp = typed.num_nextn_predict_layers
     prefix = "language_model.model.layers." if isinstance(cfg.get("text_config"), dict) else "model.layers."
     optional = {n for n in specs if (m := _LAYER.match(n)) and int(m.group("i")) >= typed.num_hidden_layers}
     family = "kimi-k2.5" if isinstance(cfg.get("text_config"), dict) else "deepseek-v3"
-    return Schema(family, specs, frozenset(optional), typed.num_hidden_layers, prefix, mtp)
+    return Schema(family, specs, frozenset(optional), typed.num_hidden_layers, prefix, mtp, dense_alternatives=alts)
+
+
+def _dense_alternatives(cfg: dict[str, Any], where: str) -> dict[str, tuple[tuple[str, ...], TensorSpec]]:
+    fmt = sizing.resolver(cfg, where)
+    out = {}
+    for w in sizing.logical_weights(cfg, where):
+        if w.kind in ("linear", "router"):
+            f = fmt(w.name, w.kind)
+            if f.scheme != sizing.DENSE:
+                n, k = w.shape
+                q = tuple(t.name for t in sizing.linear_tensors(w.name, n, k, f))
+                out[w.name] = (q, TensorSpec(f"{w.name}.weight", "BF16", (n, k)))
+    return out
 
 
 def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]) -> Schema:
@@ -99,6 +115,10 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
     emb = TensorSpec("embed_tokens.weight", "BF16", (V, dc.hidden_size))
     specs.setdefault(emb.name, emb)
     optional.add(emb.name)
+    # speculators' norm_before_fc: one RMSNorm over the concatenated aux states, before fc
+    inorm = TensorSpec("input_norm.weight", "BF16", (dc.num_aux_hidden_states * dc.target_hidden_size,))
+    specs[inorm.name] = inorm
+    optional.add(inorm.name)
     return Schema(_draft_family(dc), specs, frozenset(n for n in optional if n in specs),
                   vocab_map=(V, Vd) if Vd != V else None)
 
