@@ -14,10 +14,11 @@ from eagle3.cli.app import app, print_json
 def inspect(
     path: Annotated[str, typer.Argument(help="Checkpoint directory, .safetensors file or Hub repo id.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the stable JSON form (keys documented in the README).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 2 when the checkpoint disagrees with its architecture's schema.")] = False,
 ) -> None:
     """Identify a checkpoint: role, family, quantization, EAGLE flags, aux layers, tensors.
 
-    Example: eagle3 inspect ./kimi-k2.5-eagle3 --json
+    Example: eagle3 inspect ./kimi-k2.5-eagle3 --json --strict
     """
     from eagle3 import hub
     from eagle3.formats import detect
@@ -30,6 +31,9 @@ def inspect(
         print_json(summary.to_json())
     else:
         detect.print_summary(summary)
+    from eagle3.formats.check import report_problems
+
+    report_problems(where, strict=strict, to_stderr=json_out)
 
 
 @app.command()

@@ -33,7 +33,7 @@ from eagle3.checkpoint import (
 )
 from eagle3.convert.common import Item, Report, write_output
 from eagle3.errors import FormatError, ShapeError, UsageError
-from eagle3.formats import detect, keys, profiles
+from eagle3.formats import check, detect, keys, profiles
 from eagle3.formats.profiles import DraftProfile, DraftSpec
 
 KIMI_K25_LAYERS = 61  # Kimi-K2.5 / K2.6 decoder layers: default aux ids (2, 30, 58)
@@ -214,42 +214,34 @@ def _as_int64(reader: CheckpointReader, name: str) -> torch.Tensor:
     return reader.get(name).to(torch.int64)
 
 
-def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary | None = None
-               ) -> tuple[dict[str, Any], list[Item], Report, CheckpointReader]:
-    """Validate and plan a draft conversion: (output config, items to write, report, reader).
+@dataclass
+class _Plan:
+    """What the steps of :func:`plan_draft` share: the source, the profile and what is found so far."""
 
-    Raises before anything is written: FormatError / ShapeError for what the source or the profile
-    cannot do, UsageError for flags that conflict with the source."""
-    profile = profiles.get_profile(opts.engine)
-    summary = summary or detect.detect(src)
-    if summary.role != "draft" or summary.draft is None:
-        raise UsageError(f"{src}: is a {summary.family} target, not a draft")
-    info = summary.draft
-    cfg = detect.load_config(src)
-    reader = CheckpointReader(summary.path)
-    report = Report(kind="draft", source=str(src), output="", engine=profile.engine)
-    report.source_warnings = list(summary.warnings)
-    variant = "mla" if info.attention == "mla" else "llama"
-    report.source_format = {"family": summary.family, "architecture": summary.architecture,
-                            "layer_prefix": info.layer_prefix, "attention": info.attention,
-                            "eagle_version": info.eagle_version, "quant": summary.quant.scheme}
+    src: Path
+    opts: DraftOptions
+    profile: Any
+    summary: detect.CheckpointSummary
+    info: Any
+    cfg: dict[str, Any]
+    reader: CheckpointReader
+    report: Report
+    variant: str
+    names: list[str]
+    canon: dict[str, str]
+    dropped: set[str]
+    present: dict[str, str]
+    roles: dict[str, str] = field(default_factory=dict)
 
-    if variant not in profile.variants:
-        raise FormatError(f"{summary.config_file}: an {variant.upper()} draft ({summary.architecture}) cannot be "
-                          f"written for engine {profile.engine}: {profile.notes[0] if profile.notes else ''}")
-    if info.num_layers > 1 and not profile.multi_layer:
-        raise FormatError(f"{summary.config_file}: field 'num_hidden_layers' is {info.num_layers}; engine "
-                          f"{profile.engine} serves single-layer drafts only")
 
-    names = reader.names()
-    canon = {n: _canonical(n) for n in names}
-    if len(set(canon.values())) != len(canon):
-        raise FormatError(f"{reader.path}: two tensors map to the same name after renaming midlayer./layers.0.")
-    dropped = _match_drops(list(opts.drop), canon)
-    present = {canon[n]: n for n in names if n not in dropped}  # canonical -> source, after --drop
+def _unpack(p: _Plan) -> tuple[Any, ...]:
+    return (p.opts, p.profile, p.summary, p.info, p.cfg, p.reader, p.report, p.variant, p.names, p.canon,
+            p.dropped, p.present, p.roles)
 
-    # -- every tensor must have a place in the profile (or be dropped explicitly) --------------
-    roles: dict[str, str] = {}
+
+def _place_tensors(p: _Plan) -> None:
+    """Every tensor must have a place in the profile (or be dropped explicitly)."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
     for s, c in canon.items():
         if s in dropped:
             report.drop(s, "--drop")
@@ -264,8 +256,10 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
                               f"(pass --drop {s} to leave it out)")
         roles[c] = role
 
-    # -- widths ---------------------------------------------------------------------------------
-    layer, eagle, extra = profiles.split_source_config(cfg)
+
+def _aux_width(p: _Plan) -> int:
+    """fc [hidden, n_aux * target_hidden] and layer 0's 2 * hidden inputs: the number of aux states."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
     hidden = info.hidden_size
     th = info.target_hidden_size
     if keys.DRAFT_FC not in present:
@@ -291,8 +285,13 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
             if ci is not None and ci[1] != 2 * hidden:
                 raise ShapeError(f"{reader.info(present[c]).file}: tensor {present[c]!r} takes {ci[1]} inputs but "
                                  f"layer 0 reads cat(embeddings, hidden) = 2 * {hidden}")
+    return n_aux
 
-    # -- vocabulary -----------------------------------------------------------------------------
+
+def _vocabulary(p: _Plan) -> tuple[int, str | None, bool]:
+    """(draft vocab, the source's d2t name, whether an identity d2t is dropped)."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
+    hidden = info.hidden_size
     vocab = info.vocab_size
     if keys.DRAFT_LM_HEAD not in present:
         raise FormatError(f"{reader.path}: draft has no lm_head.weight")
@@ -338,8 +337,12 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
                 raise FormatError(f"{reader.info(d2t_src).file}: tensor 'd2t' permutes the vocabulary and engine "
                                   f"{profile.engine} has no d2t support (pass --drop {d2t_src} to leave it out)")
             drop_identity_d2t = True
+    return draft_vocab, d2t_src, drop_identity_d2t
 
-    # -- EAGLE-3.1 norms ------------------------------------------------------------------------
+
+def _eagle31_norms(p: _Plan, n_aux: int) -> tuple[bool, bool]:
+    """(fc_norm, norm_before_fc) as written: flags and tensors must agree."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
     fc_norm_idx = sorted(keys.fc_norm_index(c) for c in present if roles.get(c) == "fc_norm")
     fc_norm = info.fc_norm
     if fc_norm_idx and not fc_norm:
@@ -365,8 +368,12 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         raise FormatError(f"{summary.config_file}: field 'norm_before_residual' is true"
                           f"{' (speculators default)' if 'norm_before_residual' in info.defaulted else ''}, "
                           f"which engine {profile.engine} does not implement (use vllm, speculators or eagle3)")
+    return fc_norm, norm_before_fc
 
-    # -- aux layers -----------------------------------------------------------------------------
+
+def _aux_layers(p: _Plan, n_aux: int, th: int) -> tuple[list[int], str, str, str, list[int], TargetFacts | None]:
+    """(ids, their convention, source, rule, ids in the input convention, target facts)."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
     conv = _parse_conv(opts.aux_convention)
     tfacts = target_facts(opts.target) if opts.target is not None else None
     a = info.aux_layers
@@ -397,8 +404,12 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
         raise ShapeError(f"{len(input_ids)} aux layer ids {ids} but fc.weight takes {n_aux} aux states of width {th}")
     if any(i < 0 for i in input_ids):
         raise UsageError(f"aux layer ids {ids} ({conv_used} convention) name a layer before the embeddings")
+    return ids, conv_used, source, rule, input_ids, tfacts
 
-    # -- norm_output (and SpecForge's pre-#879 semantics) ---------------------------------------
+
+def _norm_output(p: _Plan) -> bool:
+    """norm_output (and SpecForge's pre-#879 semantics)."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
     norm_output = info.norm_output if opts.norm_output is None else opts.norm_output
     if _specforge_provenance(cfg, names) and "norm_output" not in info.defaulted and opts.norm_output is None:
         if info.norm_output:
@@ -411,6 +422,101 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
     if opts.norm_output is not None and opts.norm_output != info.norm_output:
         report.warn(f"norm_output set to {str(opts.norm_output).lower()} by --norm-output (source: "
                     f"{str(info.norm_output).lower()})")
+    return norm_output
+
+
+def _tensor_items(p: _Plan, d2t_src: str | None, drop_identity_d2t: bool) -> list[Item]:
+    """The tensors to write, renamed for the profile (t2d regenerated from d2t where it wants one)."""
+    opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present, roles = _unpack(p)
+    vocab = info.vocab_size
+    items: list[Item] = []
+    for f, fnames in sorted(reader.shards().items(), key=lambda kv: kv[0].name):
+        for s in fnames:
+            report.tensors_in += 1
+            report.bytes_in += reader.info(s).nbytes
+            if s in dropped:
+                continue
+            c = canon[s]
+            if roles[c] == "t2d" and profile.t2d == "drop":
+                report.drop(s, "t2d is a training-only mask that every serving engine skips")
+                continue
+            if roles[c] == "t2d":
+                continue  # regenerated from d2t below
+            if roles[c] == "d2t" and drop_identity_d2t:
+                report.drop(s, f"all-zero d2t of a full-vocabulary draft (the identity map); {profile.engine} "
+                               f"has no d2t support")
+                continue
+            out = _out_name(c, profile, variant)
+            if out != s:
+                report.renames.append({"from": s, "to": out})
+            ti = reader.info(s)
+            if roles[c] == "d2t" and ti.dtype != "I64":
+                report.transformed.append({"name": out, "how": f"{ti.dtype} -> int64 offsets"})
+                items.append(Item(out, str(f), ti.numel * 8, make=partial(_as_int64, reader, s)))
+            else:
+                items.append(Item(out, str(f), ti.nbytes, raw=ti))  # bytes unchanged
+    if profile.t2d == "regenerate" and d2t_src is not None and vocab is not None:
+        t2d_src = present.get(keys.T2D)
+
+        def make_t2d() -> torch.Tensor:
+            d2t = reader.get(d2t_src).to(torch.int64)
+            mask = torch.zeros(int(vocab), dtype=torch.bool)
+            mask[d2t + torch.arange(d2t.shape[0], dtype=torch.int64)] = True
+            if t2d_src is not None and not torch.equal(mask, reader.get(t2d_src)):
+                report.warn("source t2d does not mark exactly the d2t targets: wrote the t2d derived from d2t")
+            return mask
+
+        last_shard = items[-1].shard if items else "generated"
+        items.append(Item(keys.T2D, last_shard, int(vocab), make=make_t2d))
+        report.generated.append({"name": keys.T2D, "reason": "regenerated from d2t (t2d[d + d2t[d]] = True): the "
+                                                             "speculators loader sizes the target vocab from it"})
+    return items
+
+
+def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary | None = None
+               ) -> tuple[dict[str, Any], list[Item], Report, CheckpointReader]:
+    """Validate and plan a draft conversion: (output config, items to write, report, reader).
+
+    Raises before anything is written: FormatError / ShapeError for what the source or the profile
+    cannot do, UsageError for flags that conflict with the source."""
+    profile = profiles.get_profile(opts.engine)
+    summary = summary or detect.detect(src)
+    if summary.role != "draft" or summary.draft is None:
+        raise UsageError(f"{src}: is a {summary.family} target, not a draft")
+    info = summary.draft
+    cfg = detect.load_config(src)
+    reader = CheckpointReader(summary.path)
+    report = Report(kind="draft", source=str(src), output="", engine=profile.engine)
+    report.source_warnings = list(summary.warnings)
+    variant = "mla" if info.attention == "mla" else "llama"
+    report.source_format = {"family": summary.family, "architecture": summary.architecture,
+                            "layer_prefix": info.layer_prefix, "attention": info.attention,
+                            "eagle_version": info.eagle_version, "quant": summary.quant.scheme}
+
+    if variant not in profile.variants:
+        raise FormatError(f"{summary.config_file}: an {variant.upper()} draft ({summary.architecture}) cannot be "
+                          f"written for engine {profile.engine}: {profile.notes[0] if profile.notes else ''}")
+    if info.num_layers > 1 and not profile.multi_layer:
+        raise FormatError(f"{summary.config_file}: field 'num_hidden_layers' is {info.num_layers}; engine "
+                          f"{profile.engine} serves single-layer drafts only")
+
+    names = reader.names()
+    canon = {n: _canonical(n) for n in names}
+    if len(set(canon.values())) != len(canon):
+        raise FormatError(f"{reader.path}: two tensors map to the same name after renaming midlayer./layers.0.")
+    dropped = _match_drops(list(opts.drop), canon)
+    present = {canon[n]: n for n in names if n not in dropped}  # canonical -> source, after --drop
+
+    p = _Plan(src, opts, profile, summary, info, cfg, reader, report, variant, names, canon, dropped, present)
+    _place_tensors(p)
+    layer, eagle, extra = profiles.split_source_config(cfg)
+    th = info.target_hidden_size
+    n_aux = _aux_width(p)
+    draft_vocab, d2t_src, drop_identity_d2t = _vocabulary(p)
+    fc_norm, norm_before_fc = _eagle31_norms(p, n_aux)
+    ids, conv_used, source, rule, input_ids, tfacts = _aux_layers(p, n_aux, th)
+    norm_output = _norm_output(p)
+    a = info.aux_layers
 
     # -- the normalised spec ----------------------------------------------------------------------
     src_ec = eagle.get("eagle_config") if isinstance(eagle.get("eagle_config"), dict) else {}
@@ -458,48 +564,7 @@ def plan_draft(src: Path, opts: DraftOptions, summary: detect.CheckpointSummary 
                             "layer_prefix": profile.prefix(variant).rstrip("."), "config_style": profile.config_style,
                             "engine_reads": list(profile.reads), "notes": list(profile.notes)}
 
-    # -- tensor plan ------------------------------------------------------------------------------
-    items: list[Item] = []
-    for f, fnames in sorted(reader.shards().items(), key=lambda kv: kv[0].name):
-        for s in fnames:
-            report.tensors_in += 1
-            report.bytes_in += reader.info(s).nbytes
-            if s in dropped:
-                continue
-            c = canon[s]
-            if roles[c] == "t2d" and profile.t2d == "drop":
-                report.drop(s, "t2d is a training-only mask that every serving engine skips")
-                continue
-            if roles[c] == "t2d":
-                continue  # regenerated from d2t below
-            if roles[c] == "d2t" and drop_identity_d2t:
-                report.drop(s, f"all-zero d2t of a full-vocabulary draft (the identity map); {profile.engine} "
-                               f"has no d2t support")
-                continue
-            out = _out_name(c, profile, variant)
-            if out != s:
-                report.renames.append({"from": s, "to": out})
-            ti = reader.info(s)
-            if roles[c] == "d2t" and ti.dtype != "I64":
-                report.transformed.append({"name": out, "how": f"{ti.dtype} -> int64 offsets"})
-                items.append(Item(out, str(f), ti.numel * 8, make=partial(_as_int64, reader, s)))
-            else:
-                items.append(Item(out, str(f), ti.nbytes, raw=ti))  # bytes unchanged
-    if profile.t2d == "regenerate" and d2t_src is not None and vocab is not None:
-        t2d_src = present.get(keys.T2D)
-
-        def make_t2d() -> torch.Tensor:
-            d2t = reader.get(d2t_src).to(torch.int64)
-            mask = torch.zeros(int(vocab), dtype=torch.bool)
-            mask[d2t + torch.arange(d2t.shape[0], dtype=torch.int64)] = True
-            if t2d_src is not None and not torch.equal(mask, reader.get(t2d_src)):
-                report.warn("source t2d does not mark exactly the d2t targets: wrote the t2d derived from d2t")
-            return mask
-
-        last_shard = items[-1].shard if items else "generated"
-        items.append(Item(keys.T2D, last_shard, int(vocab), make=make_t2d))
-        report.generated.append({"name": keys.T2D, "reason": "regenerated from d2t (t2d[d + d2t[d]] = True): the "
-                                                             "speculators loader sizes the target vocab from it"})
+    items = _tensor_items(p, d2t_src, drop_identity_d2t)
     return out_cfg, items, report, reader
 
 
@@ -511,4 +576,7 @@ def convert_draft(src: str | Path, out: str | Path, opts: DraftOptions,
     src = Path(src)
     out = Path(out)
     out_cfg, items, report, reader = plan_draft(src, opts, summary)
+    # The model against its schema, after the plan's own (more specific) checks and before any
+    # weight is written; tensors the user drops with --drop are not held against it.
+    check.require_valid(src, ignore=frozenset(d["name"] for d in report.drops if d["reason"] == "--drop"))
     return write_output(Path(out), out_cfg, items, report, reader.path, opts, t0)

@@ -4,17 +4,16 @@
   DeepSeek-V3 text stack every engine serves as ``DeepseekV3ForCausalLM``: ``vision_tower.*`` and
   ``mm_projector.*`` are dropped, ``language_model.`` is stripped (``model.*``, ``lm_head.weight``),
   ``text_config`` becomes the config, its ``model_type`` stays ``kimi_k2`` unless ``model_type``
-  aliases it (``deepseek_v3``: what transformers needs to fuse the experts, kimi_quant_formats.md
-  1.2), and the quantization_config sits at the top level only.
+  aliases it (``deepseek_v3``: what transformers needs to fuse the experts), and the quantization_config sits at the top level only.
 * Without ``text_only`` the wrapper is kept and only config hygiene is applied: the
   quantization_config moves to the top level and the nested copy is removed (ATOM's config class
-  copies a nested one up over the top-level one, kimi_quant_formats.md 4.3), and
+  copies a nested one up over the top-level one), and
   ``tie_word_embeddings`` is written at both levels (transformers defaults the wrapper's to True).
 * ``dequantize``: compressed-tensors INT4 (Moonshot, ``weight_packed``/``weight_scale``/
   ``weight_shape``) and DeepSeek FP8-block (``weight``/``weight_scale_inv``) Linears become dense
   ``weight`` tensors, one module at a time on CPU. ``bf16`` rounds exactly like the libraries'
   dequantizers; ``fp32`` keeps the exact product ``q * s`` (what Quark's file-to-file quantizer
-  starts from, kimi_quant_formats.md 3.3). The quantization_config is removed afterwards.
+  starts from). The quantization_config is removed afterwards.
 
 Tokenizer, chat template and generation config are carried over; ``*.py`` remote code only with
 ``trust_remote_code``.
@@ -40,7 +39,7 @@ from eagle3.checkpoint import (
 )
 from eagle3.convert.common import Item, Report, write_output
 from eagle3.errors import FormatError, UsageError
-from eagle3.formats import codecs, detect, keys
+from eagle3.formats import check, codecs, detect, keys
 
 DEQUANT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -275,4 +274,7 @@ def convert_target(src: str | Path, out: str | Path, opts: TargetOptions,
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     out_cfg, items, report, reader = plan_target(src, opts, summary)
+    # The model against its schema, after the plan's own (more specific) checks and before any
+    # weight is written; tensors the user drops with --drop are not held against it.
+    check.require_valid(src, ignore=frozenset(d["name"] for d in report.drops if d["reason"] == "--drop"))
     return write_output(Path(out), out_cfg, items, report, reader.path, opts, t0)

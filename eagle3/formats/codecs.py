@@ -16,8 +16,7 @@ per-channel), MXFP4, FP8 per-tensor and per-channel. Each one repeats Quark's ob
 *in the same dtypes* (a bf16 weight gets a bf16-rounded INT4 scale, a bf16 ``w / s`` before the FP8
 cast, ...), because that is where a "mathematically equal" rewrite stops being bit-equal.
 
-Specification: shared/docs/research/kimi_quant_formats.md sections 2 and 3, quark_handson.md
-sections 4 and 5. tests/formats/test_codecs.py checks all of this against the ``compressed-tensors``
+Specification: the layouts table in :mod:`eagle3.formats.sizing` and docs/recipes.md. tests/formats/test_codecs.py checks all of this against the ``compressed-tensors``
 library and Quark's own primitives. We keep our own implementation (rather than calling those
 libraries at run time) because both are heavy optional installs (Quark's import takes 20-40 s and
 needs g++; its INT4 packer is a Python loop over columns), and the runtime must decode on any device
@@ -127,8 +126,7 @@ def ct_int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[i
     The product is computed in fp32 (or the wider of ``scale.dtype`` and ``dtype``) and then cast
     to ``dtype`` (default ``scale.dtype``). So ``dtype=None`` with Kimi's bf16 scales rounds once to
     bf16 exactly like ``compressed_tensors`` ``dequantize``; ``dtype=torch.float32`` gives the exact
-    fp32 product that Quark's file-to-file path quantizes from (it upcasts the scale first,
-    kimi_quant_formats.md 3.3/3.4)."""
+    fp32 product that Quark's file-to-file path quantizes from (it upcasts the scale first)."""
     n, k = (int(x) for x in (shape.tolist() if isinstance(shape, torch.Tensor) else shape))
     if packed.dim() != 2 or packed.shape[0] != n or packed.shape[-1] != (k + 7) // 8:
         raise ShapeError(f"weight_packed has shape {list(packed.shape)} but weight_shape ({n}, {k}) needs "
@@ -253,7 +251,7 @@ def _unpack_words_to_int8(packed: torch.Tensor, reorder: bool) -> torch.Tensor:
 def quark_int4_zero_point_like(scale: torch.Tensor) -> torch.Tensor:
     """The ``weight_zero_point`` tensor Quark's export writes next to a symmetric INT4 scale: zeros,
     packed 8 per int32 along the scale's last dim ([N] -> [N/8], [K/g, N] -> [K/g, N/8]). The
-    Quark importer and transformers refuse a Quark INT4 checkpoint without it (quark_handson.md 5)."""
+    Quark importer and transformers refuse a Quark INT4 checkpoint without it."""
     shape = list(scale.shape) or [1]
     shape[-1] = (shape[-1] + 7) // 8
     return torch.zeros(shape, dtype=torch.int32, device=scale.device)
@@ -283,7 +281,7 @@ def quark_int4_quantize(w: torch.Tensor, group_size: int | None = None) -> tuple
     (``group_size=None``) or [N, K/g], in w's dtype (its value is rounded to w's dtype either way).
 
     ``scale = max(amax / 7.5, eps)`` in w's dtype; ``q = clamp(round_half_even(w * fp32(1/scale)),
-    -8, 7)`` in fp32 (quark_handson.md 4)."""
+    -8, 7)`` in fp32."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ShapeError(f"INT4 quantization expects a 2-D float weight, got {w.dtype} {list(w.shape)}")
     n, k = w.shape
@@ -325,7 +323,7 @@ def quark_int4_per_group_quantize(w: torch.Tensor, group_size: int = 128, reorde
     """INT4 per-group (along K) symmetric weight in Quark's *export* layout, which is transposed:
     returns (``weight`` int32 [K, ceil(N/8)] = pack(q.T), ``weight_scale`` [K/g, N]).
 
-    Quark 0.13 file-to-file differs (quark_handson.md 5): ``reorder=False`` and an untransposed
+    Quark 0.13 file-to-file differs: ``reorder=False`` and an untransposed
     [N, K/g] scale (``scale.T`` of this one). ``scale_dtype`` as in
     :func:`quark_int4_per_channel_quantize`."""
     q, scale = quark_int4_quantize(w, group_size)
@@ -476,7 +474,7 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def w4a8_quantize(w: torch.Tensor, reorder: bool = True, stage2_dtype: torch.dtype | None = torch.float32,
                   weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W4A8 weights of ``amd/Kimi-K2.5-W4A8`` (Quark ``ProgressiveSpec`` = the ``int4_fp8`` scheme:
-    FP8-E4M3 per-tensor, then INT4 per-channel; kimi_quant_formats.md 3.4):
+    FP8-E4M3 per-tensor, then INT4 per-channel):
 
     stage 1: ``s1 = amax(W) / 448`` (fp32), ``x8 = fp8(W / s1)``;
     stage 2 on x8's values in ``stage2_dtype``: ``s2[n] = max(amax_n / 7.5, eps)`` in that dtype,

@@ -18,29 +18,54 @@ What is an error and what is a warning:
   a missing ``draft_vocab_size`` (SGLang then swaps in the target's lm_head), EAGLE-3.1 flags
   without their tensors, a d2t map out of range, a stale nested ``quantization_config``, ...
 
-Specs: shared/docs/research/eagle3_formats.md sections 1, 2, 5-8, 11 and kimi_quant_formats.md
-sections 1-4; quark_handson.md section 4 for the Quark tensor layouts.
+The tensor layouts of every format: :mod:`eagle3.formats.sizing`; the per-family schema the
+checkpoint is checked against: :mod:`eagle3.formats.schema`; docs/inspect_json.md for the output.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from eagle3.checkpoint import CheckpointReader, TensorInfo, read_json
 from eagle3.errors import CheckpointError, FormatError, ShapeError
 from eagle3.formats import keys
 from eagle3.formats.files import INDEX_FILE
-from eagle3.units import human_bytes
+from eagle3.formats.quant_detect import (  # noqa: F401 (re-exported: detect is the public entry)
+    _FLOAT_NAMES,
+    CT_FP8,
+    CT_INT4,
+    FP8_BLOCK,
+    QUANT_SCHEMES,
+    QUARK_FP8,
+    QUARK_INT4,
+    QUARK_MXFP4,
+    QUARK_W4A8,
+    _detect_quant,
+    quantization_config,
+)
+from eagle3.formats.summary import (  # noqa: F401 (re-exported)
+    SCHEMA_VERSION,
+    AuxLayers,
+    CheckpointSummary,
+    Convention,
+    DraftInfo,
+    ModelDims,
+    QuantInfo,
+    Role,
+    ShardStats,
+    TargetInfo,
+    TensorStats,
+    VocabMapCheck,
+    print_summary,
+    summary_rows,
+)
 
-SCHEMA_VERSION = 1
 CONFIG_FILE = "config.json"
 
-Role = Literal["target", "draft"]
-Convention = Literal["input", "output", "default"]
 
 # ---------------------------------------------------------------------------------------------
 # Families and the architectures that name them
@@ -65,206 +90,6 @@ DRAFT_ARCHITECTURES: dict[str, str] = {
     "Eagle3Speculator": SPECULATORS,
     "Eagle3DraftModel": SPECULATORS,
 }
-
-# ---------------------------------------------------------------------------------------------
-# Quantization schemes (config side) and tensor layouts (file side)
-# ---------------------------------------------------------------------------------------------
-
-CT_INT4 = "ct-int4"  # compressed-tensors pack-quantized INT4 (Moonshot Kimi, W4A16)
-CT_FP8 = "ct-fp8"  # compressed-tensors float-quantized FP8
-FP8_BLOCK = "fp8-block"  # DeepSeek / Kimi-K2 quant_method fp8, 128x128 weight_scale_inv
-QUARK_W4A8 = "quark-w4a8"  # Quark progressive FP8 -> INT4 per-channel weight (amd/Kimi-K2.5-W4A8)
-QUARK_INT4 = "quark-int4"  # Quark single-stage INT4 weight (weight-only or with INT8/FP8 activations)
-QUARK_MXFP4 = "quark-mxfp4"  # Quark OCP MXFP4 (E2M1 + E8M0 per 32)
-QUARK_FP8 = "quark-fp8"  # Quark FP8 E4M3 weights (e.g. ptpc_fp8 drafts)
-QUANT_SCHEMES = (CT_INT4, CT_FP8, FP8_BLOCK, QUARK_W4A8, QUARK_INT4, QUARK_MXFP4, QUARK_FP8)
-
-# Tensor layout of one quantized Linear -> the schemes that write it.
-_LAYOUT_SCHEMES: dict[str, frozenset[str]] = {
-    "int4_ct": frozenset({CT_INT4}),
-    "int4": frozenset({QUARK_INT4}),
-    "int4_2stage": frozenset({QUARK_W4A8}),
-    "fp4": frozenset({QUARK_MXFP4}),
-    "fp8_block": frozenset({FP8_BLOCK}),
-    "fp8": frozenset({CT_FP8, QUARK_FP8}),
-}
-_LAYOUT_TEXT = {
-    "int4_ct": "compressed-tensors INT4 (int32 weight_packed + weight_scale)",
-    "int4": "Quark INT4 (int32 weight + weight_scale)",
-    "int4_2stage": "Quark W4A8 (int32 weight + weight_scale + weight_scale_2)",
-    "fp4": "MXFP4 (uint8 weight + uint8 weight_scale)",
-    "fp8_block": "FP8 block (float8 weight + weight_scale_inv)",
-    "fp8": "FP8 (float8 weight + weight_scale)",
-}
-_FLOAT_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
-_FP8_TAGS = {"F8_E4M3", "F8_E5M2"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Object model
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardStats:
-    file: str  # file name relative to the checkpoint directory
-    tensors: int
-    bytes: int
-
-
-@dataclass(frozen=True)
-class TensorStats:
-    count: int
-    total_bytes: int
-    dtypes: dict[str, int]  # safetensors dtype tag -> number of tensors
-    dtype_bytes: dict[str, int]  # safetensors dtype tag -> bytes
-    shards: list[ShardStats]
-    indexed: bool  # a model.safetensors.index.json names the shards
-
-
-@dataclass(frozen=True)
-class QuantInfo:
-    """How the weights are stored. ``scheme`` is one of :data:`QUANT_SCHEMES` or, unquantized,
-    the dominant float dtype of the Linear weights (``bf16``/``fp16``/``fp32``)."""
-
-    scheme: str
-    method: str | None  # quantization_config.quant_method: compressed-tensors | fp8 | quark | None
-    config_location: str | None  # "top-level" | "text_config" | None
-    schemes: list[str]  # every scheme the config declares (Quark layer configs can mix)
-    weights: str | None  # e.g. "int4 group g32 sym", "fp8_e4m3 per_tensor -> int4 per_channel"
-    activations: str | None  # e.g. "fp8_e4m3 per_tensor dynamic"; None = not quantized (W-only)
-    group_size: int | None
-    pack_method: str | None  # Quark export.pack_method ("reorder" | "order")
-    exclude: int | None  # number of ignore/exclude entries in the config
-    modules: dict[str, int]  # scheme (or float dtype for unquantized Linears) -> module count
-
-    @property
-    def quantized(self) -> bool:
-        return self.method is not None
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Transformer dimensions from the text (or draft-layer) config; None where the field is absent."""
-
-    hidden_size: int
-    num_layers: int
-    vocab_size: int | None
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    intermediate_size: int | None
-    attention: str  # "mla" | "mha"
-    q_lora_rank: int | None
-    kv_lora_rank: int | None
-    qk_nope_head_dim: int | None
-    qk_rope_head_dim: int | None
-    v_head_dim: int | None
-    rms_norm_eps: float | None
-    rope_theta: float | None
-    rope_type: str  # "default" when the config has no rope scaling
-    max_position_embeddings: int | None
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    text_prefix: str  # "language_model." (K2.5 wrapper) or "" (text-only)
-    has_vision: bool
-    vision_tensors: int
-    projector_tensors: int
-    n_routed_experts: int | None
-    num_experts_per_tok: int | None
-    n_shared_experts: int | None
-    first_k_dense_replace: int | None
-    moe_intermediate_size: int | None
-    mtp_layers: int  # num_nextn_predict_layers
-    layers_in_files: int  # distinct decoder-layer indices among the tensor names
-    default_aux_layer_ids: list[int]  # (2, N//2, N-3), "input" convention
-
-
-@dataclass(frozen=True)
-class AuxLayers:
-    """The target layers whose hidden states feed the draft's ``fc``.
-
-    ``convention`` says what an id k means: "input" = the input of decoder layer k (HF
-    ``hidden_states[k]``; vLLM, ATOM, speculators), "output" = the output of layer k (SpecForge,
-    TorchSpec), "default" = no ids in the config, every engine uses its default (2, N//2, N-3)
-    in the input convention. ``input_ids`` are the ids rewritten to the input convention."""
-
-    count: int
-    ids: list[int] | None
-    convention: Convention
-    input_ids: list[int] | None
-    source: str | None  # "top-level" | "eagle_config" | "both" | None
-    rule: str  # why this convention (see aux_convention)
-    use_aux_hidden_state: bool
-
-
-@dataclass(frozen=True)
-class VocabMapCheck:
-    """Header facts of d2t/t2d plus, when read, the value checks."""
-
-    d2t_length: int | None
-    t2d_length: int | None
-    values_checked: bool  # False: headers only
-    d2t_length_ok: bool | None  # len(d2t) == draft vocab size
-    d2t_in_range: bool | None  # every draft id maps into [0, vocab_size)
-    d2t_increasing: bool | None  # targets strictly increasing (sorted used-token list)
-    t2d_consistent: bool | None  # t2d marks exactly the d2t targets
-
-
-@dataclass(frozen=True)
-class DraftInfo:
-    eagle_version: str  # "3" | "3.1"
-    layer_prefix: str  # "midlayer" | "layers.0"
-    attention: str  # "mha" | "mla"
-    num_layers: int
-    fc_norm: bool
-    fc_norm_tensors: int
-    norm_output: bool
-    norm_before_fc: bool
-    input_norm_tensor: bool
-    norm_before_residual: bool
-    defaulted: list[str]  # flags absent from the config, reported with the format's default
-    aux_layers: AuxLayers
-    hidden_size: int
-    target_hidden_size: int
-    vocab_size: int | None  # the target vocabulary the draft maps into
-    draft_vocab_size: int | None  # rows of lm_head (what the head really predicts)
-    config_draft_vocab_size: int | None  # the config field, None when absent
-    d2t: bool
-    t2d: bool
-    vocab_map: VocabMapCheck
-    own_embedding: bool
-    own_lm_head: bool
-    speculators: dict[str, Any] | None  # speculators_config facts for the speculators format
-
-
-@dataclass(frozen=True)
-class CheckpointSummary:
-    path: Path
-    config_file: Path
-    role: Role
-    family: str
-    architecture: str
-    model_type: str | None
-    text_model_type: str | None
-    dims: ModelDims
-    quant: QuantInfo
-    target: TargetInfo | None
-    draft: DraftInfo | None
-    tensors: TensorStats
-    warnings: list[str] = field(default_factory=list)
-    text_config: dict[str, Any] = field(default_factory=dict, repr=False)  # not in the JSON form
-
-    def to_json(self) -> dict[str, Any]:
-        """The stable JSON form (docs/inspect_json.md)."""
-        d = asdict(self)
-        d.pop("text_config")
-        d["path"] = str(self.path)
-        d["config_file"] = str(self.config_file)
-        return {"schema_version": SCHEMA_VERSION, **d}
-
 
 # ---------------------------------------------------------------------------------------------
 # Config helpers
@@ -302,18 +127,6 @@ def _text_config_field(cfg: dict[str, Any]) -> str:
         if isinstance(cfg.get(k), dict):
             return k + "."
     return ""
-
-
-def quantization_config(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(quantization_config, where): the top-level one wins, as every engine reads it after
-    Moonshot's and ATOM's config classes copy ``text_config.quantization_config`` up."""
-    top = cfg.get("quantization_config")
-    if isinstance(top, dict):
-        return top, "top-level"
-    tc = cfg.get("text_config")
-    if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-        return tc["quantization_config"], "text_config"
-    return None, None
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -527,230 +340,6 @@ def _tensor_stats(reader: CheckpointReader, indexed: bool) -> TensorStats:
 # -- quantization -------------------------------------------------------------------------------
 
 
-def _spec_text(spec: dict[str, Any]) -> str:
-    """Short text of one Quark QTensorConfig: "int4 per_channel sym", "fp4 per_group g32 e8m0"."""
-    parts = [str(spec.get("dtype")), str(spec.get("qscheme"))]
-    if spec.get("group_size"):
-        parts.append(f"g{spec['group_size']}")
-    if spec.get("scale_format"):
-        parts.append(str(spec["scale_format"]))
-    if spec.get("symmetric") is True:
-        parts.append("sym")
-    return " ".join(parts)
-
-
-def _quark_scheme(weight: Any, cfg_file: Path, where: str) -> str:
-    if isinstance(weight, list):
-        dts = [str(s.get("dtype")) if isinstance(s, dict) else None for s in weight]
-        if len(dts) == 2 and dts[0] and dts[0].startswith("fp8_e4m3") and dts[1] == "int4":
-            return QUARK_W4A8
-        raise FormatError(f"{cfg_file}: field '{where}' is a {len(weight)}-stage weight spec {dts}; "
-                          f"eagle3 reads the two-stage [fp8_e4m3, int4] (W4A8) only")
-    if not isinstance(weight, dict):
-        raise FormatError(f"{cfg_file}: field '{where}' is {weight!r}, expected a Quark QTensorConfig object")
-    dt = str(weight.get("dtype"))
-    if dt in ("int4", "uint4"):
-        return QUARK_INT4
-    if dt == "fp4":
-        return QUARK_MXFP4
-    if dt.startswith("fp8_e4m3"):
-        return QUARK_FP8
-    raise FormatError(f"{cfg_file}: field '{where}.dtype' is {dt!r}; eagle3 reads Quark int4, fp4 (MXFP4), "
-                      f"fp8_e4m3 and the [fp8_e4m3, int4] W4A8 weight")
-
-
-def _config_schemes(qc: dict[str, Any], cfg_file: Path, qfield: str) -> dict[str, Any]:
-    """Parse a quantization_config into the QuantInfo fields that come from the config."""
-    method = qc.get("quant_method")
-    out: dict[str, Any] = {"method": method, "activations": None, "group_size": None, "pack_method": None,
-                           "exclude": None}
-    if method == "compressed-tensors":
-        fmt = qc.get("format")
-        groups = qc.get("config_groups")
-        if not isinstance(groups, dict) or not groups:
-            raise FormatError(f"{cfg_file}: field '{qfield}.config_groups' is missing or empty")
-        schemes: list[str] = []
-        for gname, g in groups.items():
-            w = g.get("weights") if isinstance(g, dict) else None
-            if not isinstance(w, dict):
-                raise FormatError(f"{cfg_file}: field '{qfield}.config_groups.{gname}.weights' is missing")
-            bits, typ = w.get("num_bits"), w.get("type")
-            if bits == 4 and typ == "int" and fmt == "pack-quantized":
-                s = CT_INT4
-                out["weights"] = (f"int4 {w.get('strategy')} g{w.get('group_size')} "
-                                  f"{'sym' if w.get('symmetric', True) else 'asym'}")
-                out["group_size"] = w.get("group_size")
-            elif bits == 8 and typ == "float":
-                s = CT_FP8
-                out["weights"] = f"fp8_e4m3 {w.get('strategy')}"
-            else:
-                raise FormatError(f"{cfg_file}: field '{qfield}.config_groups.{gname}.weights' is {bits}-bit "
-                                  f"{typ} ({fmt}); eagle3 reads pack-quantized int4 and float-quantized fp8")
-            acts = g.get("input_activations")
-            if isinstance(acts, dict):
-                out["activations"] = (f"{acts.get('type')}{acts.get('num_bits')} {acts.get('strategy')} "
-                                      f"{'dynamic' if acts.get('dynamic') else 'static'}")
-            if s not in schemes:
-                schemes.append(s)
-        out["schemes"] = schemes
-        out["exclude"] = len(qc.get("ignore") or [])
-    elif method == "fp8":
-        block = qc.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2):
-            raise FormatError(f"{cfg_file}: field '{qfield}.weight_block_size' is {block!r}, "
-                              f"expected [128, 128] for a DeepSeek-style FP8 checkpoint")
-        out["schemes"] = [FP8_BLOCK]
-        out["weights"] = f"fp8_e4m3 block {block[0]}x{block[1]}"
-        out["activations"] = f"fp8_e4m3 {qc.get('activation_scheme', 'dynamic')}"
-        out["exclude"] = len(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
-    elif method == "quark":
-        g = qc.get("global_quant_config")
-        if not isinstance(g, dict):
-            raise FormatError(f"{cfg_file}: field '{qfield}.global_quant_config' is missing")
-        specs: list[tuple[str, dict[str, Any]]] = []
-        if g.get("weight") is not None:
-            specs.append((f"{qfield}.global_quant_config.weight", g))
-        for k in ("layer_quant_config", "layer_type_quant_config"):
-            sub = qc.get(k) or {}
-            if not isinstance(sub, dict):
-                raise FormatError(f"{cfg_file}: field '{qfield}.{k}' is {type(sub).__name__}, expected an object")
-            for pat, lc in sub.items():
-                if isinstance(lc, dict) and lc.get("weight") is not None:
-                    specs.append((f"{qfield}.{k}.{pat}.weight", lc))
-        if not specs:
-            raise FormatError(f"{cfg_file}: field '{qfield}.global_quant_config.weight' is null and no layer "
-                              f"config quantizes weights")
-        schemes = []
-        for where, lc in specs:
-            s = _quark_scheme(lc["weight"], cfg_file, where)
-            if s not in schemes:
-                schemes.append(s)
-        first = specs[0][1]
-        w = first["weight"]
-        out["weights"] = " -> ".join(_spec_text(x) for x in w) if isinstance(w, list) else _spec_text(w)
-        stages = w if isinstance(w, list) else [w]
-        out["group_size"] = next((s.get("group_size") for s in stages if s.get("group_size")), None)
-        a = first.get("input_tensors")
-        if isinstance(a, dict):
-            out["activations"] = f"{_spec_text(a)} {'dynamic' if a.get('is_dynamic') else 'static'}"
-        exp = qc.get("export")
-        out["pack_method"] = exp.get("pack_method") if isinstance(exp, dict) else None
-        out["exclude"] = len(qc.get("exclude") or [])
-        out["schemes"] = schemes
-    else:
-        raise FormatError(f"{cfg_file}: field '{qfield}.quant_method' is {method!r}; eagle3 reads "
-                          f"compressed-tensors, fp8 and quark")
-    return out
-
-
-def _module_layout(mod: str, params: dict[str, TensorInfo]) -> str | None:
-    """Tensor layout of one module: a key of _LAYOUT_SCHEMES, "dense:<dtype>" for an
-    unquantized Linear-like weight, or None for what is not a Linear (norms, embeddings, biases)."""
-    if keys.CT_PACKED in params:
-        w = params[keys.CT_PACKED]
-        if w.dtype != "I32":
-            raise FormatError(f"{w.file}: tensor {w.name!r} is {w.dtype}; compressed-tensors packs INT4 into I32")
-        if keys.SCALE not in params:
-            raise FormatError(f"{w.file}: tensor {w.name!r} has no {mod}.{keys.SCALE} beside it")
-        return "int4_ct"
-    w = params.get(keys.WEIGHT)
-    if w is None:
-        return None
-    scale = params.get(keys.SCALE)
-    if w.dtype in ("I32", "U32"):
-        if scale is None:
-            raise FormatError(f"{w.file}: tensor {w.name!r} is packed INT4 ({w.dtype}) but has no "
-                              f"{mod}.{keys.SCALE} beside it")
-        return "int4_2stage" if keys.SCALE_2 in params else "int4"
-    if w.dtype == "U8":
-        if scale is None or scale.dtype != "U8":
-            got = "no weight_scale" if scale is None else f"weight_scale {scale.dtype}"
-            raise FormatError(f"{w.file}: tensor {w.name!r} is uint8 (packed FP4) but has {got}; "
-                              f"MXFP4 needs a uint8 E8M0 weight_scale")
-        return "fp4"
-    if w.dtype in _FP8_TAGS:
-        if keys.SCALE_INV in params:
-            return "fp8_block"
-        if scale is not None:
-            return "fp8"
-        raise FormatError(f"{w.file}: tensor {w.name!r} is {w.dtype} but has neither {keys.SCALE_INV} "
-                          f"nor {keys.SCALE} beside it")
-    if w.dtype in _FLOAT_NAMES:
-        # Embeddings and convolutions (vision patch_embed) are not Linears; 1-D weights are norms.
-        if len(w.shape) != 2 or "embed" in mod:
-            return None
-        return "dense:" + _FLOAT_NAMES[w.dtype]
-    if w.dtype in ("I8", "U16", "I16"):
-        raise FormatError(f"{w.file}: tensor {w.name!r} is {w.dtype}, a quantized weight layout eagle3 "
-                          f"does not read")
-    return None
-
-
-def _detect_quant(cfg: dict[str, Any], cfg_file: Path, infos: dict[str, TensorInfo],
-                  warnings: list[str]) -> QuantInfo:
-    qc, where = quantization_config(cfg)
-    qfield = "quantization_config" if where != "text_config" else "text_config.quantization_config"
-    parsed = _config_schemes(qc, cfg_file, qfield) if qc is not None else None
-    tc = cfg.get("text_config")
-    if where == "top-level" and isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-        if tc["quantization_config"] != qc:
-            warnings.append("text_config.quantization_config differs from the top-level one (ATOM copies the "
-                            "nested one up; remove it, as Quark's export does)")
-
-    modules: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
-    for name, info in infos.items():
-        mod, param = keys.split_param(name)
-        if param in keys.QUANT_PARAMS:
-            modules[mod][param] = info
-    allowed = set(parsed["schemes"]) if parsed else set()
-    counts: Counter[str] = Counter()
-    for mod, params in modules.items():
-        layout = _module_layout(mod, params)
-        if layout is None:
-            continue
-        if layout.startswith("dense:"):
-            counts[layout[len("dense:"):]] += 1
-            continue
-        fits = _LAYOUT_SCHEMES[layout] & allowed
-        t = params.get(keys.CT_PACKED) or params[keys.WEIGHT]
-        if not parsed:
-            raise FormatError(f"{t.file}: tensor {t.name!r} is {_LAYOUT_TEXT[layout]} but {cfg_file} has no "
-                              f"quantization_config")
-        if not fits:
-            raise FormatError(f"{cfg_file}: field '{qfield}' declares {', '.join(parsed['schemes'])} but tensor "
-                              f"{t.name!r} in {t.file.name} is {_LAYOUT_TEXT[layout]}")
-        # A layout that two declared schemes share (fp8) is counted under the first declared one.
-        counts[next(s for s in parsed["schemes"] if s in fits)] += 1
-
-    dense = {k: v for k, v in counts.items() if k not in QUANT_SCHEMES}
-    if parsed:
-        scheme = parsed["schemes"][0]
-        if not any(counts.get(s) for s in parsed["schemes"]):
-            warnings.append(f"{qfield} declares {scheme} but no tensor is quantized (everything excluded?)")
-    elif dense:
-        scheme = max(dense.items(), key=lambda kv: kv[1])[0]
-    else:
-        floats = Counter({_FLOAT_NAMES[i.dtype]: i.nbytes for i in infos.values() if i.dtype in _FLOAT_NAMES})
-        scheme = floats.most_common(1)[0][0] if floats else "unknown"
-    ordered = {s: counts[s] for s in QUANT_SCHEMES if counts.get(s)}
-    ordered.update(sorted(dense.items()))
-    return QuantInfo(
-        scheme=scheme,
-        method=parsed["method"] if parsed else None,
-        config_location=where,
-        schemes=list(parsed["schemes"]) if parsed else [],
-        weights=parsed.get("weights") if parsed else None,
-        activations=parsed["activations"] if parsed else None,
-        group_size=parsed["group_size"] if parsed else None,
-        pack_method=parsed["pack_method"] if parsed else None,
-        exclude=parsed["exclude"] if parsed else None,
-        modules=ordered,
-    )
-
-
-# -- target -------------------------------------------------------------------------------------
-
-
 def _target_info(family: str, tc: dict[str, Any], dims: ModelDims, infos: dict[str, TensorInfo],
                  warnings: list[str]) -> TargetInfo:
     wrapped = sum(1 for n in infos if n.startswith(keys.LM_PREFIX))
@@ -824,11 +413,8 @@ def _aux_ids(cfg: dict[str, Any], cfg_file: Path, warnings: list[str]) -> tuple[
     return ids, where
 
 
-def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: str, dims: ModelDims,
-                reader: CheckpointReader, cfg_file: Path, check_vocab_map: bool,
-                warnings: list[str]) -> DraftInfo:
-    names = reader.names()
-    spec = family == SPECULATORS
+def _draft_prefix(reader: CheckpointReader, names: list[str]) -> str:
+    """The decoder layer's prefix: ``midlayer.`` or ``layers.0.``, never both."""
     prefixes = keys.draft_layer_prefixes(names)
     if len(prefixes) == 2:
         a = next(n for n in names if n.startswith(keys.MIDLAYER))
@@ -837,10 +423,12 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
                           f"(e.g. {a!r} and {b!r})")
     if not prefixes:
         raise FormatError(f"{reader.path}: no draft decoder-layer tensors (expected 'midlayer.*' or 'layers.0.*')")
-    prefix = prefixes.pop()
-    has = set(names)
+    return prefixes.pop()
 
-    # Attention: the tensors decide; a disagreeing family or config is worth a warning.
+
+def _draft_attention(cfg: dict[str, Any], family: str, dims: ModelDims, prefix: str, names: list[str],
+                     warnings: list[str]) -> str:
+    """MLA or MHA: the tensors decide; a disagreeing family or config is worth a warning."""
     mla_t = any(n.startswith(prefix + keys.MLA_MARKER) for n in names)
     mha_t = any(n.startswith(prefix + keys.MHA_MARKER) for n in names)
     attention = "mla" if mla_t else "mha" if mha_t else dims.attention
@@ -849,7 +437,20 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     if (dims.kv_lora_rank is not None) != (attention == "mla"):
         warnings.append(f"config {'has' if dims.kv_lora_rank is not None else 'lacks'} kv_lora_rank but the "
                         f"layer tensors are {attention.upper()}")
+    return attention
 
+
+@dataclass
+class _Flags:
+    fc_norm: bool
+    norm_output: bool
+    norm_before_fc: bool
+    norm_before_residual: bool
+    defaulted: list[str]
+
+
+def _draft_flags(cfg: dict[str, Any], cfg_file: Path, spec: bool) -> _Flags:
+    """The EAGLE-3.1 flags, and which of them the config leaves to their defaults."""
     defaulted: list[str] = []
     if cfg.get("eagle_config") is not None and not isinstance(cfg["eagle_config"], dict):
         raise FormatError(f"{cfg_file}: field 'eagle_config' must be an object, got "
@@ -872,17 +473,14 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     norm_before_fc = flag("norm_before_fc", False, (ec, "eagle_config."), (cfg, ""))
     # vLLM's update_eagle3 defaults norm_before_residual to True for speculators configs only.
     norm_before_residual = flag("norm_before_residual", spec, (cfg, ""))
+    return _Flags(fc_norm, norm_output, norm_before_fc, norm_before_residual, defaulted)
 
-    fc_norm_idx = sorted({i for n in names if (i := keys.fc_norm_index(n)) is not None})
-    input_norm = keys.DRAFT_INPUT_NORM in has
-    eagle_version = "3.1" if (fc_norm or norm_output or fc_norm_idx) else "3"
 
-    # Widths: fc is [H, n_aux * H_t].
-    hidden = dims.hidden_size
-    top_th = _int(cfg, "target_hidden_size", cfg_file, "")
-    target_hidden = top_th or hidden
-    if top_th is None:
-        defaulted.append("target_hidden_size")
+def _draft_aux(cfg: dict[str, Any], cfg_file: Path, reader: CheckpointReader, hidden: int, target_hidden: int,
+               spec: bool, warnings: list[str]) -> AuxLayers:
+    """The aux hidden states: ids, count and convention, against fc [H, n_aux * H_t]."""
+    has = set(reader.names())
+    ec = cfg.get("eagle_config") or {}
     fc = reader.info(keys.DRAFT_FC) if keys.DRAFT_FC in has else None
     fc_in = fc.shape[1] if fc is not None and len(fc.shape) == 2 and fc.dtype in _FLOAT_NAMES else None
     if fc is not None and len(fc.shape) == 2 and fc.shape[0] != hidden and fc.dtype in _FLOAT_NAMES:
@@ -914,26 +512,34 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
         cfg.get("eagle3_canonical"), dict) else None
     if ids and marked in ("input", "output"):  # written by `eagle3 convert --engine eagle3`: no guessing
         conv, rule = marked, f"eagle3_canonical.aux_layer_ids_convention says {marked!r}"
-    aux = AuxLayers(count=n_aux, ids=ids, convention=conv, input_ids=to_input_convention(ids, conv) if ids else None,
-                    source=source, rule=rule, use_aux_hidden_state=use_aux)
+    return AuxLayers(count=n_aux, ids=ids, convention=conv, input_ids=to_input_convention(ids, conv) if ids else None,
+                     source=source, rule=rule, use_aux_hidden_state=use_aux)
 
-    # EAGLE-3.1 norms: flags and tensors must agree (engines build fc_norm only from the flag).
-    if fc_norm and not fc_norm_idx:
+
+def _check_eagle31_norms(f: _Flags, fc_norm_idx: list[int], n_aux: int, input_norm: bool,
+                         warnings: list[str]) -> None:
+    """EAGLE-3.1 norms: flags and tensors must agree (engines build fc_norm only from the flag)."""
+    if f.fc_norm and not fc_norm_idx:
         warnings.append("config sets fc_norm but there are no fc_norm.{i}.weight tensors")
-    if fc_norm_idx and not fc_norm:
+    if fc_norm_idx and not f.fc_norm:
         warnings.append(f"{len(fc_norm_idx)} fc_norm tensors but the config does not set fc_norm: engines "
                         f"would ignore them")
     if fc_norm_idx and fc_norm_idx != list(range(n_aux)):
         warnings.append(f"fc_norm tensors for slots {fc_norm_idx} but there are {n_aux} aux states")
-    if norm_before_fc != input_norm:
-        warnings.append(f"norm_before_fc is {str(norm_before_fc).lower()} but input_norm.weight is "
+    if f.norm_before_fc != input_norm:
+        warnings.append(f"norm_before_fc is {str(f.norm_before_fc).lower()} but input_norm.weight is "
                         f"{'present' if input_norm else 'absent'}")
-    if fc_norm and norm_before_fc:
+    if f.fc_norm and f.norm_before_fc:
         warnings.append("both fc_norm and norm_before_fc are set (mutually exclusive in speculators)")
 
-    # Vocabulary: lm_head rows are what the head predicts; d2t maps them into the target vocab.
+
+def _draft_vocab(cfg: dict[str, Any], cfg_file: Path, reader: CheckpointReader, vocab: int | None,
+                 check_vocab_map: bool, warnings: list[str]) -> tuple[TensorInfo | None, int | None, int | None,
+                                                                      VocabMapCheck]:
+    """(lm_head, draft vocab, config's draft_vocab_size, d2t/t2d check): lm_head rows are what the
+    head predicts; d2t maps them into the target vocab."""
+    has = set(reader.names())
     lm_head = next((reader.info(n) for n in (keys.DRAFT_LM_HEAD, "lm_head.weight_packed") if n in has), None)
-    vocab = dims.vocab_size
     cfg_dv = _int(cfg, "draft_vocab_size", cfg_file, "")
     draft_vocab = lm_head.shape[0] if lm_head is not None else cfg_dv
     if lm_head is None:
@@ -947,35 +553,61 @@ def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: 
     if draft_vocab is not None and vocab is not None and draft_vocab != vocab and keys.D2T not in has:
         warnings.append(f"draft vocab {draft_vocab} < target vocab {vocab} but no d2t: draft ids cannot be "
                         f"mapped to target ids")
+    return lm_head, draft_vocab, cfg_dv, vmap
 
-    speculators = None
-    if spec:
-        sc = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
-        ver = sc.get("verifier") if isinstance(sc.get("verifier"), dict) else {}
-        pms = sc.get("proposal_methods") if isinstance(sc.get("proposal_methods"), list) else []
-        pm = pms[0] if pms and isinstance(pms[0], dict) else {}
-        speculators = {
-            "version": cfg.get("speculators_version"),
-            "algorithm": sc.get("algorithm"),
-            "verifier": ver.get("name_or_path"),
-            "verifier_architectures": ver.get("architectures"),
-            "speculative_tokens": pm.get("speculative_tokens"),
-        }
-        if not ver.get("name_or_path"):
-            warnings.append("speculators_config.verifier.name_or_path is missing (vLLM requires it)")
+
+def _speculators_info(cfg: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    sc = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    ver = sc.get("verifier") if isinstance(sc.get("verifier"), dict) else {}
+    pms = sc.get("proposal_methods") if isinstance(sc.get("proposal_methods"), list) else []
+    pm = pms[0] if pms and isinstance(pms[0], dict) else {}
+    if not ver.get("name_or_path"):
+        warnings.append("speculators_config.verifier.name_or_path is missing (vLLM requires it)")
+    return {
+        "version": cfg.get("speculators_version"),
+        "algorithm": sc.get("algorithm"),
+        "verifier": ver.get("name_or_path"),
+        "verifier_architectures": ver.get("architectures"),
+        "speculative_tokens": pm.get("speculative_tokens"),
+    }
+
+
+def _draft_info(cfg: dict[str, Any], tc: dict[str, Any], tc_field: str, family: str, dims: ModelDims,
+                reader: CheckpointReader, cfg_file: Path, check_vocab_map: bool,
+                warnings: list[str]) -> DraftInfo:
+    names = reader.names()
+    spec = family == SPECULATORS
+    prefix = _draft_prefix(reader, names)
+    has = set(names)
+    attention = _draft_attention(cfg, family, dims, prefix, names, warnings)
+    flags = _draft_flags(cfg, cfg_file, spec)
+    fc_norm_idx = sorted({i for n in names if (i := keys.fc_norm_index(n)) is not None})
+    input_norm = keys.DRAFT_INPUT_NORM in has
+    eagle_version = "3.1" if (flags.fc_norm or flags.norm_output or fc_norm_idx) else "3"
+
+    hidden = dims.hidden_size
+    top_th = _int(cfg, "target_hidden_size", cfg_file, "")
+    target_hidden = top_th or hidden
+    if top_th is None:
+        flags.defaulted.append("target_hidden_size")
+    aux = _draft_aux(cfg, cfg_file, reader, hidden, target_hidden, spec, warnings)
+    _check_eagle31_norms(flags, fc_norm_idx, aux.count, input_norm, warnings)
+    vocab = dims.vocab_size
+    lm_head, draft_vocab, cfg_dv, vmap = _draft_vocab(cfg, cfg_file, reader, vocab, check_vocab_map, warnings)
+    speculators = _speculators_info(cfg, warnings) if spec else None
 
     return DraftInfo(
         eagle_version=eagle_version,
         layer_prefix=prefix.rstrip("."),
         attention=attention,
         num_layers=dims.num_layers,
-        fc_norm=fc_norm,
+        fc_norm=flags.fc_norm,
         fc_norm_tensors=len(fc_norm_idx),
-        norm_output=norm_output,
-        norm_before_fc=norm_before_fc,
+        norm_output=flags.norm_output,
+        norm_before_fc=flags.norm_before_fc,
         input_norm_tensor=input_norm,
-        norm_before_residual=norm_before_residual,
-        defaulted=defaulted,
+        norm_before_residual=flags.norm_before_residual,
+        defaulted=flags.defaulted,
         aux_layers=aux,
         hidden_size=hidden,
         target_hidden_size=target_hidden,
@@ -1032,94 +664,3 @@ def _vocab_map(reader: CheckpointReader, draft_vocab: int | None, vocab: int | N
     return VocabMapCheck(d2t_length=d2t_len, t2d_length=t2d_len, values_checked=checked, d2t_length_ok=length_ok,
                          d2t_in_range=in_range, d2t_increasing=increasing, t2d_consistent=t2d_ok)
 
-
-# ---------------------------------------------------------------------------------------------
-# Human-readable output
-# ---------------------------------------------------------------------------------------------
-
-
-def summary_rows(s: CheckpointSummary) -> list[tuple[str, str, str]]:
-    """(section, key, value) rows of the human-readable summary (also handy in logs)."""
-    rows: list[tuple[str, str, str]] = []
-
-    def add(sec: str, k: str, v: Any) -> None:
-        rows.append((sec, k, "-" if v is None else str(v)))
-
-    add("model", "path", s.path)
-    add("model", "role", s.role)
-    add("model", "family", s.family)
-    add("model", "architecture", s.architecture)
-    mt = s.model_type if s.text_model_type is None else f"{s.model_type} (text: {s.text_model_type})"
-    add("model", "model_type", mt)
-    d = s.dims
-    add("model", "dims", f"hidden {d.hidden_size}, layers {d.num_layers}, vocab {d.vocab_size}, "
-                         f"heads {d.num_attention_heads}/{d.num_key_value_heads}, attention {d.attention}")
-    if d.attention == "mla":
-        add("model", "mla", f"q_lora {d.q_lora_rank}, kv_lora {d.kv_lora_rank}, nope/rope/v "
-                            f"{d.qk_nope_head_dim}/{d.qk_rope_head_dim}/{d.v_head_dim}")
-    add("model", "rope", f"{d.rope_type}, theta {d.rope_theta}, max_pos {d.max_position_embeddings}")
-    q = s.quant
-    add("quant", "scheme", q.scheme if not q.method else f"{q.scheme} ({q.method}, config {q.config_location})")
-    if q.method:
-        add("quant", "weights", q.weights)
-        add("quant", "activations", q.activations or "not quantized (weight-only)")
-        if q.pack_method:
-            add("quant", "pack_method", q.pack_method)
-        add("quant", "exclude entries", q.exclude)
-    add("quant", "modules", ", ".join(f"{k} {v}" for k, v in q.modules.items()) or "none")
-    if s.target:
-        t = s.target
-        add("target", "text prefix", repr(t.text_prefix))
-        add("target", "vision", f"{t.vision_tensors} vision + {t.projector_tensors} projector tensors"
-            if t.has_vision else "none")
-        add("target", "experts", f"{t.n_routed_experts} routed (top {t.num_experts_per_tok}), "
-                                 f"{t.n_shared_experts} shared, first {t.first_k_dense_replace} dense")
-        add("target", "layers in files", t.layers_in_files)
-        add("target", "default aux ids", t.default_aux_layer_ids)
-    if s.draft:
-        r = s.draft
-        a = r.aux_layers
-        add("draft", "eagle version", r.eagle_version)
-        add("draft", "layer prefix", r.layer_prefix)
-        add("draft", "attention", r.attention)
-        add("draft", "flags", f"fc_norm {r.fc_norm} ({r.fc_norm_tensors} tensors), norm_output {r.norm_output}, "
-                              f"norm_before_fc {r.norm_before_fc}, norm_before_residual {r.norm_before_residual}")
-        if r.defaulted:
-            add("draft", "defaulted", ", ".join(r.defaulted))
-        ids = "engine default" if a.ids is None else f"{a.ids} ({a.convention}; input form {a.input_ids})"
-        add("draft", "aux layers", f"{a.count}: {ids}")
-        add("draft", "aux rule", a.rule)
-        add("draft", "hidden", f"{r.hidden_size} (target hidden {r.target_hidden_size})")
-        add("draft", "vocab", f"draft {r.draft_vocab_size} -> target {r.vocab_size} "
-                              f"(config draft_vocab_size {r.config_draft_vocab_size})")
-        vm = r.vocab_map
-        add("draft", "d2t / t2d", f"{'yes' if r.d2t else 'no'} / {'yes' if r.t2d else 'no'}"
-            + (f" (in range {vm.d2t_in_range}, length ok {vm.d2t_length_ok})" if r.d2t else ""))
-        add("draft", "own embedding", r.own_embedding)
-        if r.speculators:
-            add("draft", "speculators", ", ".join(f"{k} {v}" for k, v in r.speculators.items()))
-    ts = s.tensors
-    add("tensors", "count", ts.count)
-    add("tensors", "total", human_bytes(ts.total_bytes))
-    add("tensors", "dtypes", ", ".join(f"{k} {v}" for k, v in ts.dtypes.items()))
-    add("tensors", "shards", f"{len(ts.shards)}{' (indexed)' if ts.indexed else ''}")
-    for w in s.warnings:
-        add("warnings", "!", w)
-    return rows
-
-
-def print_summary(s: CheckpointSummary) -> None:
-    """Print the summary as a rich table (``eagle3 inspect`` without ``--json``)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{s.family} {s.role}", show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold cyan")
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    last = None
-    for sec, k, v in summary_rows(s):
-        style = "yellow" if sec == "warnings" else None
-        table.add_row(sec if sec != last else "", k, v, style=style)
-        last = sec
-    Console().print(table)

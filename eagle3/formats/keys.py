@@ -2,8 +2,8 @@
 
 Every upstream spelling of a tensor name lives here, so that the rest of eagle3 speaks in roles
 ("the draft's fc", "the decoder layer prefix", "the text stack") instead of string literals.
-Sources: shared/docs/research/eagle3_formats.md sections 1, 7 and 11 (draft keys),
-kimi_quant_formats.md sections 1.5, 2.1, 3.3 and 3.4 (target keys and quantized-module suffixes).
+The whole-checkpoint layouts these names belong to are in :mod:`eagle3.formats.sizing` and
+:mod:`eagle3.formats.schema`.
 
 Facts encoded below (all on-disk names, never engine-internal names):
 

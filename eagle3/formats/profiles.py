@@ -7,7 +7,7 @@ how it reads the aux-layer ids, and how the config is laid out (plain HF config 
 speculators format). :func:`render_config` turns a normalised :class:`DraftSpec` into the
 ``config.json`` of a profile.
 
-Sources (shared/docs/research/eagle3_formats.md): section 2 (config fields and who reads them),
+Sources: the engines' draft loaders (config fields and who reads them),
 4 (vLLM: ``llama_eagle3.py``/``deepseek_eagle3.py``, speculators config path ``update_eagle3``),
 5 (SGLang: ``llama_eagle3.py``, ``kimi_k25_eagle3.py``, aux capture heuristic), 7 (speculators
 on-disk format), 8 (aux-id conventions), 9 (ATOM), 11 (key names) and 12 (checklist).

@@ -7,7 +7,7 @@ architecture (DeepSeek-V3 / Kimi text stack, the K2.5 wrapper's MoonViT tower an
 EAGLE-3 drafts) and, for each Linear, from the storage layout its quantization scheme writes:
 
 =====================  ==========================================================================
-scheme                 tensors of one Linear [N, K] (kimi_quant_formats.md 2.1, 3.2-3.4)
+scheme                 tensors of one Linear [N, K]
 =====================  ==========================================================================
 dense                  ``weight`` [N, K] in the model dtype
 ct-int4 (Moonshot)     ``weight_packed`` I32 [N, K/8], ``weight_scale`` [N, K/g] model dtype,
@@ -178,7 +178,7 @@ def _cfg_int(cfg: dict[str, Any], key: str, where: str, default: int | None = No
 
 
 def text_stack_weights(tc: dict[str, Any], prefix: str, where: str) -> Iterator[Weight]:
-    """The DeepSeek-V3 / Kimi text stack (kimi_quant_formats.md 1.5), layer by layer."""
+    """The DeepSeek-V3 / Kimi text stack, layer by layer."""
     H = _cfg_int(tc, "hidden_size", where)
     V = _cfg_int(tc, "vocab_size", where)
     L = _cfg_int(tc, "num_hidden_layers", where)
@@ -242,7 +242,7 @@ def _vget(vc: dict[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def vision_weights(vc: dict[str, Any], text_hidden: int) -> Iterator[Weight]:
-    """MoonViT + PatchMerger projector of the K2.5 wrapper (kimi_quant_formats.md 1.3 / 1.5).
+    """MoonViT + PatchMerger projector of the K2.5 wrapper.
     Both spellings of the fields are read (Moonshot's ``vt_*`` and transformers' plain names); the
     defaults are transformers' (= the real K2.5 numbers)."""
     D = int(_vget(vc, "vt_hidden_size", "hidden_size", default=1152))
@@ -433,7 +433,7 @@ def resolver(cfg: dict[str, Any], where: str = "config.json") -> Resolver:
 
         def ct(module: str, kind: str) -> LinearFormat:
             # Moonshot ships the K2.5 vision tower and projector bf16 whatever the ignore list says
-            # (the K2-Thinking list does not name them; kimi_quant_formats.md 1.4).
+            #.
             if kind != "linear" or module.startswith(("vision_tower.", "mm_projector.")) or ignored(module):
                 return dense_fmt
             for targets, f in fmts:

@@ -1,5 +1,5 @@
 """The exported ``config.json``: Quark's ``quantization_config`` schema, written by eagle3's own
-code, with the hygiene that vLLM, SGLang and ATOM all need (kimi_quant_formats.md 4.4).
+code, with the hygiene that vLLM, SGLang and ATOM all need.
 
 The JSON is exactly what ``QConfig(...).to_dict()`` of AMD Quark 0.13 gives for the recipe plus the
 ``export`` block of Quark's file-to-file export (tests/quantize compare the two on every recipe).

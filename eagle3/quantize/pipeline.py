@@ -45,6 +45,9 @@ from typing import Any
 
 import torch
 
+import eagle3.quantize.compat as compat
+import eagle3.quantize.native as native
+import eagle3.quantize.report as report
 from eagle3 import __version__, finite
 from eagle3.checkpoint import (
     CheckpointReader,
@@ -64,8 +67,8 @@ from eagle3.checkpoint import (
     write_json,
 )
 from eagle3.errors import Eagle3Error, OutputError, UsageError
+from eagle3.formats import check
 from eagle3.formats.files import INDEX_FILE
-from eagle3.quantize import compat, native, report
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
@@ -514,12 +517,14 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     dst = check_output(out_p, overwrite, inputs, resume)
     source, reader = inspect_source(src_dir, any_architecture=any_architecture)
     validate_source(source)
+    if not any_architecture:  # the model against its schema, before any weight is read
+        check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     tmp = partial_path(dst)
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite)
     quark_cfg = None
     if engine == "quark":  # fail on a missing Quark before anything is written; its classes build the config
-        from eagle3.quantize import quark as quark_engine
+        import eagle3.quantize.quark as quark_engine
 
         quark_cfg = quark_engine.quantization_config(rec, compat.exclude_list(plan.unquantized, sc.exclude_regex))
 

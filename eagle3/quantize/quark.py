@@ -1,7 +1,7 @@
 """The Quark engine: each weight computed with AMD Quark 0.13's own per-tensor primitives, and the
 exported ``quantization_config`` built with Quark's own config classes.
 
-Why not Quark's ``direct_quantize_checkpoint`` itself (quark_handson.md 5, 7): in 0.13 its
+Why not Quark's ``direct_quantize_checkpoint`` itself: in 0.13 its
 single-stage INT4 output is packed in natural nibble order while config.json says ``reorder``,
 has no zero points and untransposed per-group scales (transformers reloads it silently wrong);
 FP8-block sources are a silent no-op on CPU; it fails with ``KeyError: 'weight_packed'`` when a

@@ -5,8 +5,7 @@ A module is addressed by name through the index, never by shard: a compressed-te
 whose ``weight_packed`` and ``weight_scale`` lie in different shards (the index format allows it;
 Quark 0.13 fails on it with ``KeyError: 'weight_packed'``) reads each tensor from wherever it is.
 
-What a quantizer sees, matching Quark's file-to-file path (quark_handson.md 5, kimi_quant_formats.md
-3.3/3.4), so that the native and Quark engines and AMD's artifacts agree bit for bit:
+What a quantizer sees, matching Quark's file-to-file path (docs/recipes.md), so that the native and Quark engines and AMD's artifacts agree bit for bit:
 
 * bf16 / fp16 / fp32 weights: the stored tensor, in its stored dtype;
 * compressed-tensors INT4 (Moonshot Kimi): ``q * scale`` computed in **fp32** (no bf16 rounding of

@@ -1,9 +1,9 @@
 """Memory plan of a tensor- and expert-parallel deployment: weight bytes per rank, KV-cache
-capacity, and whether it fits (``eagle3 plan``; DESIGN.md "The runtime at real size").
+capacity, and whether it fits (``eagle3 plan``; docs/scale.md).
 
 Config-only by design: it sizes the real Kimi-K2.5 from its ``config.json`` without the 595 GB of
 weights (:mod:`eagle3.formats.sizing`), and from the safetensors headers when the shards are there.
-Every tensor goes to ranks by the sharding DESIGN.md lists (following vLLM):
+Every tensor goes to ranks by vLLM's sharding:
 
 * MLA: ``q_b_proj`` and ``kv_b_proj`` split by heads, ``o_proj`` split along its input (rows of the
   head outputs) + reduce; ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated, and so

@@ -356,6 +356,11 @@ def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict
     _check(opts)
     out = Path(opts.out)
     check_output(out, opts.overwrite)
+    from eagle3.formats.check import require_valid
+
+    for src in (opts.target, opts.init_from):  # the models against their schemas, before any weight is read
+        if src is not None:
+            require_valid(src)
     tmp = partial_path(out)
     ckpt = tmp / CKPT_DIR / CKPT_FILE
     if opts.resume and not ckpt.is_file():

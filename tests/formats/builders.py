@@ -1,10 +1,9 @@
 """Small checkpoints in the upstream on-disk formats, written with CheckpointWriter and the codecs.
 
 Used by the detection tests for what the tiny fixtures of eagle3.testing.tiny do not cover
-(quantized variants, broken configs). Configs follow the research notes: kimi_quant_formats.md
-sections 1.2-1.4 (Kimi text stack, compressed-tensors INT4) and eagle3_formats.md sections 1, 2 and 7
-(drafts); the Quark configs are real Quark 0.13 exports and the Quark tensor layouts are those of
-quark_handson.md section 4 (int32 reorder-packed INT4, uint8 FP4 + E8M0, float8 + scale).
+(quantized variants, broken configs). Configs follow the upstream ones (Kimi text stack,
+compressed-tensors INT4, the drafts of eagle3.testing.tiny); the Quark configs are real Quark 0.13
+exports and the Quark tensor layouts are those of eagle3.formats.sizing (int32 reorder-packed INT4, uint8 FP4 + E8M0, float8 + scale).
 Dimensions are tiny (hidden 64, 4 layers, 4 experts) so that a checkpoint is a few hundred KB.
 """
 
@@ -229,7 +228,7 @@ def vocab_map(draft_vocab: int, vocab: int = VOCAB, seed: int = 2) -> tuple[torc
 
 
 def llama_draft_config(**extra: Any) -> dict[str, Any]:
-    """TorchSpec-style Kimi-K2.5 EAGLE-3 Llama draft config (eagle3_formats.md 1.1), tiny dims."""
+    """TorchSpec-style Kimi-K2.5 EAGLE-3 Llama draft config, tiny dims."""
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "attention_bias": False,
         "head_dim": DHEAD_DIM, "hidden_act": "silu", "hidden_size": DH, "intermediate_size": DI,
@@ -242,7 +241,7 @@ def llama_draft_config(**extra: Any) -> dict[str, Any]:
 
 
 def mla_draft_config(**extra: Any) -> dict[str, Any]:
-    """lightseek Kimi-K2.6 EAGLE-3.1 MLA draft config (eagle3_formats.md 1.2), tiny dims."""
+    """lightseek Kimi-K2.6 EAGLE-3.1 MLA draft config, tiny dims."""
     cfg: dict[str, Any] = {
         "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": DH,
         "intermediate_size": DI, "num_hidden_layers": 1, "num_attention_heads": DHEADS,
@@ -259,7 +258,7 @@ def mla_draft_config(**extra: Any) -> dict[str, Any]:
 
 
 def speculators_config(**extra: Any) -> dict[str, Any]:
-    """speculators Eagle3Speculator config (eagle3_formats.md 7.2), tiny dims."""
+    """speculators Eagle3Speculator config, tiny dims."""
     cfg: dict[str, Any] = {
         "architectures": ["Eagle3Speculator"], "auto_map": {"": "eagle3.Eagle3SpeculatorConfig"},
         "draft_vocab_size": 128, "norm_before_residual": False,

@@ -65,13 +65,13 @@ def _weight(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 def test_ct_int4_known_word():
-    # kimi_quant_formats.md 2.2: codes [-8,-7,-1,0,1,2,6,7] -> 0xFEA98710 (as an int32 bit pattern).
+    # compressed-tensors pack-quantized: codes [-8,-7,-1,0,1,2,6,7] -> 0xFEA98710 (as an int32 bit pattern).
     q = torch.tensor([[-8, -7, -1, 0, 1, 2, 6, 7]], dtype=torch.int8)
     assert C.ct_int4_pack(q).item() == 0xFEA98710 - 2**32
 
 
 def test_quark_reorder_byte_layout():
-    # kimi_quant_formats.md 3.2: byte0=(v2<<4|v0), byte1=(v6<<4|v4), byte2=(v3<<4|v1), byte3=(v7<<4|v5).
+    # Quark's reorder packing: byte0=(v2<<4|v0), byte1=(v6<<4|v4), byte2=(v3<<4|v1), byte3=(v7<<4|v5).
     q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, -8]], dtype=torch.int8)
     v = [int(x) & 0xF for x in q[0]]
     want = [v[2] << 4 | v[0], v[6] << 4 | v[4], v[3] << 4 | v[1], v[7] << 4 | v[5]]
@@ -319,7 +319,7 @@ _KIMI_CT_CONFIG = {
 
 
 def test_ct_dequantizer_on_kimi_tensors(ct, tmp_path):
-    """The library's own Kimi-config dequantizer (kimi_quant_formats.md 2.3) agrees bit for bit."""
+    """The library's own Kimi-config dequantizer agrees bit for bit."""
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": _KIMI_CT_CONFIG}))
@@ -523,7 +523,7 @@ def test_w4a8_matches_quark_progressive(quark, shape, dtype):
 
 def test_single_stage_file2file_layout(quark):
     """Quark 0.13 file-to-file INT4: natural nibble order, fp32 scales, per-group scale NOT transposed
-    (quark_handson.md 5) - i.e. our export-layout functions with reorder=False / scale.T."""
+    - i.e. our export-layout functions with reorder=False / scale.T."""
     from quark.torch.quantization.file2file_quantization import _single_stage_quantize_weight
 
     cfg, w = quark["cfg"], _weight(64, 256, torch.bfloat16)

@@ -58,7 +58,7 @@ def test_text_only_ct_int4_target(tmp_path: Path) -> None:
 
 
 def test_k25_wrapper_with_nested_quant_config(tmp_path: Path) -> None:
-    """Moonshot ships quantization_config inside text_config (kimi_quant_formats.md 1.4)."""
+    """Moonshot ships quantization_config inside text_config."""
     cfg = b.k25_config(nested_quant=b.CT_INT4_CONFIG)
     d = b.write(tmp_path / "k25", cfg, b.target_tensors("ct-int4", prefix=keys.LM_PREFIX, vision=True))
     s = detect.detect(d)
@@ -451,7 +451,7 @@ def test_aux_helpers() -> None:
         to_output_convention([0, 5], "input")
     with pytest.raises(ValueError):
         to_input_convention([2], "default")
-    # the default ids of both conventions are the same physical tensors (eagle3_formats.md section 8)
+    # the default ids of both conventions are the same physical tensors
     n = 61
     specforge_default = [1, n // 2 - 1, n - 4]
     assert tuple(to_input_convention(specforge_default, "output") or []) == default_aux_layer_ids(n)

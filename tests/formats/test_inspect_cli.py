@@ -78,7 +78,7 @@ def test_make_tiny_then_inspect_identifies_every_model(tiny: Path) -> None:
         j = results[name]
         got = {k: _get(j, k) for k in want}
         assert got == want, name
-        # The lightseek K2.5 draft ships no draft_vocab_size (eagle3_formats.md 1.1): worth a warning.
+        # The lightseek K2.5 draft ships no draft_vocab_size: worth a warning.
         want_warn = ["draft_vocab_size"] if name == "kimi-k2.5-eagle3" else []
         assert [w for w in want_warn if any(w in x for x in j["warnings"])] == want_warn
         assert len(j["warnings"]) == len(want_warn), (name, j["warnings"])

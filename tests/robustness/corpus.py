@@ -3,7 +3,7 @@
 Each :class:`Case` takes a fresh copy of one tiny model (``eagle3 make-tiny``) and breaks it in one
 way: a safetensors header, a config, an index, a manifest, a d2t map, a recipe, an output path or a
 side file. The test (``test_corpus.py``) drives the CLI on it with each command of ``Case.commands``
-and checks the promise every command makes about bad input (DESIGN.md, "Conventions"):
+and checks the promise every command makes about bad input (eagle3/errors.py):
 
 * exit code 2;
 * stderr is exactly one line, ``error: ...``, naming the file, tensor or field (``Case.expect``);

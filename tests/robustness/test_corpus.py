@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.robustness import corpus
+from tests.robustness import corpus, schema_cases  # noqa: F401 (registers the issue-21 cases)
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 

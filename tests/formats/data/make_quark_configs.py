@@ -1,6 +1,6 @@
 """Regenerate quark013_configs.json: the ``quantization_config`` that AMD Quark 0.13 really exports
 for the four schemes eagle3 detects (W4A8 int4_fp8, INT4 per-channel + INT8 per-token, MXFP4,
-ptpc FP8), taken from in-memory exports of a tiny random DeepseekV3 (quark_handson.md section 3).
+ptpc FP8), taken from in-memory exports of a tiny random DeepseekV3.
 The tests use them as the independent reference for the Quark config schema; ``exclude`` is
 emptied because each test writes the module names of its own checkpoint.
 

@@ -1,0 +1,236 @@
+"""``check_checkpoint``: a checkpoint against its architecture's schema, before any weight is read.
+
+Reads ``config.json``, the safetensors headers and the index (never a weight, except a reduced-
+vocabulary draft's two small vocabulary maps) and reports, one line each naming the file and the
+field or tensor:
+
+* config fields of the wrong type or out of range (:mod:`eagle3.formats.model_config`);
+* the index and the shards disagreeing (a tensor in a shard the index does not list, or the reverse);
+* the config's layer count disagreeing with the layers in the files;
+* missing, unexpected and mis-shaped / mis-typed tensors (:mod:`eagle3.formats.schema`), including
+  ones whose byte size is right but whose shape is not;
+* ``d2t`` / ``t2d`` disagreeing with each other or with ``draft_vocab_size``.
+
+``convert``, ``quantize`` and ``train-draft`` call :func:`require_valid` before reading weights
+(exit 2 with the first problem); ``inspect`` prints every problem (``--strict``: exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.checkpoint import INDEX_FILE, CheckpointReader, read_json
+from eagle3.errors import Eagle3Error, FormatError
+from eagle3.formats import keys
+from eagle3.formats.model_config import DraftConfig, TextStackConfig, parse_config
+from eagle3.formats.schema import FLOAT_TAGS, Schema, schema_for
+
+_MAX_SHOWN = 3  # names listed in one problem line
+_MAX_MAP_BYTES = 64 << 20  # d2t / t2d values are read up to this size (a 160k vocab's t2d is 160 KB)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint: ``file`` and the ``subject`` (field or tensor) it is about."""
+
+    file: Path
+    subject: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _names(ns: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in ns[:_MAX_SHOWN])
+    return shown + (f" and {len(ns) - _MAX_SHOWN} more" if len(ns) > _MAX_SHOWN else "")
+
+
+def _index_problems(d: Path, reader: CheckpointReader) -> list[Problem]:
+    """Tensors in an indexed shard that the index does not list (the reverse, an index entry whose
+    shard lacks it, the reader already refuses)."""
+    idx = d / INDEX_FILE
+    if not idx.is_file():
+        return []
+    wm = read_json(idx).get("weight_map") or {}
+    out = []
+    for shard, names in reader.shards().items():
+        unlisted = [n for n in names if wm.get(n) != shard.name]
+        if unlisted:
+            out.append(Problem(idx, unlisted[0], f"{idx}: does not list tensor(s) {_names(unlisted)} that "
+                                                 f"{shard.name} holds (engines load by the index)"))
+    return out
+
+
+def _where(reader: CheckpointReader, name: str) -> Path:
+    return reader.info(name).file
+
+
+def _layer_problems(cfg_file: Path, schema: Schema, names: list[str]) -> list[Problem]:
+    if schema.num_layers is None:
+        return []
+    rx = re.compile(re.escape(schema.layer_prefix) + r"(\d+)\.")
+    ids = {int(m.group(1)) for n in names if (m := rx.match(n))}
+    main = sorted(i for i in ids if i < schema.num_layers)
+    field = ("text_config." if schema.layer_prefix.startswith("language_model.") else "") + "num_hidden_layers"
+    if ids and (len(main) < schema.num_layers or max(ids) >= schema.num_layers + schema.mtp_layers):
+        last = max(ids)
+        return [Problem(cfg_file, field, f"{cfg_file}: field '{field}' is {schema.num_layers} but the shards hold "
+                                         f"{len(ids)} decoder layer(s) (0..{last})")]
+    return []
+
+
+def _fields_for(typed: Any, spec_shape: tuple[int, ...], shape: list[int]) -> str:
+    """The config fields whose value is a dimension the files disagree with (the likely culprit)."""
+    import dataclasses
+
+    dims = {e for e, g in zip(spec_shape, shape, strict=False) if e != g} if len(shape) == len(spec_shape) else set()
+    hits = [f"{k}={v}" for k, v in dataclasses.asdict(typed).items()
+            if isinstance(v, int) and not isinstance(v, bool) and v in dims]
+    return f" ({', '.join(hits)})" if hits else ""
+
+
+def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
+    """The schema's tensors with each quantized Linear the files hold dense (a float weight of the
+    logical shape and none of the layout's other tensors) expected dense."""
+    tensors = dict(schema.tensors)
+    for qnames, dense in schema.dense_alternatives.values():
+        w = got.get(dense.name)
+        if (w is not None and w.dtype in FLOAT_TAGS and tuple(w.shape) == dense.shape
+                and not any(n in got for n in qnames if n != dense.name)):
+            for n in qnames:
+                tensors.pop(n, None)
+            tensors[dense.name] = dense
+    return tensors
+
+
+def _tensor_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader, typed: Any,
+                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
+    out: list[Problem] = []
+    got = {i.name: i for i in reader.infos() if i.name not in ignore}
+    tensors = _resolve_dense(schema, got)
+    missing = [n for n in tensors if n not in got and n not in schema.optional]
+    if missing:
+        out.append(Problem(cfg_file, missing[0], f"{reader.path}: missing tensor(s) {_names(missing)} that the "
+                                                 f"{schema.family} schema of {cfg_file.name} requires"))
+    extra = [n for n in got if n not in tensors and not schema.allowed_extra(n)]
+    if extra:
+        out.append(Problem(_where(reader, extra[0]), extra[0],
+                           f"{_where(reader, extra[0])}: unexpected tensor(s) {_names(extra)} (not in the "
+                           f"{schema.family} schema of {cfg_file.name})"))
+    for name, spec in tensors.items():
+        info = got.get(name)
+        if info is None:
+            continue
+        if tuple(info.shape) != spec.shape or not schema.dtype_ok(spec.dtype, info.dtype):
+            out.append(Problem(info.file, name, f"{info.file}: tensor {name!r} is {info.dtype}{list(info.shape)}, "
+                                                f"expected {spec.dtype}{list(spec.shape)} from {cfg_file.name}"
+                                                f"{_fields_for(typed, spec.shape, list(info.shape))}"))
+    return out
+
+
+def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader) -> list[Problem]:
+    V, Vd = schema.vocab_map or (None, None)
+    d2t = reader.info(keys.D2T) if keys.D2T in reader else None
+    t2d = reader.info(keys.T2D) if keys.T2D in reader else None
+    if schema.vocab_map is None:
+        present = [i for i in (d2t, t2d) if i is not None]
+        if present:  # engines would remap with a map the config says is not there
+            return [Problem(present[0].file, present[0].name,
+                            f"{present[0].file}: tensor {present[0].name!r} is there but {cfg_file.name} has "
+                            f"no reduced vocabulary (draft_vocab_size equals vocab_size)")]
+        return []
+    if d2t is None or t2d is None or list(d2t.shape) != [Vd] or list(t2d.shape) != [V] or t2d.dtype != "BOOL":
+        return []  # missing / mis-shaped: reported by the schema comparison
+    if d2t.nbytes > _MAX_MAP_BYTES or t2d.nbytes > _MAX_MAP_BYTES or d2t.file.stat().st_size == 0:
+        return []
+    import torch
+
+    try:
+        mask, offs = reader.get(keys.T2D), reader.get(keys.D2T)
+    except Eagle3Error:  # a header-only view (a Hub repo): the values are not here
+        return []
+    trues = int(mask.sum())
+    if trues != Vd:
+        return [Problem(t2d.file, keys.T2D, f"{t2d.file}: tensor 't2d' marks {trues} target ids but "
+                                            f"draft_vocab_size in {cfg_file.name} is {Vd}")]
+    if offs.dtype not in (torch.int64, torch.int32):
+        return []
+    targets = offs.to(torch.int64) + torch.arange(Vd, dtype=torch.int64)
+    if bool((targets < 0).any()) or bool((targets >= V).any()) or not bool(mask[targets.clamp(0, V - 1)].all()):
+        return [Problem(d2t.file, keys.D2T, f"{d2t.file}: tensor 'd2t' maps draft ids to target ids that 't2d' "
+                                            f"does not mark (d2t and t2d disagree)")]
+    return []
+
+
+def check_checkpoint(path: str | Path, *, target_layers: int | None = None,
+                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
+    """Every problem of the checkpoint directory ``path`` against its schema (empty: it conforms, or
+    eagle3 has no schema for its architecture). Unreadable headers or index raise their one-line
+    :class:`~eagle3.errors.Eagle3Error` as the reader does."""
+    d = Path(path)
+    if not d.is_dir():
+        return []
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        return []
+    cfg: Any = read_json(cfg_file)
+    typed, problems = parse_config(cfg, cfg_file, target_layers)
+    out = [Problem(cfg_file, p.split("'")[1] if "'" in p else "", p) for p in problems]
+    if typed is None:
+        return out
+    reader = CheckpointReader(d)
+    out += _index_problems(d, reader)
+    return out + check_reader(cfg, typed, cfg_file, reader, ignore)
+
+
+def check_reader(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, cfg_file: Path,
+                 reader: CheckpointReader, ignore: frozenset[str] = frozenset()) -> list[Problem]:
+    """The tensors a reader's headers name against the schema of the typed config ``typed``
+    (``ignore``: tensors the user drops, e.g. ``convert --drop``)."""
+    out: list[Problem] = []
+    try:
+        schema = schema_for(cfg, typed, str(cfg_file), set(reader.names()))
+    except FormatError:  # a quantization_config eagle3 cannot lay out: detect / the commands refuse it
+        return []
+    out += _layer_problems(cfg_file, schema, reader.names())
+    out += _tensor_problems(cfg_file, schema, reader, typed, ignore)
+    if isinstance(typed, DraftConfig):
+        out += _vocab_map_problems(cfg_file, schema, reader)
+    return out
+
+
+def require_valid(path: str | Path, *, target_layers: int | None = None,
+                  ignore: frozenset[str] = frozenset()) -> None:
+    """Raise the first problem of :func:`check_checkpoint` as a one-line :class:`FormatError` (exit 2)."""
+    try:
+        problems = check_checkpoint(path, target_layers=target_layers, ignore=ignore)
+    except Eagle3Error:
+        raise
+    except (OSError, ValueError, json.JSONDecodeError) as e:  # the reader raises its own one-liners first
+        raise FormatError(f"{path}: cannot check against its schema ({e})") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); eagle3 inspect lists them)" if len(problems) > 1 else ""
+        raise FormatError(str(problems[0]) + more)
+
+
+
+def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool = False) -> list[Problem]:
+    """``inspect``'s report: every problem, one line each (stdout, or stderr beside ``--json``);
+    ``strict`` raises the first as a one-line :class:`FormatError` (exit 2) instead of listing them."""
+    import sys
+
+    problems = check_checkpoint(path) if Path(path).is_dir() else []
+    if problems and strict:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise FormatError(str(problems[0]) + more)
+    for p in problems:
+        print(f"schema problem: {p}", file=sys.stderr if to_stderr else sys.stdout)
+    return problems
+
+
+__all__ = ["Problem", "check_checkpoint", "check_reader", "require_valid", "report_problems"]

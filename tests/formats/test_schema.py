@@ -1,0 +1,156 @@
+"""Every tiny fixture and every eagle3 output passes its architecture's schema; deleting, renaming or
+reshaping any single tensor of it fails, with one line naming the tensor (header-only: fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3.checkpoint import CheckpointReader
+from eagle3.formats.check import check_checkpoint, check_reader
+from eagle3.formats.model_config import parse_config
+from eagle3.testing.tiny import MODEL_NAMES
+
+OUTPUTS = [("convert", "kimi-k2.5-eagle3", e) for e in ("vllm", "sglang", "atom", "speculators")] + \
+          [("convert", "kimi-k2.6-eagle3.1-mla", e) for e in ("vllm", "sglang", "atom")] + \
+          [("quantize", "kimi-k2.5-eagle3", "int4-draft"), ("quantize", "kimi-k2.6-eagle3.1-mla", "fp8-draft"),
+           ("quantize", "kimi-k2.5-eagle3-d2t", "int4-draft")]
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from eagle3.convert import convert
+    from eagle3.quantize import quantize
+
+    base = tmp_path_factory.mktemp("schema-out")
+    out = {}
+    for cmd, model, how in OUTPUTS:
+        dst = base / f"{model}-{how}"
+        if cmd == "convert":
+            convert(tiny_dir / model, dst, engine=how, target=str(tiny_dir / "kimi-k2.5"), progress=False)
+        else:
+            quantize(tiny_dir / model, dst, how, workers=1)
+        out[dst.name] = dst
+    dst = base / "target-text-only"
+    convert(tiny_dir / "kimi-k2.5", dst, text_only=True, progress=False)
+    out[dst.name] = dst
+    return out
+
+
+def _headers(d: Path) -> dict[str, dict[str, Any]]:
+    import struct
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        out[f.name] = json.loads(raw[8:8 + n])
+    return out
+
+
+def _problems(d: Path, headers: dict[str, dict[str, Any]]) -> list[str]:
+    cfg = json.loads((d / "config.json").read_text())
+    typed, probs = parse_config(cfg, d / "config.json")
+    assert typed is not None and not probs, probs
+    reader = CheckpointReader.from_headers(d, headers)
+    return [str(p) for p in check_reader(cfg, typed, d / "config.json", reader)]
+
+
+def _compact(h: dict[str, Any]) -> dict[str, Any]:
+    """Offsets laid end to end again after a tensor was taken out (the header stays valid)."""
+    out, pos = {}, 0
+    for name, ent in sorted(((k, v) for k, v in h.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]):
+        n = ent["data_offsets"][1] - ent["data_offsets"][0]
+        out[name] = {**ent, "data_offsets": [pos, pos + n]}
+        pos += n
+    return out
+
+
+def _mutations(headers: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[str, dict[str, Any]]]]:
+    """(what, tensor, headers) with one tensor deleted, renamed or reshaped (same byte size)."""
+    out = []
+    for fname, h in headers.items():
+        for name, ent in h.items():
+            if name == "__metadata__":
+                continue
+            rest = {k: v for k, v in h.items() if k != name}
+            out.append(("delete", name, {**headers, fname: _compact(rest)}))
+            out.append(("rename", name, {**headers, fname: {**rest, name + "_x": ent}}))
+            shape = ent["shape"]
+            n = 1
+            for s in shape:
+                n *= s
+            new = [n, 1] if len(shape) != 2 or shape[1] != 1 else [1, n]
+            out.append(("reshape", name, {**headers, fname: {**rest, name: {**ent, "shape": new}}}))
+    return out
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_every_tiny_fixture_passes_its_schema(tiny_dir: Path, model: str) -> None:
+    assert [str(p) for p in check_checkpoint(tiny_dir / model)] == []
+
+
+def test_every_output_passes_its_schema(outputs: dict[str, Path]) -> None:
+    bad = {k: [str(p) for p in check_checkpoint(d)] for k, d in outputs.items()}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def _assert_each_mutation_fails(d: Path) -> None:
+    headers = _headers(d)
+    assert _problems(d, headers) == []
+    for what, name, h in _mutations(headers):
+        if what == "delete" and name in ("t2d", "embed_tokens.weight"):
+            continue  # optional in drafts (SpecForge drops embed_tokens; engines skip t2d)
+        probs = _problems(d, h)
+        assert probs, f"{d.name}: {what} {name} passed the schema"
+        assert all("\n" not in p for p in probs)
+        assert any(name in p for p in probs), f"{d.name}: {what} {name}: {probs}"
+
+
+@pytest.mark.parametrize("model", [m for m in MODEL_NAMES if "eagle3" in m])
+def test_single_tensor_change_of_a_draft_fails(tiny_dir: Path, model: str) -> None:
+    _assert_each_mutation_fails(tiny_dir / model)
+
+
+def test_single_tensor_change_of_outputs_fails(outputs: dict[str, Path]) -> None:
+    for d in outputs.values():
+        if "target" not in d.name:
+            _assert_each_mutation_fails(d)
+
+
+def test_single_tensor_change_of_the_target_fails(tiny_dir: Path) -> None:
+    # every tensor of a layer, the embedding, head and a vision block (the other layers repeat them)
+    d = tiny_dir / "kimi-k2.5"
+    headers = _headers(d)
+    keep = ("language_model.model.layers.1.", "language_model.model.layers.6.", "language_model.model.embed",
+            "language_model.lm_head", "vision_tower.encoder.blocks.0.", "mm_projector.")
+    muts = [m for m in _mutations(headers) if m[1].startswith(keep)]
+    assert len(muts) > 100
+    for what, name, h in muts:
+        probs = _problems(d, h)
+        assert any(name in p for p in probs), f"{what} {name}: {probs}"
+
+
+def test_inspect_lists_problems_and_strict_exits_2(tiny_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    import shutil
+
+    from eagle3.cli import main
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir / "kimi-k2.5-eagle3", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rms_norm_eps"] = "1e-6"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(d)])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "schema problem:" in out and "rms_norm_eps" in out
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(d), "--strict"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rms_norm_eps" in err[0] and "config.json" in err[0]
