@@ -21,6 +21,7 @@ from eagle3.runtime.engine.model_runner import build_attn_metadata
 from eagle3.runtime.kernels import DenseWeight, Int4Weight, get_backend
 from eagle3.runtime.kernels.aiter import AiterBackend, head_layout, pack_int4_pairs
 from eagle3.runtime.sampling import SamplingParams
+from eagle3.testing.numerics import BF16_LOGIT_TOL, assert_generations_agree
 
 FAKE = Path(__file__).resolve().parent / "fake_aiter"
 
@@ -142,10 +143,13 @@ def test_llm_greedy_equals_the_torch_backend(fake_aiter, tiny_dir: Path) -> None
     the MLA draft, speculative greedy == plain greedy through the adapter."""
     kw = dict(tokenizer=None, dtype="bfloat16", num_blocks=32, block_size=4)
     ref = LLM(tiny_dir / "kimi-k2.5", None, backend="torch", **kw)
-    expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    reference = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
     llm = LLM(tiny_dir / "kimi-k2.5", None, backend="aiter", **kw)
     assert llm.kernel_backend == "aiter" and isinstance(llm.target.backend, AiterBackend)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    # Two implementations in bf16 agree within rounding, not bit for bit: the adapter folds heads
+    # and pads differently, and the CPU's vector kernels (AVX2 / AVX-512 / AMX) round differently.
+    assert_generations_agree(ref.target, llm.target, PROMPTS, reference, expected, BF16_LOGIT_TOL, "aiter vs torch")
     names = {(n, c.get("quant_type"), c.get("heads")) for n, c in fake_aiter.CALLS}
     assert ("fused_moe", "per_1x32", None) in names and ("mla_decode_fwd", None, 16) in names
     spec = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.6-eagle3.1-mla", backend="aiter",

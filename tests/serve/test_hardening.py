@@ -72,18 +72,41 @@ async def _good_request(client: httpx.AsyncClient, i: int) -> tuple[bool, str]:
     return ok, f"{r.status_code}: {r.text[:300]}"
 
 
-def _poison_among_16(url: str, poison: dict[str, Any], path: str = "/v1/completions") -> tuple[list[Any], Any]:
-    """16 good requests at once, and ``poison`` sent while they are in flight."""
+def _poison_among_16(url: str, poison: dict[str, Any], path: str = "/v1/completions",
+                     hold: Any = None) -> tuple[list[Any], Any]:
+    """16 good requests at once, and ``poison`` sent while they are in flight.
+
+    ``hold``: the engine (an LLM) is kept from stepping until all 17 requests are queued in it, so
+    they share its first step whatever the machine's speed (the test that needs it says so)."""
 
     async def main() -> tuple[list[tuple[bool, str]], httpx.Response]:
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(base_url=url, timeout=180, limits=limits, trust_env=False) as client:
             good = [asyncio.ensure_future(_good_request(client, i)) for i in range(16)]
-            await asyncio.sleep(0.3)  # let the good ones reach the engine (the result holds either way)
-            bad = await client.post(path, json=poison)
-            return list(await asyncio.gather(*good)), bad
+            if hold is None:
+                await asyncio.sleep(0.3)  # let the good ones reach the engine (the result holds either way)
+                bad = await client.post(path, json=poison)
+                return list(await asyncio.gather(*good)), bad
+            poisoned = asyncio.ensure_future(client.post(path, json=poison))
+            try:
+                await _until_queued(hold, 17)
+            finally:
+                hold._step_lock.release()
+            return list(await asyncio.gather(*good)), await poisoned
 
+    if hold is not None:
+        # LLM.step takes this lock for the whole step: the engine thread waits at its next step while
+        # add_request keeps queueing (it only takes the inbox lock).
+        assert hold._step_lock.acquire(timeout=60), "the engine did not finish its step"
     return asyncio.run(main())
+
+
+async def _until_queued(llm: Any, n: int, timeout: float = 60.0) -> None:
+    """Wait until ``n`` requests sit in the engine's inbox (requests queued, not yet stepped)."""
+    deadline = time.monotonic() + timeout
+    while len(llm._inbox) < n:
+        assert time.monotonic() < deadline, f"only {len(llm._inbox)} of {n} requests reached the engine"
+        await asyncio.sleep(0.01)
 
 
 # -- item 5: range validation at the boundary, and isolation inside the engine step ----------------
@@ -112,13 +135,14 @@ def test_a_request_failing_inside_the_step_fails_alone(toy_server: tuple[str, An
         return original(cls, params, generators, repeats, device)
 
     monkeypatch.setattr(SamplingBatch, "build", classmethod(build))
+    _wait_idle(llm)
     results, bad = _poison_among_16(url, {"prompt": "poison", "max_tokens": 20, "temperature": 0.9,
-                                          "seed": POISON_SEED})
+                                          "seed": POISON_SEED}, hold=llm)
     assert bad.status_code == 500, bad.text
     err = bad.json()["error"]
     assert err["type"] == "server_error" and "sampling exploded" in err["message"], err
     assert all(ok for ok, _ in results), [why for ok, why in results if not ok]
-    assert max(batch_sizes) > 1, batch_sizes  # it did share a step with good requests
+    assert max(batch_sizes) > 1, batch_sizes  # it did share a step with good requests (held until queued)
     monkeypatch.undo()
     _wait_idle(llm)  # its KV blocks were freed with it
     with _client(url) as c:  # and the engine serves on

@@ -16,7 +16,7 @@ PROMPTS = ["Question: What is 3 plus 4?\nAnswer:", "Hello there", "Question: A f
            "Once upon a time"]
 
 
-def _wait_idle(llm: Any, timeout: float = 20.0) -> None:
+def _wait_idle(llm: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not llm.has_unfinished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks:

@@ -89,6 +89,7 @@ def test_logits_match_transformers(trained_dir: Path) -> None:
     from transformers import AutoModelForImageTextToText, CompressedTensorsConfig
 
     from eagle3.runtime.loader import load_target
+    from eagle3.testing.numerics import assert_greedy_agrees
     from tests.runtime.test_models_target import HF_LATENT_EPS, _forward
 
     tok = tiny.build_tokenizer()
@@ -105,7 +106,8 @@ def test_logits_match_transformers(trained_dir: Path) -> None:
     _, _, logits = _forward(m, ids)
     # fp32 op-order noise grows with the trained logits (|logit| up to ~20): measured 4.3e-4
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-3)
-    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    # greedy agrees wherever the margin exceeds the tolerance (atol + rtol * |logit| <= 3e-3)
+    assert_greedy_agrees(ref, logits, 3e-3, "eagle3 vs transformers")
 
 
 def gsm8k_answer(text: str) -> bool:

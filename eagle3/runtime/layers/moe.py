@@ -89,6 +89,17 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (topk_ids int64 [T, k], topk_weights fp32 [T, k])."""
+        scores, choice = self.route_scores(x)
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * self.routed_scaling_factor
+
+    def route_scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (scores, choice) fp32 [T, E]: the experts' gate scores and the values the top-k picks
+        from (bias-corrected, groups outside the best ``topk_group`` at -inf). Separate from
+        :meth:`route` so that a test can see how close a token's routing is to a tie."""
         logits = self.backend.matmul(x.float(), self.gate_weight_t.float())
         scores = self.backend.sigmoid(logits) if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
@@ -99,11 +110,7 @@ class MoE(nn.Module):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], True)
             choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, -1), float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1)[1]
-        w = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * self.routed_scaling_factor
+        return scores, choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts is None:

@@ -20,6 +20,7 @@ from eagle3.runtime.kernels import get_backend  # noqa: E402
 from eagle3.runtime.kernels.triton import common  # noqa: E402
 from eagle3.runtime.kernels.triton.backend import TritonBackend  # noqa: E402
 from eagle3.runtime.sampling import SamplingParams  # noqa: E402
+from eagle3.testing.numerics import assert_generations_agree, logit_tol, router_tol  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12]]
@@ -65,15 +66,16 @@ def plain(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[LLM, list[lis
 
 
 def test_plain_greedy_matches_the_torch_backend(plain: tuple[LLM, list[list[int]]], tiny_dir: Path) -> None:
-    """On the CPU the Triton norm / rotary match the reference bit for bit and the attention
-    within a few fp32 ulps, which leaves the tiny model's greedy tokens unchanged here."""
-    if torch.cuda.is_available():
-        pytest.skip("the comparison is tuned to the CPU interpreter's numerics")
+    """Two implementations agree within rounding, not bit for bit (which vector kernels the CPU
+    picks decides the bf16 rounding): logits within the dtype's tolerance over the reference's
+    tokens, greedy tokens equal until the first near tie (eagle3.testing.numerics)."""
     llm, expected = plain
     dtype = llm.target.kv_cache_spec().dtype
     ref = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="torch", dtype=dtype, num_blocks=32,
-              block_size=4)
-    assert [o.token_ids for o in ref.generate(PROMPTS, GREEDY)] == expected
+              block_size=4, device=llm.device)
+    reference = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    assert_generations_agree(ref.target, llm.target, PROMPTS, reference, expected, logit_tol(dtype),
+                             f"triton vs torch ({dtype})", router=router_tol(dtype))
 
 
 CASES = [  # (draft, k, engine kwargs)
