@@ -40,14 +40,17 @@ def inspect(
 def verify(
     path: Annotated[Path, typer.Argument(help="A directory written by eagle3 (it carries manifest.json).")],
 ) -> None:
-    """Check an eagle3 output: every file against its manifest (sha256 and size), every
+    """Check an eagle3 output: the model against its architecture's schema, every file against its manifest (sha256 and size), every
     .safetensors header (as strictly as the safetensors library) and each index against its shards.
 
     Example: eagle3 verify ./kimi-k2.5-w4a8
     """
     from eagle3.checkpoint import verify_manifest
     from eagle3.errors import VerifyError
+    from eagle3.formats.check import require_valid_tree
 
+    if (path / "manifest.json").is_file():  # (without one, verify_manifest says so)
+        require_valid_tree(path)  # the model against its schema first: one line, before any weight is hashed
     res = verify_manifest(path)
     if res.problems:
         raise VerifyError(f"{path}: {len(res.problems)} problem(s): " + "; ".join(res.problems[:5]))

@@ -11,8 +11,9 @@ field or tensor:
   ones whose byte size is right but whose shape is not;
 * ``d2t`` / ``t2d`` disagreeing with each other or with ``draft_vocab_size``.
 
-``convert``, ``quantize`` and ``train-draft`` call :func:`require_valid` before reading weights
-(exit 2 with the first problem); ``inspect`` prints every problem (``--strict``: exit 2).
+``convert``, ``quantize`` and ``train-draft`` call :func:`require_valid` before reading weights,
+``serve`` / ``bench`` :func:`require_valid_pair`, ``verify`` :func:`require_valid_tree` (exit 2 with
+the first problem); ``inspect`` prints every problem (``--strict``: exit 2).
 """
 
 from __future__ import annotations
@@ -219,6 +220,45 @@ def require_valid(path: str | Path, *, target_layers: int | None = None,
         raise FormatError(str(problems[0]) + more)
 
 
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """``root`` and the directories under it holding a ``config.json`` beside ``.safetensors`` files
+    (an eagle3 output may hold the target and draft side by side): what :func:`require_valid_tree` checks."""
+    d = Path(root)
+    if not d.is_dir():
+        return []
+    found = [c.parent for c in sorted(d.rglob("config.json")) if c.is_file() and not c.is_symlink()]
+    return [p for p in ([d] if d not in found else []) + found if any(p.glob("*.safetensors"))]
+
+
+def require_valid_tree(root: str | Path) -> None:
+    """``verify``: every checkpoint directory of an output against its schema, before any weight is
+    hashed. A header or index the reader refuses is left to the manifest check, which lists every
+    such problem; a model that disagrees with its schema is one :class:`FormatError` (exit 2)."""
+    from eagle3.errors import CheckpointError
+
+    for d in checkpoint_dirs(root):
+        try:
+            require_valid(d)
+        except CheckpointError:
+            continue
+
+
+def require_valid_pair(target: str | Path, draft: str | Path | None) -> None:
+    """``serve`` / ``bench`` / ``serve --validate``: the target, then the draft (its aux layer ids
+    inside the target's layers), against their schemas before the engine reads a weight."""
+    require_valid(target)
+    if draft is not None:
+        require_valid(draft, target_layers=target_num_layers(target))
+
+
+def target_num_layers(target: str | Path) -> int | None:
+    """The target's decoder layer count from its typed config (None: no config eagle3 types)."""
+    cfg_file = Path(target) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    typed, _ = parse_config(read_json(cfg_file), cfg_file)
+    return typed.num_hidden_layers if isinstance(typed, TextStackConfig) else None
+
 
 def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool = False) -> list[Problem]:
     """``inspect``'s report: every problem, one line each (stdout, or stderr beside ``--json``);
@@ -234,4 +274,5 @@ def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool =
     return problems
 
 
-__all__ = ["Problem", "check_checkpoint", "check_reader", "require_valid", "report_problems"]
+__all__ = ["Problem", "check_checkpoint", "check_reader", "checkpoint_dirs", "require_valid", "require_valid_pair",
+           "require_valid_tree", "report_problems", "target_num_layers"]

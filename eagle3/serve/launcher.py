@@ -50,6 +50,9 @@ def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig
         raise UsageError(f"{target}: not a checkpoint directory")
     if draft is not None and not Path(draft).is_dir():
         raise UsageError(f"--draft {draft}: not a checkpoint directory")
+    from eagle3.formats.check import require_valid_pair
+
+    require_valid_pair(target, draft)  # the models against their schemas, before any weight is read
     return LLM(target, draft, config=config)
 
 
@@ -218,7 +221,9 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
     """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same
     prompts again for the lossless check and the speedup. Returns the report."""
     from eagle3 import validate
+    from eagle3.formats.check import require_valid_pair
 
+    require_valid_pair(target, draft)  # before the data set is read and anything is printed
     prep = validate.prepare(vopts)
     vopts.api_key = api_key
     meta = {"target": str(target), "draft": None if draft is None else str(draft),

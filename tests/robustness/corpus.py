@@ -56,6 +56,7 @@ S1 = "model-00001-of-00002.safetensors"  # the draft's first shard: every tensor
 S2 = "model-00002-of-00002.safetensors"  # the draft's second shard: lm_head.weight only
 ONE = "model.safetensors"  # the d2t draft: one file, no index
 INDEX = "model.safetensors.index.json"
+GSM8K_DIR = "gsm8k"  # serve --validate's two-question data set, written beside the source
 HANG_TIMEOUT_S = 30  # a FIFO run that has not exited by then is taken as a hang
 
 
@@ -112,6 +113,13 @@ class Ctx:
         if command == "quantize":
             recipe = self.recipe or ("int4-draft" if self.role == "draft" else "w4a8")
             return ["quantize", src, str(self.out), "--recipe", recipe, "--workers", "1", "--quiet", *extra]
+        if command == "serve":
+            # --validate: the server stops by itself (a model that got through would answer one
+            # question and exit 0 or 1, not hang); a draft is served beside the intact tiny target.
+            pair = [src] if self.role == "target" else [str(self.sources[MODELS["target"][0]]), "--draft", src]
+            return ["serve", *pair, "--kernel-backend", "torch", "--enforce-eager", "--validate", "gsm8k",
+                    "--limit", "1", "--num-fewshot", "0", "--max-tokens", "2", "--no-baseline",
+                    "--dataset", str(self.tdir / GSM8K_DIR), *extra]
         raise ValueError(command)
 
 
@@ -883,14 +891,26 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return lines
 
 
-def prepare(c: Case, root: Path, sources: dict[str, Path]) -> Ctx:
-    """A fresh copy of the case's model under root/T, broken as the case says."""
+def prepare(c: Case, root: Path, sources: dict[str, Path], command: str | None = None) -> Ctx:
+    """A fresh copy of the case's model under root/T, broken as the case says. For ``verify`` a
+    broken copy without a manifest gets one (as if eagle3 had written it: only the model is wrong);
+    for ``serve`` a two-question GSM8K data set lies beside it."""
     name, role = MODELS[c.model]
     src = root / "T" / name
     src.parent.mkdir(parents=True)
     shutil.copytree(sources[name], src, symlinks=True)
     ctx = Ctx(root=root, src=src, role=role, sources=sources)
     c.breaks(ctx)
+    if command == "verify" and not (src / "manifest.json").exists():
+        from eagle3.checkpoint.manifest import write_manifest
+
+        write_manifest(src)
+    if command == "serve":
+        data = ctx.tdir / GSM8K_DIR
+        data.mkdir(exist_ok=True)
+        rows = [{"question": f"What is {a} plus {a}?", "answer": f"#### {2 * a}"} for a in (2, 3)]
+        for f in ("train.jsonl", "test.jsonl"):
+            (data / f).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return ctx
 
 
@@ -976,7 +996,7 @@ def main() -> None:
                 continue
             n += 1
             root = Path(tmp) / f"case{i}"
-            ctx = prepare(c, root, sources)
+            ctx = prepare(c, root, sources, cmd)
             try:
                 res, problems = check(c, cmd, ctx)
             finally:

@@ -3,8 +3,9 @@
 Each class (a config value of the wrong type or range; a tensor whose shape or dtype disagrees with
 the config at the same byte size; the config's layer count against the files; a reduced-vocabulary
 draft's ``d2t`` / ``t2d``; the index against the shards; a missing or unexpected tensor) has several
-instances. ``convert`` and ``quantize`` must refuse them (exit 2, one line, nothing left behind);
-``inspect --strict`` too (plain ``inspect`` lists them: ``test_schema.py``).
+instances. ``convert``, ``quantize``, ``verify`` (the broken copy given a manifest) and ``serve``
+(``--validate``; a draft beside the intact tiny target) must refuse them (exit 2, one line, nothing
+left behind); ``inspect --strict`` too (plain ``inspect`` lists them: ``test_schema.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from tests.robustness.corpus import INDEX, ONE, S1, S2, Ctx, case, edit_header, edit_json, edit_tensors
 
 I_SCHEMA = "21 the model against its schema"
-ALL = ("inspect", "convert", "quantize")
+ALL = ("inspect", "convert", "quantize", "verify", "serve")
 T1, T2, T3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 
 
@@ -112,7 +113,8 @@ _register([
     ("schema-draft-fc-renamed", "draft", (("fc.weight", "fc2.weight"),), _rename(S1, "fc.weight", "fc2.weight")),
     ("schema-mla-layer-prefix-mixed", "mla", (("layers.0.hidden_norm.weight", "midlayer.hidden_norm.weight"),),
      _rename(S1, "layers.0.hidden_norm.weight", "midlayer.hidden_norm.weight")),
-    ("schema-target-expert-renamed", "target", (LN + "2.mlp.experts.9.gate_proj.weight_packed",),
+    ("schema-target-expert-renamed", "target",
+     ((LN + "2.mlp.experts.9.gate_proj.weight_packed", LN + "2.mlp.experts.1.gate_proj.weight_packed"),),
      _rename(T1, LN + "2.mlp.experts.1.gate_proj.weight_packed", LN + "2.mlp.experts.9.gate_proj.weight_packed")),
     ("schema-target-layer-renumbered", "target", ("num_hidden_layers",), None),
 ])

@@ -27,7 +27,7 @@ def test_corpus_is_large_enough() -> None:
 def test_malformed_input(case: corpus.Case, command: str, corpus_sources: dict[str, Path], tmp_path: Path) -> None:
     if case.non_root and IS_ROOT:
         pytest.skip("root reads and writes regardless of permissions")
-    ctx = corpus.prepare(case, tmp_path / "case", corpus_sources)
+    ctx = corpus.prepare(case, tmp_path / "case", corpus_sources, command)
     try:
         res, problems = corpus.check(case, command, ctx)
     finally:
