@@ -89,6 +89,20 @@ class _Fields:
         sub.int("original_max_position_embeddings", required=False)
         return v
 
+    def str(self, key: str) -> str | None:
+        v = self.d.get(key)
+        if v is not None and not isinstance(v, str):
+            self._bad(key, v, "a string")
+            return None
+        return v
+
+    def token_ids(self, key: str) -> None:
+        """``eos_token_id`` / ``bos_token_id``: a token id or a list of them (null: none)."""
+        v = self.d.get(key)
+        ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+        if v is not None and not (ok(v) or (isinstance(v, list) and all(ok(x) for x in v))):
+            self._bad(key, v, "a token id or a list of token ids")
+
     def int_list(self, key: str) -> list[int] | None:
         v = self.d.get(key)
         if v is None:
@@ -146,6 +160,15 @@ class DraftConfig:
     fc_norm: bool
 
 
+def _runtime_fields(f: _Fields) -> None:
+    """Fields the runtime reads beside the schema's (runtime/config.py): typed here, so a quoted
+    number or flag is one line naming it, not a value silently coerced (``int("64")``,
+    ``bool("false")``) when the model is built."""
+    f.str("hidden_act")
+    f.token_ids("bos_token_id")
+    f.token_ids("eos_token_id")
+
+
 def _text_stack(tc: dict[str, Any], file: Path | str, prefix: str, problems: list[str]) -> TextStackConfig | None:
     f = _Fields(tc, file, prefix, problems)
     n0 = len(problems)
@@ -168,6 +191,15 @@ def _text_stack(tc: dict[str, Any], file: Path | str, prefix: str, problems: lis
     if (vals["n_routed_experts"] or 0) > 0:
         f.int("moe_intermediate_size")
         f.int("num_experts_per_tok")
+    _runtime_fields(f)
+    # the MoE router's fields the runtime reads (runtime/config.TargetSpec)
+    for k in ("scoring_func", "topk_method"):
+        f.str(k)
+    f.int("n_group", required=False)
+    f.int("topk_group", required=False)
+    f.bool("norm_topk_prob", True)
+    f.float("routed_scaling_factor")
+    f.bool("rope_interleave", True)
     if len(problems) > n0:
         return None
     return TextStackConfig(**vals)  # type: ignore[arg-type]
@@ -200,6 +232,13 @@ def _draft(cfg: dict[str, Any], file: Path | str, problems: list[str],
                         "one decoder layer)")
     rope = f.rope_scaling()
     f.float("rope_theta")
+    _runtime_fields(f)
+    for k in ("attention_bias", "mlp_bias"):
+        f.bool(k)
+    f.int("max_position_embeddings", required=False)
+    top.float("logit_scale")
+    if lc is not cfg:
+        top.token_ids("eos_token_id")
     fc_norm = top.bool("fc_norm")
     archs = cfg.get("architectures") or []
     mla = any("Deepseek" in str(a) for a in archs) or lc.get("kv_lora_rank") is not None
@@ -256,10 +295,24 @@ def parse_config(cfg: Any, file: Path | str, target_layers: int | None = None
             for k in ("vt_hidden_size", "vt_intermediate_size", "vt_num_hidden_layers", "hidden_size",
                       "intermediate_size", "num_hidden_layers", "patch_size"):
                 v.int(k, required=False)
+        _Fields(cfg, file, "", problems).token_ids("eos_token_id")  # the wrapper's, read before text_config's
         return _text_stack(tc, file, "text_config.", problems), problems
     if any(a in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") for a in archs or []) or cfg.get("kv_lora_rank"):
         return _text_stack(cfg, file, "", problems), problems
     return None, problems
 
 
-__all__ = ["ROPE_KINDS", "TextStackConfig", "DraftConfig", "parse_config", "is_draft"]
+def require_config(cfg: Any, file: Path | str, target_layers: int | None = None) -> TextStackConfig | DraftConfig | None:
+    """:func:`parse_config`, raising its first problem as a one-line
+    :class:`~eagle3.errors.FormatError` (exit 2): for code that reads the config without the
+    checkpoint's tensors (the runtime's model specs)."""
+    from eagle3.errors import FormatError
+
+    typed, problems = parse_config(cfg, file, target_layers)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise FormatError(problems[0] + more)
+    return typed
+
+
+__all__ = ["ROPE_KINDS", "TextStackConfig", "DraftConfig", "parse_config", "is_draft", "require_config"]

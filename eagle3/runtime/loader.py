@@ -20,6 +20,7 @@ from torch import nn
 
 from eagle3.errors import FormatError, ShapeError, UsageError
 from eagle3.formats import detect, keys
+from eagle3.formats.model_config import require_config
 from eagle3.runtime.config import DraftSpec, TargetSpec
 from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.kernels import get_backend
@@ -58,6 +59,7 @@ def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = No
         raise FormatError(f"{summary.config_file}: this is a {summary.role} checkpoint ({summary.family}), "
                           f"not a target")
     cfg = detect.load_config(path)
+    require_config(cfg, summary.config_file)  # every field typed and in range, one line if not
     tc = detect.text_config(cfg)
     qc, _ = detect.quantization_config(cfg)
     where = f"{summary.config_file}" + (" text_config" if tc is not cfg else "")
@@ -176,6 +178,7 @@ def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = Non
         raise FormatError(f"{summary.config_file}: this is a {summary.role} checkpoint ({summary.family}), "
                           f"not an EAGLE-3 draft")
     cfg = detect.load_config(path)
+    require_config(cfg, summary.config_file)
     layer_cfg = detect.text_config(cfg)
     qc, _ = detect.quantization_config(cfg)
     return DraftSpec.from_detected(cfg, layer_cfg, summary.draft, summary.family, str(summary.config_file),

@@ -84,6 +84,18 @@ _register([
      _config("num_attention_heads", 0, sub="text_config")),
     ("schema-target-experts-per-tok-string", "target", ("config.json", "text_config.num_experts_per_tok"),
      _config("num_experts_per_tok", "2", sub="text_config")),
+    # fields the runtime reads beside the schema's: a quoted value used to be coerced silently
+    ("schema-target-routed-scaling-string", "target", ("config.json", "text_config.routed_scaling_factor"),
+     _config("routed_scaling_factor", "2.5", sub="text_config")),
+    ("schema-target-norm-topk-prob-string", "target", ("config.json", "text_config.norm_topk_prob"),
+     _config("norm_topk_prob", "false", sub="text_config")),
+    ("schema-target-n-group-float", "target", ("config.json", "text_config.n_group"),
+     _config("n_group", 1.5, sub="text_config")),
+    ("schema-target-eos-string", "target", ("config.json", "eos_token_id"), _config("eos_token_id", "eos")),
+    ("schema-draft-mlp-bias-string", "draft", ("config.json", "mlp_bias"), _config("mlp_bias", "false")),
+    ("schema-draft-hidden-act-list", "draft", ("config.json", "hidden_act"), _config("hidden_act", ["silu"])),
+    ("schema-mla-max-positions-string", "mla", ("config.json", "max_position_embeddings"),
+     _config("max_position_embeddings", "4096")),
     # --- shape / dtype disagreeing with the config at the same byte size ---------------------
     ("schema-mla-fc-norm-reshaped", "mla", (S1, "fc_norm.0.weight"),
      _shape(S1, "fc_norm.0.weight", [2, 64])),
@@ -109,6 +121,7 @@ _register([
     ("schema-index-misses-draft-tensor", "draft", (INDEX, "fc.weight"), None),
     ("schema-index-misses-target-tensor", "target", (INDEX, LN + "3.mlp.experts.2.up_proj.weight_scale"), None),
     ("schema-index-misses-mla-fc-norm", "mla", (INDEX, "fc_norm.1.weight"), None),
+    ("schema-index-points-to-other-shard", "draft", (INDEX, "fc.weight"), None),
     # --- missing / unexpected tensors --------------------------------------------------------
     ("schema-draft-fc-renamed", "draft", (("fc.weight", "fc2.weight"),), _rename(S1, "fc.weight", "fc2.weight")),
     ("schema-mla-layer-prefix-mixed", "mla", (("layers.0.hidden_norm.weight", "midlayer.hidden_norm.weight"),),
@@ -182,6 +195,13 @@ def _unlist(name: str) -> Any:
 _fill("schema-index-misses-draft-tensor")(_unlist("fc.weight"))
 _fill("schema-index-misses-target-tensor")(_unlist(LN + "3.mlp.experts.2.up_proj.weight_scale"))
 _fill("schema-index-misses-mla-fc-norm")(_unlist("fc_norm.1.weight"))
+
+
+@_fill("schema-index-points-to-other-shard")
+def _(ctx: Ctx) -> None:
+    """The index lists fc.weight in the shard that does not hold it (and not in the one that does)."""
+    _strict(ctx)
+    edit_json(ctx.src / INDEX, lambda j: j["weight_map"].__setitem__("fc.weight", S2))
 
 
 @_fill("schema-target-layer-renumbered")
