@@ -116,3 +116,21 @@ def test_full_slice_sizes_match_the_issue() -> None:
     cfg = slice_mod.slice_config(2, 32)
     tc = cfg["text_config"]
     assert tc["vocab_size"] == 163840 and tc["first_k_dense_replace"] == 1 and tc["num_experts_per_tok"] == 8
+
+
+def test_slice_passes_its_schema_and_each_sampled_change_fails(small_slice: Path) -> None:
+    """make-slice's output (real widths) against the kimi-k2.5 schema; deleting, renaming or reshaping
+    any tensor of its layer, embedding, head or first vision block fails with one line naming it."""
+    from eagle3.formats.check import check_checkpoint
+    from tests.formats.test_schema import _headers, _mutations, _problems
+
+    assert [str(p) for p in check_checkpoint(small_slice)] == []
+    headers = _headers(small_slice)
+    keep = ("language_model.model.layers.0.", "language_model.model.embed", "language_model.lm_head",
+            "vision_tower.encoder.blocks.0.", "mm_projector.")
+    muts = [m for m in _mutations(headers) if m[1].startswith(keep)]
+    assert len(muts) > 60
+    for what, name, h in muts:
+        probs = _problems(small_slice, h)
+        assert probs and all("\n" not in p for p in probs), f"{what} {name}: {probs}"
+        assert any(name in p for p in probs), f"{what} {name}: {probs}"
