@@ -8,7 +8,9 @@ Where to find what:
   tensors of one Linear (what ``plan`` sizes and ``quantize`` writes);
 * :mod:`.schema` - one schema per family (Kimi-K2.5 wrapper, DeepSeek-V3 text stack, EAGLE-3 Llama /
   MLA drafts, speculators) built on those layouts, with the allowed variants and extras;
-* :mod:`.check` - ``check_checkpoint``: config, index, headers and d2t/t2d against the schema;
+* :mod:`.check` - ``check_checkpoint``: config, index, headers and d2t/t2d against the schema
+  (``require_valid`` for convert / quantize / train-draft, ``require_valid_pair`` for serve /
+  bench, ``require_valid_tree`` for verify);
 * :mod:`.detect` (with :mod:`.quant_detect` and :mod:`.summary`) - what ``inspect`` reports;
 * :mod:`.keys`, :mod:`.profiles`, :mod:`.codecs`, :mod:`.files` - names, engine profiles, packing.
 """
