@@ -132,8 +132,10 @@ def _print_serve_plan(target: Path, draft: Path | None, gpus: int, gpu: str | No
 
 def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, **kwargs: Any) -> None:
     """``--engine``: print the other engine's launch command, and run it unless ``--dry-run``."""
+    from eagle3.formats.check import require_valid_pair
     from eagle3.serve import engines
 
+    require_valid_pair(target, draft)  # a model the engine would refuse after a long start, refused now
     cmd = engines.build_command(engine, target, draft, **kwargs)
     for note in cmd.notes:
         typer.echo(f"# note: {note}", err=True)

@@ -120,6 +120,9 @@ class Ctx:
             return ["serve", *pair, "--kernel-backend", "torch", "--enforce-eager", "--validate", "gsm8k",
                     "--limit", "1", "--num-fewshot", "0", "--max-tokens", "2", "--no-baseline",
                     "--dataset", str(self.tdir / GSM8K_DIR), *extra]
+        if command == "serve-engine":  # the hand-off to another engine (printed only)
+            pair = [src] if self.role == "target" else [str(self.sources[MODELS["target"][0]]), "--draft", src]
+            return ["serve", *pair, "--engine", "vllm", "--dry-run", *extra]
         raise ValueError(command)
 
 

@@ -4,7 +4,7 @@ Each class (a config value of the wrong type or range; a tensor whose shape or d
 the config at the same byte size; the config's layer count against the files; a reduced-vocabulary
 draft's ``d2t`` / ``t2d``; the index against the shards; a missing or unexpected tensor) has several
 instances. ``convert``, ``quantize``, ``verify`` (the broken copy given a manifest) and ``serve``
-(``--validate``; a draft beside the intact tiny target) must refuse them (exit 2, one line, nothing
+(``--validate``, and ``--engine vllm --dry-run``; a draft beside the intact tiny target) must refuse them (exit 2, one line, nothing
 left behind); ``inspect --strict`` too (plain ``inspect`` lists them: ``test_schema.py``).
 """
 
@@ -17,7 +17,7 @@ import torch
 from tests.robustness.corpus import INDEX, ONE, S1, S2, Ctx, case, edit_header, edit_json, edit_tensors
 
 I_SCHEMA = "21 the model against its schema"
-ALL = ("inspect", "convert", "quantize", "verify", "serve")
+ALL = ("inspect", "convert", "quantize", "verify", "serve", "serve-engine")
 T1, T2, T3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 
 
