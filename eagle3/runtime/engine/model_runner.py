@@ -1,9 +1,15 @@
-"""Runs the models for one scheduled step: owns the KV cache tensors, builds the per-forward
-``AttnMetadata``, runs the target once over the ragged batch, and verifies/samples its output.
+"""Runs the models for one scheduled step (:meth:`ModelRunner.step`): owns the KV cache tensors,
+builds the per-forward ``AttnMetadata``, runs the target once over the ragged batch, verifies /
+samples its output and runs the proposer over the result.
 
 The whole step is one target forward: prefill chunks, plain decode rows and speculative verify
 rows (last token + drafts) of different sequences share it. Logits are computed only for the
 rows that are sampled (a prefill chunk's rows never need the vocabulary projection).
+
+A step changes no sequence (it writes KV slots that belong to the scheduled sequences and draws
+random numbers), so the engine can run it again for a subset when it fails (failure isolation,
+``LLM._isolated``); the scheduler applies its :class:`StepOutput` afterwards
+(``Scheduler.postprocess``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from eagle3.runtime.engine.graphs import GraphRunner
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
 from eagle3.runtime.sampling import SamplingBatch
+from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
 
 
@@ -60,28 +67,48 @@ def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
 
 @dataclass
 class TargetStepOutput:
-    """What the engine needs from one target forward."""
+    """What one target forward gives the rest of the step."""
 
     emitted: list[list[int]]  # per scheduled sequence: tokens to append ([] for a non-final chunk)
     aux: torch.Tensor | None  # [T, n*H] aux states of every query row (None without a draft)
     row_starts: list[int]  # first query row of each scheduled sequence
 
 
+@dataclass
+class StepOutput:
+    """One step's result per scheduled sequence, for ``Scheduler.postprocess``."""
+
+    emitted: list[list[int]]  # tokens to append ([] for a non-final prefill chunk)
+    proposals: list[Proposal | None]  # the next step's drafts (None: no draft / nothing proposed)
+
+    @staticmethod
+    def join(parts: list[StepOutput | None], sizes: list[int]) -> StepOutput:
+        """Concatenate the outputs of sub-batches of ``sizes`` sequences; a failed part (``None``)
+        gives its sequences no tokens and no drafts."""
+        out = StepOutput([], [])
+        for part, n in zip(parts, sizes, strict=True):
+            out.emitted += part.emitted if part is not None else [[] for _ in range(n)]
+            out.proposals += part.proposals if part is not None else [None] * n
+        return out
+
+
 class ModelRunner:
     """``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py);
     the KV caches then get one spare block (index ``num_blocks``) for the padding rows.
-    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers."""
+    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
+    caps how many tokens a sequence may still be proposed)."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, device: torch.device | str = "cpu",
                  generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
-                 max_num_seqs: int = 1, capturer: Any = None) -> None:
+                 max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample") -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.k = num_speculative_tokens if draft is not None else 0
         self.device = torch.device(device)
         self.generator = generator
+        self.max_model_len = max_model_len
         cache_blocks = num_blocks + 1 if graphs else num_blocks  # + the graphs' pad block
         self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, cache_blocks,
                                            block_size, self.device)
@@ -105,6 +132,35 @@ class ModelRunner:
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
                     extra={"hidden": ((draft.hidden_size,), draft.kv_cache_spec().dtype)}, **common)
+        self.proposer: EagleProposer | None = None
+        if draft is not None:
+            self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator)
+
+    @torch.inference_mode()
+    def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        """The target forward and verification, then the proposer over what each sequence emitted."""
+        res = self.run_target(scheduled)
+        if self.proposer is None:
+            return StepOutput(res.emitted, [None] * len(scheduled))
+        assert res.aux is not None
+        items = [self._propose_item(item, emitted, res.aux, row0)
+                 for item, emitted, row0 in zip(scheduled, res.emitted, res.row_starts, strict=True)]
+        return StepOutput(res.emitted, self.proposer.propose(items, self.target.vocab_size))
+
+    def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int) -> ProposeItem:
+        """Draft step 0 runs over the positions this step commits: the chunk's real tokens and the
+        accepted drafts (``emitted`` minus its last token, the next step's input). A sequence that
+        samples proposes up to ``k`` tokens, but never more than it may still generate. When the
+        scheduler then stops the sequence inside ``emitted`` (EOS, a stop id), the proposal is
+        simply dropped."""
+        seq, start = item.seq, item.start
+        if not item.samples:
+            return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens + 1],
+                               aux[row0: row0 + item.num_tokens], 0)
+        count = item.num_tokens + len(emitted) - 1
+        room = seq.max_new_tokens(self.max_model_len) - len(emitted) - 1  # the bonus token takes one
+        return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens] + emitted,
+                           aux[row0: row0 + count], max(min(self.k, room), 0))
 
     def forward_target(self, input_ids: torch.Tensor, block_tables: Seq[Seq[int]], starts: Seq[int],
                        counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

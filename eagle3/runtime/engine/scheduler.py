@@ -16,12 +16,19 @@ slots. Blocks past the committed length are released at the end of the step.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
 from eagle3.runtime.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from eagle3.runtime.engine.model_runner import StepOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,6 +137,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the forward -----------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, result: StepOutput) -> list[Sequence]:
+        """Apply one step's result: commit each sequence's tokens (with stop checks and the
+        acceptance statistics), adopt the proposals of those still running, then free finished
+        sequences' blocks and trim the others'. A sequence whose bookkeeping raises fails alone.
+        Returns the sequences that finished."""
+        for item, emitted, proposal in zip(out.scheduled, result.emitted, result.proposals, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # failed inside the step (LLM._isolated)
+                continue
+            try:
+                self.commit(item, emitted)
+            except Exception as err:
+                fail(seq, err)
+                continue
+            if proposal is not None and not seq.is_finished:
+                seq.draft_token_ids, seq.draft_probs = proposal.token_ids, proposal.probs
+        return self.finish_step(out)
+
     def commit(self, item: ScheduledSeq, emitted: list[int]) -> int:
         """Apply one sequence's result: the chunk's KV is committed; when it sampled,
         ``emitted`` (accepted drafts + the recovered / bonus token) is appended with stop checks.
@@ -171,3 +196,10 @@ class Scheduler:
                 self.block_manager.free(seq)
                 if seq in self.running:
                     self.running.remove(seq)
+
+
+def fail(seq: Sequence, err: BaseException) -> None:
+    """End ``seq`` with an error of its own; the other sequences of the step go on."""
+    logger.warning("request %s failed inside the engine step (the others go on): %s: %s",
+                   seq.request_id, type(err).__name__, err, exc_info=err)
+    seq.fail(err)
