@@ -83,7 +83,7 @@ def test_outputs_decode_within_the_schemes_error(case, tiny_dir: Path, native_ru
     assert (out_dir / "quantization_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# What each engine's loader makes of each recipe (kimi_quant_formats.md 4): True = loads.
+# What each engine's loader makes of each recipe (tests/quantize/loaders.py): True = loads.
 # w4a8: vLLM ROCm AITER W4A8 MoE and AMD's SGLang branch; ATOM cannot parse a two-stage weight.
 # w4a8-int8: vLLM's W4A8 MoE requires fp8 activations in the config. int4-draft: only vLLM's
 # weight-only Quark INT4 Linear (PR #48606); SGLang has no INT4 Linear scheme.
