@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from eagle3.runtime.engine.config import BACKENDS, EngineConfig
+
+# The engine flags' defaults are EngineConfig's (declared there once; importing it loads no torch).
+ENGINE = EngineConfig()
+
 KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a GPU where triton imports, aiter "
                         "on ROCm where aiter imports, torch otherwise), torch, triton, aiter.")
 ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
@@ -13,9 +18,8 @@ def check_kernel_backend(name: str) -> str:
     """``--kernel-backend`` checked before anything loads (one line, exit 2, on a bad value)."""
     from eagle3.errors import UsageError
 
-    choices = ("auto", "torch", "triton", "aiter")
-    if name not in choices:
-        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(choices)}")
+    if name not in BACKENDS:
+        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(BACKENDS)}")
     return name
 
 

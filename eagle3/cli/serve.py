@@ -11,7 +11,13 @@ from typing import Annotated, Any
 import typer
 
 from eagle3.cli.app import app
-from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+from eagle3.cli.options import (
+    ENFORCE_EAGER_HELP,
+    ENGINE,
+    KERNEL_BACKEND_HELP,
+    check_kernel_backend,
+    exit_on_report,
+)
 from eagle3.cli.plan import print_plan
 
 
@@ -19,19 +25,19 @@ from eagle3.cli.plan import print_plan
 def serve(
     target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = 3,
+    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = ENGINE.num_speculative_tokens,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = False,
-    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = "bfloat16",
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = ENGINE.trust_remote_code,
+    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = ENGINE.dtype,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = ENGINE.device,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = 64,
-    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = 0,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = ENGINE.max_num_seqs,
+    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = ENGINE.seed,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
     request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
@@ -50,9 +56,9 @@ def serve(
     baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = 1,
-    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = "auto",
-    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
+    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
+    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,

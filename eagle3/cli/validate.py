@@ -8,7 +8,13 @@ from typing import Annotated
 import typer
 
 from eagle3.cli.app import app
-from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+from eagle3.cli.options import (
+    ENFORCE_EAGER_HELP,
+    ENGINE,
+    KERNEL_BACKEND_HELP,
+    check_kernel_backend,
+    exit_on_report,
+)
 
 
 @app.command("validate")
@@ -55,7 +61,7 @@ def validate_cmd(
 def bench(
     target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
     draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = 3,
+    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = ENGINE.num_speculative_tokens,
     base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
@@ -69,12 +75,12 @@ def bench(
     seed: Annotated[int, typer.Option(help="Random prompts seed.")] = 0,
     report: Annotated[Path | None, typer.Option(help="Write the results as JSON.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing report.")] = False,
-    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = 1,
-    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = "auto",
-    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = False,
+    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = ENGINE.device,
+    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = ENGINE.dtype,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = ENGINE.trust_remote_code,
+    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = ENGINE.tensor_parallel_size,
+    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = ENGINE.backend,
+    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
