@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
 
 from eagle3.runtime.engine.config import BACKENDS, EngineConfig
@@ -21,6 +23,20 @@ def check_kernel_backend(name: str) -> str:
     if name not in BACKENDS:
         raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(BACKENDS)}")
     return name
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """A size flag: ``"4GiB"``, ``"512MB"``, ``"5gb"``, ``"1000000"`` -> bytes (binary units with ``i``)."""
+    from eagle3.errors import UsageError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise UsageError(f"{flag} {text!r}: expected a size such as 4GiB or 512MB")
+    base = 1024 if m.group(3) else 1000
+    n = int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
+    if n <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return n
 
 
 def exit_on_report(report: dict, lines: list[str]) -> None:

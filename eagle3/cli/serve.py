@@ -17,6 +17,7 @@ from eagle3.cli.options import (
     KERNEL_BACKEND_HELP,
     check_kernel_backend,
     exit_on_report,
+    parse_bytes,
 )
 from eagle3.cli.plan import print_plan
 
@@ -102,7 +103,7 @@ def serve(
 
     eopts = launcher.EngineOptions(
         num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
-        kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
+        kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
         enforce_eager=enforce_eager)
@@ -171,7 +172,7 @@ def _serve_http(target: Path, draft: Path | None, eopts: Any, name: str, *, api_
 
     if not request_timeout > 0:
         raise UsageError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
-    limits = ServerLimits(launcher.parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
+    limits = ServerLimits(parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
     sock = launcher.listen_socket(host, port)  # before the (long) load
     llm = launcher.build_llm(target, draft, eopts)
     api = launcher.build_app(llm, name, api_key=api_key, root=str(target), limits=limits)

@@ -8,7 +8,6 @@ import gc
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import threading
@@ -27,18 +26,6 @@ _START_TIMEOUT_S = 60.0
 # The engine's options are the runtime's EngineConfig (every field and default declared there);
 # ``EngineOptions`` is the name the CLI builds it by.
 EngineOptions = EngineConfig
-
-
-def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
-    """``"4GiB"``, ``"512MB"``, ``"1000000"`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
-    if not m:
-        raise UsageError(f"{flag} {text!r}: expected a size such as 4GiB or 512MB")
-    base = 1024 if m.group(3) else 1000
-    n = int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
-    if n <= 0:
-        raise UsageError(f"{flag} {text!r}: must be positive")
-    return n
 
 
 def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig) -> Any:
