@@ -14,7 +14,10 @@ from typing import Any
 from eagle3.errors import UsageError
 
 MAX_SPECULATIVE_TOKENS = 8
-DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+# dtype names the engine (and train-draft) accept -> the torch dtype attribute (torch imported lazily).
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+DTYPES = tuple(DTYPE_NAMES)
 BACKENDS = ("auto", "torch", "triton", "aiter")
 
 
@@ -80,6 +83,11 @@ class EngineConfig:
 
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
-        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
-                "fp32": torch.float32, "float": torch.float32}[self.dtype]
+        return dtype_by_name(self.dtype)
+
+
+def dtype_by_name(name: str) -> Any:
+    """A name of :data:`DTYPES` as a ``torch.dtype``."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
