@@ -13,6 +13,9 @@ ENGINE = EngineConfig()
 
 KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a GPU where triton imports, aiter "
                         "on ROCm where aiter imports, torch otherwise), torch, triton, aiter.")
+NUM_SPEC_HELP = ("Draft tokens per step (k), or auto: each step picks k in 0..--max-speculative-tokens from "
+                 "the engine's measured step times and the observed acceptance.")
+MAX_SPEC_HELP = "With --num-speculative-tokens auto: the largest k (default 5)."
 ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
 
 
@@ -23,6 +26,26 @@ def check_kernel_backend(name: str) -> str:
     if name not in BACKENDS:
         raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(BACKENDS)}")
     return name
+
+
+def parse_speculative(num: str, max_k: int | None, draft: object) -> tuple[int | str, int | None]:
+    """``--num-speculative-tokens`` (an integer or ``auto``) and ``--max-speculative-tokens``, checked
+    before anything loads; the EngineConfig fields they become."""
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.config import AUTO, MAX_SPECULATIVE_TOKENS
+
+    text = num.strip().lower()
+    if text == AUTO:
+        if draft is None:
+            raise UsageError("--num-speculative-tokens auto needs --draft (it chooses how many draft tokens to verify)")
+        if max_k is not None and not 1 <= max_k <= MAX_SPECULATIVE_TOKENS:
+            raise UsageError(f"--max-speculative-tokens {max_k}: expected 1..{MAX_SPECULATIVE_TOKENS}")
+        return AUTO, max_k
+    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= MAX_SPECULATIVE_TOKENS:
+        raise UsageError(f"--num-speculative-tokens {num!r}: expected an integer in 1..{MAX_SPECULATIVE_TOKENS} or auto")
+    if max_k is not None:
+        raise UsageError("--max-speculative-tokens goes with --num-speculative-tokens auto")
+    return int(text), None
 
 
 def parse_bytes(text: str, flag: str) -> int:

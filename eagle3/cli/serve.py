@@ -15,9 +15,12 @@ from eagle3.cli.options import (
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    MAX_SPEC_HELP,
+    NUM_SPEC_HELP,
     check_kernel_backend,
     exit_on_report,
     parse_bytes,
+    parse_speculative,
 )
 from eagle3.cli.plan import print_plan
 
@@ -26,7 +29,8 @@ from eagle3.cli.plan import print_plan
 def serve(
     target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = ENGINE.num_speculative_tokens,
+    num_speculative_tokens: Annotated[str, typer.Option(help=NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
+    max_speculative_tokens: Annotated[int | None, typer.Option(help=MAX_SPEC_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
@@ -91,8 +95,11 @@ def serve(
             return
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
+    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if engine is not None:
-        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=num_speculative_tokens, host=host,
+        if not isinstance(spec_k, int):
+            raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
+        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=spec_k, host=host,
                   port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
                   kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
                   served_model_name=served_model_name, max_model_len=max_model_len)
@@ -102,7 +109,7 @@ def serve(
     from eagle3.serve import launcher
 
     eopts = launcher.EngineOptions(
-        num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
+        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, device=device, max_model_len=max_model_len,
         kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),

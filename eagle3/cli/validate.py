@@ -12,8 +12,11 @@ from eagle3.cli.options import (
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    MAX_SPEC_HELP,
+    NUM_SPEC_HELP,
     check_kernel_backend,
     exit_on_report,
+    parse_speculative,
 )
 
 
@@ -61,7 +64,8 @@ def validate_cmd(
 def bench(
     target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
     draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = ENGINE.num_speculative_tokens,
+    num_speculative_tokens: Annotated[str, typer.Option(help="With TARGET: " + NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
+    max_speculative_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + MAX_SPEC_HELP)] = None,
     base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
@@ -94,6 +98,7 @@ def bench(
 
     if (target is None) == (base_url is None):
         raise UsageError("give either TARGET (served in-process) or --base-url")
+    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if report is not None:
         from eagle3.checkpoint import check_output_path
 
@@ -114,7 +119,8 @@ def bench(
     if target is not None:
         from eagle3.serve import launcher
 
-        eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+        eopts = launcher.EngineOptions(num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype,
+                                       device=device,
                                        trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
                                        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager)
         llm = launcher.build_llm(target, draft, eopts)
