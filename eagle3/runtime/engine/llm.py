@@ -58,6 +58,7 @@ from eagle3.runtime.engine.scheduler import Scheduler, fail
 from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
 from eagle3.runtime.interfaces import DraftModel, TargetModel
 from eagle3.runtime.sampling import SamplingParams, make_generator
+from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.stats import SpecStats
 from eagle3.runtime.tokenizer import load_tokenizer
 
@@ -129,7 +130,9 @@ class LLM:
         self.enforce_eager = bool(cfg.enforce_eager)
         try:
             self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
-            self.k = self.config.num_speculative_tokens if self.draft is not None else 0
+            # auto: k is chosen per step in 0..max_k; everything sized by k is sized for max_k.
+            self.k = self.config.max_k if self.draft is not None else 0
+            self.policy = AdaptivePolicy(self.k) if self.config.adaptive and self.draft is not None else None
             self.tokenizer = self._load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.eos_ids = self._eos_ids()
         except BaseException:
@@ -155,7 +158,8 @@ class LLM:
             self.target.allocate_kv(num_blocks, self.config.block_size)  # the workers' latent caches
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids)
+                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids,
+                                   policy=self.policy)
         # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
         # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
         self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
@@ -164,7 +168,9 @@ class LLM:
                                   self.device, self.generator, graphs=self.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
                                   capturer=graphs.default_capturer() if self.cuda_graphs else None,
-                                  draft_sampling=self.config.draft_sampling)
+                                  draft_sampling=self.config.draft_sampling, policy=self.policy)
+        if self.policy is not None and isinstance(self.policy.cost, MeasuredCostModel):
+            self.runner.profile_costs(self.policy.cost, self.config.max_num_seqs)
         self.num_steps = 0
         self.num_preemptions = 0
         self._ids = itertools.count()
@@ -505,7 +511,7 @@ class LLM:
                 self._collect.discard(r)
                 self._results.pop(r, None)
         if self.config.log_stats and self.draft is not None:
-            print(self.stats.line(), file=sys.stderr)
+            print(self.stats_line(), file=sys.stderr)
         return final
 
     # -- gauges for a server's /metrics ------------------------------------------------------
@@ -524,7 +530,11 @@ class LLM:
         return 1.0 - bm.num_free_blocks / bm.num_blocks
 
     def stats_line(self) -> str:
-        return self.stats.line()
+        """The acceptance line; with ``num_speculative_tokens="auto"`` also the share of steps that
+        chose each k (acceptance counts only the steps that drafted)."""
+        if self.policy is None:
+            return self.stats.line()
+        return f"{self.stats.line()}  {self.policy.histogram_line()}"
 
     @property
     def stats(self) -> SpecStats:

@@ -14,6 +14,8 @@ random numbers), so the engine can run it again for a subset when it fails (fail
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +23,11 @@ from typing import Any
 import torch
 
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.engine.graphs import GraphRunner
+from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
 from eagle3.runtime.sampling import SamplingBatch
+from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
 
@@ -96,12 +99,15 @@ class ModelRunner:
     """``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py);
     the KV caches then get one spare block (index ``num_blocks``) for the padding rows.
     ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
-    caps how many tokens a sequence may still be proposed)."""
+    caps how many tokens a sequence may still be proposed). ``policy`` (``num_speculative_tokens=
+    "auto"``): each step proposes the k it chooses (``num_speculative_tokens`` is then its ceiling),
+    and uniform steps feed their measured times to its cost model."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, device: torch.device | str = "cpu",
                  generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
-                 max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample") -> None:
+                 max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample",
+                 policy: AdaptivePolicy | None = None) -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
@@ -109,6 +115,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.generator = generator
         self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.policy = policy if draft is not None else None
         cache_blocks = num_blocks + 1 if graphs else num_blocks  # + the graphs' pad block
         self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, cache_blocks,
                                            block_size, self.device)
@@ -139,15 +147,19 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """The target forward and verification, then the proposer over what each sequence emitted."""
-        res = self.run_target(scheduled)
+        res = self._timed(lambda: self.run_target(scheduled), self._uniform_target_shape(scheduled), "target")
         if self.proposer is None:
             return StepOutput(res.emitted, [None] * len(scheduled))
         assert res.aux is not None
-        items = [self._propose_item(item, emitted, res.aux, row0)
+        # auto: k for the next verification of this batch (0: a plain step; draft step 0 still runs
+        # over the committed positions, so the draft's KV cache stays complete).
+        k = self.k if self.policy is None else self.policy.choose(sum(it.samples for it in scheduled))
+        items = [self._propose_item(item, emitted, res.aux, row0, k)
                  for item, emitted, row0 in zip(scheduled, res.emitted, res.row_starts, strict=True)]
         return StepOutput(res.emitted, self.proposer.propose(items, self.target.vocab_size))
 
-    def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int) -> ProposeItem:
+    def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int,
+                      k: int) -> ProposeItem:
         """Draft step 0 runs over the positions this step commits: the chunk's real tokens and the
         accepted drafts (``emitted`` minus its last token, the next step's input). A sequence that
         samples proposes up to ``k`` tokens, but never more than it may still generate. When the
@@ -160,7 +172,7 @@ class ModelRunner:
         count = item.num_tokens + len(emitted) - 1
         room = seq.max_new_tokens(self.max_model_len) - len(emitted) - 1  # the bonus token takes one
         return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens] + emitted,
-                           aux[row0: row0 + count], max(min(self.k, room), 0))
+                           aux[row0: row0 + count], max(min(k, room), 0))
 
     def forward_target(self, input_ids: torch.Tensor, block_tables: Seq[Seq[int]], starts: Seq[int],
                        counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,7 +187,13 @@ class ModelRunner:
 
     def forward_draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
                       starts: Seq[int], counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step (the proposer's): a graph replay when uniform, else eager."""
+        """One draft step (the proposer's): a graph replay when uniform, else eager. Under auto, a
+        step of one row per sequence is timed for the cost model."""
+        shape = (len(counts), 1) if self.policy is not None and all(c == 1 for c in counts) else None
+        return self._timed(lambda: self._forward_draft(input_ids, hidden, block_tables, starts, counts), shape, "draft")
+
+    def _forward_draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
+                       starts: Seq[int], counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.draft is not None
         g = self.draft_graphs
         if g is not None and g.supports(block_tables, counts):
@@ -184,6 +202,75 @@ class ModelRunner:
                 return out[0], out[1]  # type: ignore[return-value]
         kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
         return self.draft.forward(input_ids, hidden, self.meta(block_tables, starts, counts), kv)
+
+    # -- auto's cost model: measured step times ------------------------------------------------
+    def _uniform_target_shape(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
+        """(batch, query length) of a pure decode / verify step with one draft count, else None."""
+        if self.policy is None or not scheduled:
+            return None
+        q = scheduled[0].num_query_tokens
+        if all(s.samples and s.num_tokens == 1 and s.num_query_tokens == q for s in scheduled):
+            return len(scheduled), q
+        return None
+
+    def _timed(self, fn: Callable[[], Any], shape: tuple[int, int] | None, what: str) -> Any:
+        """``fn()``; with ``shape``, its wall time goes to the policy's measured cost model."""
+        cost = self.policy.cost if self.policy is not None else None
+        if shape is None or not isinstance(cost, MeasuredCostModel):
+            return fn()
+        self._sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self._sync()
+        dt = time.perf_counter() - t0
+        if what == "target":
+            cost.observe_target(shape[0], shape[1], dt)
+        else:
+            cost.observe_draft(shape[0], dt)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def profile_costs(self, cost: MeasuredCostModel, max_num_seqs: int) -> None:
+        """Seed ``cost`` with a few dummy forwards per batch bucket: the target at query lengths 1
+        and k + 1 (forward + logits of every row), one draft step. The dummy sequences share the
+        first KV blocks (free at start-up; what they write is overwritten before it is read) and
+        sit at a moderate context length (the EMA of the real steps corrects the rest)."""
+        bs, q_max = self.block_size, self.k + 1
+        start = max(min(256, self.num_blocks * bs - q_max - 1), 0)
+        table = list(range(-(-(start + q_max) // bs)))
+        if not table or len(table) > self.num_blocks:
+            return
+        dev = self.device
+
+        def target(b: int, q: int) -> None:
+            hidden, _ = self.forward_target(torch.zeros(b * q, dtype=torch.int64, device=dev), [table] * b,
+                                            [start] * b, [q] * b)
+            self.target.compute_logits(hidden)
+
+        def draft(b: int) -> None:
+            assert self.draft is not None
+            hidden = torch.zeros(b, self.draft.hidden_size, dtype=self.draft.kv_cache_spec().dtype, device=dev)
+            post, _ = self.forward_draft(torch.zeros(b, dtype=torch.int64, device=dev), hidden, [table] * b,
+                                         [start] * b, [1] * b)
+            self.draft.compute_logits(post)
+
+        target(1, 1)  # warm-up: first calls pay one-time costs
+        draft(1)
+        for b in sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)}):
+            for q in sorted({1, q_max}):
+                self._profile(lambda b=b, q=q: target(b, q), lambda dt, b=b, q=q: cost.observe_target(b, q, dt))
+            self._profile(lambda b=b: draft(b), lambda dt, b=b: cost.observe_draft(b, dt))
+
+    def _profile(self, fn: Callable[[], None], record: Callable[[float], None]) -> None:
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        record(time.perf_counter() - t0)
 
     def meta(self, block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int]) -> AttnMetadata:
         return build_attn_metadata(block_tables, starts, counts, self.block_size, self.device)
@@ -210,10 +297,11 @@ class ModelRunner:
     def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
         """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for
         plain decode and the last prefill chunk: then this is ordinary sampling)."""
-        k = self.k
-        # Row of the last real token, then one row per draft; padded to k + 1 by repeating.
         first = [r + it.num_tokens - 1 for r, it in zip(row_starts, items, strict=True)]
         num_drafts = [len(it.draft_ids) for it in items]
+        # Row of the last real token, then one row per draft; padded to k + 1 by repeating. auto
+        # pads only to this step's longest chain (static k keeps its fixed width, and its bits).
+        k = self.k if self.policy is None else max(max(num_drafts), 1)
         unique = torch.tensor([f + j for f, nd in zip(first, num_drafts, strict=True) for j in range(nd + 1)],
                               dtype=torch.int64, device=hidden.device)
         at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers need the rows

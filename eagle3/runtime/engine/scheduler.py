@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
+from eagle3.runtime.spec.adaptive import AdaptivePolicy
 from eagle3.runtime.spec.stats import SpecStats
 
 if TYPE_CHECKING:
@@ -46,12 +47,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int]) -> None:
+                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int],
+                 policy: AdaptivePolicy | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.k = num_speculative_tokens  # 0 without a draft
+        self.k = num_speculative_tokens  # 0 without a draft; auto: its ceiling (slots reserved for it)
+        self.policy = policy  # auto: sees every verification's acceptance (spec/adaptive.py)
         self.eos_ids = eos_ids
         # Engine-wide acceptance counters (each request also keeps its own in seq.stats).
         self.stats = SpecStats(max(num_speculative_tokens, 1))
@@ -172,6 +175,8 @@ class Scheduler:
         seq.num_computed_tokens = item.start + item.num_tokens + num_accepted
         seq.append_checked(emitted, self.eos_ids, self.max_model_len)
         self.stats.observe(num_drafts, num_accepted)
+        if self.policy is not None:
+            self.policy.observe(num_drafts, num_accepted)
         return item.num_tokens + num_accepted
 
     def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
