@@ -98,5 +98,7 @@ def test_measured_cost_model_interpolates_and_smooths():
     assert m.target_time(2, 1) == pytest.approx(2.0)
     assert m.target_time(8, 5) == pytest.approx(16.0)  # proportional past the last bucket
     assert m.draft_time(2) == pytest.approx(0.2)
-    m.observe_target(1, 1, 3.0)  # EMA: halfway
-    assert m.target_time(1, 1) == pytest.approx(2.0)
+    m.observe_target(1, 1, 1.5)  # EMA: halfway
+    assert m.target_time(1, 1) == pytest.approx(1.25)
+    m.observe_draft(1, 10.0)  # a stall: clipped to twice the estimate before the EMA
+    assert m.draft_time(1) == pytest.approx(0.15)

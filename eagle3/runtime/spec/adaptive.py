@@ -32,6 +32,10 @@ PRIOR_ACCEPTANCE = 0.8
 PRIOR_WEIGHT = 2.0
 WINDOW = 512  # verifications kept (a few steps of a large batch; dozens at batch 1)
 EMA_ALPHA = 0.2  # weight of a new step-time measurement
+# A measurement further than this factor from the estimate is clipped to it before the EMA: on a
+# shared machine single steps stall 10x when another process runs; a real change of cost still
+# moves the estimate by up to (1 + alpha * (CLIP - 1)) per step.
+CLIP = 2.0
 # After this many consecutive k = 0 steps, draft k = 1 once so that the window does not keep
 # acceptance figures from a different workload forever (0 disables the probe).
 PROBE_INTERVAL = 64
@@ -70,12 +74,16 @@ class MeasuredCostModel:
 
     def observe_target(self, batch: int, query_len: int, seconds: float) -> None:
         row = self.target.setdefault(batch, {})
-        old = row.get(query_len)
-        row[query_len] = seconds if old is None else old + self.alpha * (seconds - old)
+        row[query_len] = self._update(row.get(query_len), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        old = self.draft.get(batch)
-        self.draft[batch] = seconds if old is None else old + self.alpha * (seconds - old)
+        self.draft[batch] = self._update(self.draft.get(batch), seconds)
+
+    def _update(self, old: float | None, seconds: float) -> float:
+        if old is None:
+            return seconds
+        x = min(max(seconds, old / CLIP), old * CLIP)
+        return old + self.alpha * (x - old)
 
     @property
     def ready(self) -> bool:
