@@ -156,7 +156,12 @@ class ModelRunner:
         k = self.k if self.policy is None else self.policy.choose(sum(it.samples for it in scheduled))
         items = [self._propose_item(item, emitted, res.aux, row0, k)
                  for item, emitted, row0 in zip(scheduled, res.emitted, res.row_starts, strict=True)]
-        return StepOutput(res.emitted, self.proposer.propose(items, self.target.vocab_size))
+        proposer = self.proposer
+        # auto: the whole proposer (forwards, logits, sampling) of a decode step is timed, per draft
+        # step it ran (step 0 runs at k = 0 too).
+        shape = (len(items), max(k, 1)) if self._uniform_target_shape(scheduled) is not None else None
+        proposals = self._timed(lambda: proposer.propose(items, self.target.vocab_size), shape, "draft")
+        return StepOutput(res.emitted, proposals)
 
     def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int,
                       k: int) -> ProposeItem:
@@ -187,13 +192,7 @@ class ModelRunner:
 
     def forward_draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
                       starts: Seq[int], counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step (the proposer's): a graph replay when uniform, else eager. Under auto, a
-        step of one row per sequence is timed for the cost model."""
-        shape = (len(counts), 1) if self.policy is not None and all(c == 1 for c in counts) else None
-        return self._timed(lambda: self._forward_draft(input_ids, hidden, block_tables, starts, counts), shape, "draft")
-
-    def _forward_draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
-                       starts: Seq[int], counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step (the proposer's): a graph replay when uniform, else eager."""
         assert self.draft is not None
         g = self.draft_graphs
         if g is not None and g.supports(block_tables, counts):
@@ -225,8 +224,8 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         if what == "target":
             cost.observe_target(shape[0], shape[1], dt)
-        else:
-            cost.observe_draft(shape[0], dt)
+        else:  # shape: (batch, draft steps run)
+            cost.observe_draft(shape[0], dt / shape[1])
         return out
 
     def _sync(self) -> None:
