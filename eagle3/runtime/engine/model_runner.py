@@ -248,7 +248,11 @@ class ModelRunner:
         def target(b: int, q: int) -> None:
             hidden, _ = self.forward_target(torch.zeros(b * q, dtype=torch.int64, device=dev), [table] * b,
                                             [start] * b, [q] * b)
-            self.target.compute_logits(hidden)
+            at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers take part
+            if at is not None:
+                at(hidden, torch.arange(b * q, device=hidden.device))
+            else:
+                self.target.compute_logits(hidden)
 
         def draft(b: int) -> None:
             assert self.draft is not None
