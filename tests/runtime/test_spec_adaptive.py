@@ -102,3 +102,26 @@ def test_measured_cost_model_interpolates_and_smooths():
     assert m.target_time(1, 1) == pytest.approx(1.25)
     m.observe_draft(1, 10.0)  # a stall: clipped to twice the estimate before the EMA
     assert m.draft_time(1) == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_speculative_tokens": "auto", "max_speculative_tokens": 0}, "max_speculative_tokens must be"),
+    ({"num_speculative_tokens": "auto", "max_speculative_tokens": 9}, "max_speculative_tokens must be"),
+    ({"num_speculative_tokens": "three"}, "or 'auto'"),
+    ({"num_speculative_tokens": 0}, "or 'auto'"),
+    ({"num_speculative_tokens": 2, "max_speculative_tokens": 4}, "goes with num_speculative_tokens='auto'"),
+])
+def test_engine_config_checks_the_speculative_options(kwargs, message):
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.config import EngineConfig
+
+    with pytest.raises(UsageError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_auto_ceiling():
+    from eagle3.runtime.engine.config import EngineConfig
+
+    assert EngineConfig(num_speculative_tokens="auto").max_k == 5
+    assert EngineConfig(num_speculative_tokens="auto", max_speculative_tokens=2).max_k == 2
+    assert EngineConfig(num_speculative_tokens=4).max_k == 4 and not EngineConfig().adaptive
