@@ -57,11 +57,11 @@ def test_batch_size_moves_the_choice():
     assert policy.best(64) == 0
 
 
-def test_probe_after_a_run_of_plain_steps():
+def test_probe_runs_the_least_recently_chosen_k():
     policy = AdaptivePolicy(2, LinearCost(fixed=0.0, per_row=1.0, draft=1.0), probe_interval=3)
     for _ in range(100):
         policy.observe(1, 0)
-    assert [policy.choose(1) for _ in range(5)] == [0, 0, 0, 1, 0]
+    assert [policy.choose(1) for _ in range(9)] == [0, 0, 1, 0, 0, 2, 0, 0, 1]
 
 
 def test_acceptance_window_conditional_rates():

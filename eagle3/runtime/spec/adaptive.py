@@ -36,8 +36,11 @@ EMA_ALPHA = 0.2  # weight of a new step-time measurement
 # shared machine single steps stall 10x when another process runs; a real change of cost still
 # moves the estimate by up to (1 + alpha * (CLIP - 1)) per step.
 CLIP = 2.0
-# After this many consecutive k = 0 steps, draft k = 1 once so that the window does not keep
-# acceptance figures from a different workload forever (0 disables the probe).
+# Every PROBE_INTERVAL-th step runs the k chosen least recently instead of the best one: its step
+# time is measured again under the machine's present load (a k never chosen keeps the figure of
+# its last measurement, possibly from a quieter or busier moment), and after a run of k = 0 steps
+# the acceptance window gets fresh verifications. Costs at most 1/64 of the steps at another k;
+# 0 disables it.
 PROBE_INTERVAL = 64
 
 
@@ -146,7 +149,8 @@ class AdaptivePolicy:
         self.acceptance = AcceptanceWindow(window)
         self.probe_interval = probe_interval
         self.histogram = [0] * (max_k + 1)  # steps that chose k = 0..max_k
-        self._plain_run = 0
+        self._steps = 0
+        self._last_chosen = [-1] * (max_k + 1)  # step at which each k last ran
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(num_drafts, num_accepted)
@@ -165,13 +169,11 @@ class AdaptivePolicy:
 
     def choose(self, batch: int) -> int:
         """k for a step whose next verification has ``batch`` sequences; counted in the histogram."""
+        self._steps += 1
         k = self.best(batch) if batch > 0 else 0
-        if k == 0 and self.probe_interval and self.max_k >= 1:
-            self._plain_run += 1
-            if self._plain_run > self.probe_interval:
-                k = 1
-        if k:
-            self._plain_run = 0
+        if batch > 0 and self.probe_interval and self._steps % self.probe_interval == 0:
+            k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
+        self._last_chosen[k] = self._steps
         self.histogram[k] += 1
         return k
 
