@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from eagle3.cli.app import app, print_json
+from eagle3.cli.options import parse_bytes
 
 
 @app.command()
@@ -46,7 +47,7 @@ def convert(
         src, out, engine=engine, target=target, aux_layer_ids=conv.parse_aux_ids(aux_layer_ids),
         aux_convention=aux_convention, norm_output=conv.parse_bool(norm_output, "--norm-output"),
         drop=drop, verifier=verifier, text_only=text_only, dequantize=dequantize, model_type=model_type,
-        trust_remote_code=trust_remote_code, overwrite=overwrite, max_shard_bytes=conv.parse_size(max_shard_size),
+        trust_remote_code=trust_remote_code, overwrite=overwrite, max_shard_bytes=_shard_bytes(max_shard_size),
         progress=not quiet and not json_out, allow_nonfinite=allow_nonfinite,
     )
     if json_out:
@@ -116,3 +117,9 @@ def quantize(
         print_json(result.to_json())
     else:
         pipeline.print_summary(result)
+
+
+def _shard_bytes(text: str | None) -> int:
+    from eagle3.checkpoint import DEFAULT_SHARD_BYTES
+
+    return DEFAULT_SHARD_BYTES if text is None else parse_bytes(text, "--max-shard-size")

@@ -33,7 +33,7 @@ def inspect(
         detect.print_summary(summary)
     from eagle3.formats.check import report_problems
 
-    report_problems(where, strict=strict, to_stderr=json_out)
+    report_problems(where, strict=strict, to_stderr=json_out, reader=reader)
 
 
 @app.command()

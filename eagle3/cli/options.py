@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
+
+from eagle3.runtime.engine.config import BACKENDS, EngineConfig
+
+# The engine flags' defaults are EngineConfig's (declared there once; importing it loads no torch).
+ENGINE = EngineConfig()
 
 KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a GPU where triton imports, aiter "
                         "on ROCm where aiter imports, torch otherwise), torch, triton, aiter.")
+NUM_SPEC_HELP = ("Draft tokens per step (k), or auto: each step picks k in 0..--max-speculative-tokens from "
+                 "the engine's measured step times and the observed acceptance.")
+MAX_SPEC_HELP = "With --num-speculative-tokens auto: the largest k (default 5)."
 ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
 
 
@@ -13,10 +23,43 @@ def check_kernel_backend(name: str) -> str:
     """``--kernel-backend`` checked before anything loads (one line, exit 2, on a bad value)."""
     from eagle3.errors import UsageError
 
-    choices = ("auto", "torch", "triton", "aiter")
-    if name not in choices:
-        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(choices)}")
+    if name not in BACKENDS:
+        raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(BACKENDS)}")
     return name
+
+
+def parse_speculative(num: str, max_k: int | None, draft: object) -> tuple[int | str, int | None]:
+    """``--num-speculative-tokens`` (an integer or ``auto``) and ``--max-speculative-tokens``, checked
+    before anything loads; the EngineConfig fields they become."""
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.config import AUTO, MAX_SPECULATIVE_TOKENS
+
+    text = num.strip().lower()
+    if text == AUTO:
+        if draft is None:
+            raise UsageError("--num-speculative-tokens auto needs --draft (it chooses how many draft tokens to verify)")
+        if max_k is not None and not 1 <= max_k <= MAX_SPECULATIVE_TOKENS:
+            raise UsageError(f"--max-speculative-tokens {max_k}: expected 1..{MAX_SPECULATIVE_TOKENS}")
+        return AUTO, max_k
+    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= MAX_SPECULATIVE_TOKENS:
+        raise UsageError(f"--num-speculative-tokens {num!r}: expected an integer in 1..{MAX_SPECULATIVE_TOKENS} or auto")
+    if max_k is not None:
+        raise UsageError("--max-speculative-tokens goes with --num-speculative-tokens auto")
+    return int(text), None
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """A size flag: ``"4GiB"``, ``"512MB"``, ``"5gb"``, ``"1000000"`` -> bytes (binary units with ``i``)."""
+    from eagle3.errors import UsageError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise UsageError(f"{flag} {text!r}: expected a size such as 4GiB or 512MB")
+    base = 1024 if m.group(3) else 1000
+    n = int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
+    if n <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return n
 
 
 def exit_on_report(report: dict, lines: list[str]) -> None:

@@ -11,7 +11,17 @@ from typing import Annotated, Any
 import typer
 
 from eagle3.cli.app import app
-from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+from eagle3.cli.options import (
+    ENFORCE_EAGER_HELP,
+    ENGINE,
+    KERNEL_BACKEND_HELP,
+    MAX_SPEC_HELP,
+    NUM_SPEC_HELP,
+    check_kernel_backend,
+    exit_on_report,
+    parse_bytes,
+    parse_speculative,
+)
 from eagle3.cli.plan import print_plan
 
 
@@ -19,19 +29,20 @@ from eagle3.cli.plan import print_plan
 def serve(
     target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="Draft tokens per step (k).")] = 3,
+    num_speculative_tokens: Annotated[str, typer.Option(help=NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
+    max_speculative_tokens: Annotated[int | None, typer.Option(help=MAX_SPEC_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = False,
-    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = "bfloat16",
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = ENGINE.trust_remote_code,
+    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = ENGINE.dtype,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = ENGINE.device,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = 64,
-    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = 0,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = ENGINE.max_num_seqs,
+    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = ENGINE.seed,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
     request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
@@ -50,9 +61,9 @@ def serve(
     baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = 1,
-    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = "auto",
-    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
+    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
+    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
@@ -84,8 +95,11 @@ def serve(
             return
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
+    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if engine is not None:
-        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=num_speculative_tokens, host=host,
+        if not isinstance(spec_k, int):
+            raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
+        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=spec_k, host=host,
                   port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
                   kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
                   served_model_name=served_model_name, max_model_len=max_model_len)
@@ -95,8 +109,8 @@ def serve(
     from eagle3.serve import launcher
 
     eopts = launcher.EngineOptions(
-        num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device, max_model_len=max_model_len,
-        kv_cache_memory=None if kv_cache_memory is None else launcher.parse_bytes(kv_cache_memory),
+        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, device=device, max_model_len=max_model_len,
+        kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
         enforce_eager=enforce_eager)
@@ -167,7 +181,7 @@ def _serve_http(target: Path, draft: Path | None, eopts: Any, name: str, *, api_
 
     if not request_timeout > 0:
         raise UsageError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
-    limits = ServerLimits(launcher.parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
+    limits = ServerLimits(parse_bytes(max_request_bytes, "--max-request-bytes"), request_timeout)
     sock = launcher.listen_socket(host, port)  # before the (long) load
     llm = launcher.build_llm(target, draft, eopts)
     api = launcher.build_app(llm, name, api_key=api_key, root=str(target), limits=limits)

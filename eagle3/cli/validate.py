@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from eagle3.cli.app import app
-from eagle3.cli.options import ENFORCE_EAGER_HELP, KERNEL_BACKEND_HELP, check_kernel_backend, exit_on_report
+from eagle3.cli.options import (
+    ENFORCE_EAGER_HELP,
+    ENGINE,
+    KERNEL_BACKEND_HELP,
+    MAX_SPEC_HELP,
+    NUM_SPEC_HELP,
+    check_kernel_backend,
+    exit_on_report,
+    parse_speculative,
+)
 
 
 @app.command("validate")
@@ -55,7 +64,8 @@ def validate_cmd(
 def bench(
     target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
     draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
-    num_speculative_tokens: Annotated[int, typer.Option(help="With TARGET: draft tokens per step.")] = 3,
+    num_speculative_tokens: Annotated[str, typer.Option(help="With TARGET: " + NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
+    max_speculative_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + MAX_SPEC_HELP)] = None,
     base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
@@ -69,12 +79,12 @@ def bench(
     seed: Annotated[int, typer.Option(help="Random prompts seed.")] = 0,
     report: Annotated[Path | None, typer.Option(help="Write the results as JSON.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing report.")] = False,
-    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = "bfloat16",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = 1,
-    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = "auto",
-    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = False,
+    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = ENGINE.device,
+    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = ENGINE.dtype,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = ENGINE.trust_remote_code,
+    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = ENGINE.tensor_parallel_size,
+    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = ENGINE.backend,
+    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
@@ -88,6 +98,7 @@ def bench(
 
     if (target is None) == (base_url is None):
         raise UsageError("give either TARGET (served in-process) or --base-url")
+    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if report is not None:
         from eagle3.checkpoint import check_output_path
 
@@ -108,7 +119,8 @@ def bench(
     if target is not None:
         from eagle3.serve import launcher
 
-        eopts = launcher.EngineOptions(num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+        eopts = launcher.EngineOptions(num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype,
+                                       device=device,
                                        trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
                                        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager)
         llm = launcher.build_llm(target, draft, eopts)

@@ -16,7 +16,7 @@ from eagle3.convert.common import REPORT_FILE, Report, print_summary
 from eagle3.errors import UsageError
 from eagle3.formats.profiles import ENGINES
 
-__all__ = ["REPORT_FILE", "Report", "convert", "parse_aux_ids", "parse_bool", "parse_size", "print_summary"]
+__all__ = ["REPORT_FILE", "Report", "convert", "parse_aux_ids", "parse_bool", "print_summary"]
 
 
 def parse_aux_ids(text: str | None) -> list[int] | None:
@@ -41,22 +41,6 @@ def parse_bool(text: str | None, flag: str) -> bool | None:
     if t in ("false", "0", "no"):
         return False
     raise UsageError(f"{flag} {text!r}: expected true or false")
-
-
-def parse_size(text: str | None) -> int:
-    """``"5GB"``, ``"500MiB"``, ``"1000000"`` -> bytes (``None`` -> the 5 GiB default)."""
-    if text is None:
-        return DEFAULT_SHARD_BYTES
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
-    if not m:
-        raise UsageError(f"--max-shard-size {text!r}: expected a size such as 5GB or 500MiB")
-    unit = (m.group(2) or "").rstrip("b")
-    base = 1024 if unit.endswith("i") else 1000
-    power = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit.rstrip("i")]
-    n = int(float(m.group(1)) * base**power)
-    if n <= 0:
-        raise UsageError(f"--max-shard-size {text!r}: must be positive")
-    return n
 
 
 def convert(src: str | Path, out: str | Path, *, engine: str | None = None, target: str | None = None,

@@ -148,7 +148,8 @@ def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader
         return []
     if d2t is None or t2d is None or list(d2t.shape) != [Vd] or list(t2d.shape) != [V] or t2d.dtype != "BOOL":
         return []  # missing / mis-shaped: reported by the schema comparison
-    if d2t.nbytes > _MAX_MAP_BYTES or t2d.nbytes > _MAX_MAP_BYTES or d2t.file.stat().st_size == 0:
+    if d2t.nbytes > _MAX_MAP_BYTES or t2d.nbytes > _MAX_MAP_BYTES or not d2t.file.is_file() \
+            or d2t.file.stat().st_size == 0:  # a header-only view (a Hub repo) has no data here
         return []
     import torch
 
@@ -170,10 +171,11 @@ def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader
 
 
 def check_checkpoint(path: str | Path, *, target_layers: int | None = None,
-                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
+                     ignore: frozenset[str] = frozenset(), reader: CheckpointReader | None = None) -> list[Problem]:
     """Every problem of the checkpoint directory ``path`` against its schema (empty: it conforms, or
     eagle3 has no schema for its architecture). Unreadable headers or index raise their one-line
-    :class:`~eagle3.errors.Eagle3Error` as the reader does."""
+    :class:`~eagle3.errors.Eagle3Error` as the reader does. ``reader``: the tensors' headers when
+    they are not files in ``path`` (a Hub repo's header-only view, ``hub.header_view``)."""
     d = Path(path)
     if not d.is_dir():
         return []
@@ -185,8 +187,9 @@ def check_checkpoint(path: str | Path, *, target_layers: int | None = None,
     out = [Problem(cfg_file, p.split("'")[1] if "'" in p else "", p) for p in problems]
     if typed is None:
         return out
-    reader = CheckpointReader(d)
-    out += _index_problems(d, reader)
+    if reader is None:
+        reader = CheckpointReader(d)
+        out += _index_problems(d, reader)
     return out + check_reader(cfg, typed, cfg_file, reader, ignore)
 
 
@@ -260,12 +263,13 @@ def target_num_layers(target: str | Path) -> int | None:
     return typed.num_hidden_layers if isinstance(typed, TextStackConfig) else None
 
 
-def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool = False) -> list[Problem]:
+def report_problems(path: str | Path, *, strict: bool = False, to_stderr: bool = False,
+                    reader: CheckpointReader | None = None) -> list[Problem]:
     """``inspect``'s report: every problem, one line each (stdout, or stderr beside ``--json``);
     ``strict`` raises the first as a one-line :class:`FormatError` (exit 2) instead of listing them."""
     import sys
 
-    problems = check_checkpoint(path) if Path(path).is_dir() else []
+    problems = check_checkpoint(path, reader=reader) if Path(path).is_dir() else []
     if problems and strict:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise FormatError(str(problems[0]) + more)

@@ -8,7 +8,6 @@ import gc
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import threading
@@ -29,18 +28,6 @@ _START_TIMEOUT_S = 60.0
 EngineOptions = EngineConfig
 
 
-def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
-    """``"4GiB"``, ``"512MB"``, ``"1000000"`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
-    if not m:
-        raise UsageError(f"{flag} {text!r}: expected a size such as 4GiB or 512MB")
-    base = 1024 if m.group(3) else 1000
-    n = int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
-    if n <= 0:
-        raise UsageError(f"{flag} {text!r}: must be positive")
-    return n
-
-
 def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig) -> Any:
     """The runtime's :class:`~eagle3.runtime.engine.llm.LLM` for a target directory (+ draft)."""
     from eagle3.runtime.engine.llm import LLM
@@ -59,8 +46,13 @@ def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig
 def engine_info(llm: Any) -> dict[str, Any]:
     """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs
     (/v1/models, the validation report's server section, the bench report)."""
-    return {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
+    info = {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
             "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
+    policy = getattr(llm, "policy", None)
+    if policy is not None:  # num_speculative_tokens="auto": what it chose so far (steps per k)
+        info.update(num_speculative_tokens="auto", max_speculative_tokens=policy.max_k,
+                    chosen_k_histogram=list(policy.histogram), mean_chosen_k=policy.mean_k)
+    return info
 
 
 def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: str | None = None,
@@ -71,7 +63,7 @@ def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: st
     from eagle3.serve.async_engine import AsyncEngine
     from eagle3.serve.metrics import ServerMetrics
 
-    metrics = ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0))
+    metrics = ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0), getattr(llm, "policy", None) is not None)
     engine = AsyncEngine(llm, metrics)
     return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics,
                       limits=limits)
@@ -228,6 +220,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
     vopts.api_key = api_key
     meta = {"target": str(target), "draft": None if draft is None else str(draft),
             "num_speculative_tokens": eopts.num_speculative_tokens if draft is not None else 0,
+            "max_speculative_tokens": eopts.max_k if draft is not None and eopts.adaptive else None,
             "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
             "tensor_parallel_size": eopts.tensor_parallel_size, "kernel_backend": eopts.backend,
             "enforce_eager": eopts.enforce_eager}
@@ -241,6 +234,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
             with ServerThread(app, host, port) as url:
                 echo(f"{label}: {len(prep.prompts)} GSM8K prompts to {url} at concurrency {vopts.concurrency}")
                 run = validate.evaluate(url, prep, vopts, label)
+            meta.update(engine_info(llm))  # auto: the k it chose over the run
         finally:
             close_llm(llm)  # its tensor-parallel workers, before the next run forms its own group
             del app, llm

@@ -37,7 +37,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """The server's instruments. Thread-safe (prometheus-client locks each value)."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int, adaptive: bool = False) -> None:
         disable_created_metrics()  # no "<name>_created" series (process-wide; vLLM does the same)
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -78,6 +78,14 @@ class ServerMetrics:
                               "Drafts whose token at this position was accepted.", ("position",))
             self.spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
         self._last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [0] * num_speculative_tokens)
+        # num_speculative_tokens="auto": engine steps by the draft length they chose (0 = plain step).
+        self.chosen_k: Any = None
+        self._last_chosen: list[int] = [0] * (num_speculative_tokens + 1)
+        if adaptive and num_speculative_tokens:
+            self.chosen_k = Histogram(PREFIX + "spec_decode_chosen_k",
+                                      "Draft tokens chosen per engine step (num_speculative_tokens=auto).", labels,
+                                      buckets=tuple(float(k) for k in range(num_speculative_tokens + 1)),
+                                      registry=r).labels(model_name)
 
     # -- engine side (called from the engine thread after each step) ------------------------
     def observe_engine(self, llm: Any) -> None:
@@ -95,6 +103,13 @@ class ServerMetrics:
             for c, a, b in zip(self.spec_per_pos, now[3], last[3], strict=False):
                 c.inc(max(a - b, 0))
             self._last_spec = now
+        policy = getattr(llm, "policy", None)
+        if self.chosen_k is not None and policy is not None:
+            hist = list(policy.histogram)[: len(self._last_chosen)]
+            for k, (a, b) in enumerate(zip(hist, self._last_chosen, strict=False)):
+                for _ in range(max(a - b, 0)):
+                    self.chosen_k.observe(k)
+            self._last_chosen = hist
         self.update_gauges(llm)
 
     def update_gauges(self, llm: Any) -> None:

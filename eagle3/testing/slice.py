@@ -46,7 +46,7 @@ from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.sizing import TensorSpec
 from eagle3.testing import tiny
 
-# The real Kimi-K2.5 text widths (kimi_quant_formats.md 1.2).
+# The real Kimi-K2.5 text widths (moonshotai/Kimi-K2.5's config.json, text_config).
 KIMI_K25_DIMS: dict[str, int] = {
     "vocab_size": 163840,
     "hidden_size": 7168,

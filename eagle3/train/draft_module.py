@@ -3,7 +3,7 @@
 The runtime's :class:`~eagle3.runtime.models.eagle3.Eagle3DraftModel` is inference-only: its
 Linear layers hold backend ops prepared once at load and its attention reads and writes a paged
 KV cache. Training needs autograd and whole sequences at once, so this module re-states the same
-forward (eagle3_formats.md 3) with ``nn.Linear`` / ``nn.Parameter`` weights and plain attention
+forward (runtime/models/eagle3.py) with ``nn.Linear`` / ``nn.Parameter`` weights and plain attention
 over in-memory keys. tests/train/test_draft_module.py checks it equal (fp32 logits) to the runtime's
 draft run through the runtime on the same checkpoint, for both variants.
 

@@ -493,11 +493,11 @@ def _regenerate(target: Any, data: TrainData, opts: TrainOptions) -> None:
 
 
 def _dtype(name: str) -> torch.dtype:
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
+    from eagle3.runtime.engine.config import DTYPES, dtype_by_name
+
+    if name not in DTYPES:
         raise UsageError(f"--dtype {name}: expected bfloat16, float16 or float32")
-    return table[name]
+    return dtype_by_name(name)
 
 
 def print_summary(report: dict[str, Any]) -> None:

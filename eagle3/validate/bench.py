@@ -310,6 +310,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
             f"{_f(m['tpot_ms']['mean']) + '/' + _f(m['tpot_ms']['p99']):>15} "
             f"{_f(m['itl_ms']['mean']) + '/' + _f(m['itl_ms']['p99']):>15} {_f(m['e2el_ms']['mean'], '.1f'):>9} "
             f"{_f(spec.get('acceptance_rate'), '.3f'):>6} {_f(spec.get('mean_acceptance_length')):>7}")
+        if spec.get("chosen_k_histogram"):
+            lines.append("      chosen k (auto) 0..: " + "/".join(f"{n:g}" for n in spec["chosen_k_histogram"]) + " steps")
         for e in m["errors"][:3]:
             lines.append(f"      error: {e}")
     return lines

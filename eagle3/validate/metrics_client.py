@@ -9,6 +9,9 @@ Understood formats (all scraped before and after a run; the run's numbers are th
 - ATOM (``atom:``): ``mtp_draft_tokens``, ``mtp_accepted_tokens`` and ``mtp_decode_steps{accepted_tokens}``
   (decode steps by number of accepted draft tokens, which gives drafts, per-position counts and
   the histogram).
+- eagle3 with ``num_speculative_tokens="auto"`` also exports the histogram
+  ``eagle3:spec_decode_chosen_k`` (engine steps by the draft length chosen, buckets ``le`` = 0..max);
+  its delta is reported as ``chosen_k_histogram`` (steps that chose k = 0, 1, ...).
 - SGLang (``sglang:``): only the gauges ``spec_accept_length`` / ``spec_accept_rate`` exist; they
   are reported as read after the run (a server-side window, not this run's delta).
 
@@ -119,6 +122,18 @@ def parse_sglang_gauges(text: str) -> dict[str, Any] | None:
             "acceptance_rate": sum(v for _, v in rate) / len(rate) if rate else None}
 
 
+CHOSEN_K = "eagle3:spec_decode_chosen_k"
+
+
+def parse_chosen_k(text: str) -> list[float] | None:
+    """Engine steps per chosen k (0..max) from the cumulative ``le`` buckets, or None."""
+    rows = _samples(text).get(CHOSEN_K + "_bucket")
+    if not rows:
+        return None
+    cum = sorted((float(labels["le"]), v) for labels, v in rows if labels.get("le") not in (None, "+Inf"))
+    return [v - (cum[i - 1][1] if i else 0.0) for i, (_, v) in enumerate(cum)]
+
+
 def scrape(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> str | None:
     """``GET <root>/metrics`` as text, or None when the server has no such endpoint."""
     import httpx
@@ -140,5 +155,10 @@ def spec_delta(before: str | None, after: str | None) -> dict[str, Any] | None:
     now = parse_spec_counters(after)
     if now is not None:
         prev = parse_spec_counters(before) if before is not None else None
-        return now.minus(prev).summary()
+        out = now.minus(prev).summary()
+        chosen = parse_chosen_k(after)
+        if chosen is not None:
+            old = (parse_chosen_k(before) if before is not None else None) or [0.0] * len(chosen)
+            out["chosen_k_histogram"] = [a - b for a, b in zip(chosen, old + [0.0] * len(chosen), strict=False)]
+        return out
     return parse_sglang_gauges(after)

@@ -221,6 +221,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  acceptance rate {_fmt(spec.get('acceptance_rate'), '.4f')}  mean accept length "
                      f"{_fmt(spec.get('mean_acceptance_length'))}  per position {pp or '-'}  "
                      f"accepted 0..k {dist or '-'} %  [{spec.get('source')}]")
+        if spec.get("chosen_k_histogram"):
+            lines.append(f"  chosen k (auto) 0..{len(spec['chosen_k_histogram']) - 1}: "
+                         + "/".join(f"{n:g}" for n in spec["chosen_k_histogram"]) + " steps")
     else:
         lines.append("  speculative: no counters on the server's /metrics")
     lat, thr = report["latency"], report["throughput"]

@@ -1,7 +1,7 @@
 """Each engine's documented draft-loading rules, written as predicates over an output directory.
 
-Written from shared/docs/research/eagle3_formats.md (section 11 key table; sections 4, 5, 7, 9
-for configs) independently of eagle3.formats.profiles, so the tests check the converter against
+Written from the engines' draft loaders (vLLM, SGLang, ATOM, speculators: key names and config
+fields) independently of eagle3.formats.profiles, so the tests check the converter against
 the engines' rules rather than against itself. Tensor names are read with the ``safetensors``
 library (not eagle3's reader). Each ``<engine>_load(d)`` returns ``(problems, seen)``: the rules
 the checkpoint breaks, and what the engine would do with it (the aux layers it captures in the

@@ -2,7 +2,7 @@
 
 Every tiny draft fixture goes to every engine profile and back to the canonical ``eagle3`` form:
 tensors stay bit-identical (names mapped), the output satisfies the engine's loader rules
-(engine_rules.py, written from eagle3_formats.md independently of the converter) and the engine
+(engine_rules.py, written from the engines' loaders independently of the converter) and the engine
 would capture the same physical aux layers as the source.
 """
 

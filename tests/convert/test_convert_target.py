@@ -26,7 +26,7 @@ def bits_equal(a: torch.Tensor, c: torch.Tensor) -> bool:
     return a.dtype == c.dtype and a.shape == c.shape and torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
-# -- independent references (numpy, written from kimi_quant_formats.md 2.2 / 2.3 and the FP8 block rule)
+# -- independent references (numpy, written from the compressed-tensors pack-quantized and FP8 block formats)
 
 
 def ref_int4(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> np.ndarray:
@@ -162,7 +162,7 @@ def test_text_only_layout_and_config(tiny_dir: Path, k25_text: Path) -> None:
 
 
 def test_text_only_logits_match_wrapper_in_transformers(tiny_dir: Path, k25_text: Path) -> None:
-    """transformers_kimi_tiny.md §3: the wrapper via AutoModelForImageTextToText with
+    """transformers: the wrapper via AutoModelForImageTextToText with
     CompressedTensorsConfig(dequantize=True); the text stack via DeepseekV3ForCausalLM with
     model_type forced to deepseek_v3 (kimi_k2 would leave the experts random)."""
     from transformers import (

@@ -1,5 +1,5 @@
 """What vLLM, SGLang and ATOM check when they load a Quark checkpoint, written as predicates
-(shared/docs/research/kimi_quant_formats.md section 4; the numbers below are its items).
+(written from each engine's loader source for these schemes).
 
 Each ``check_<engine>(ckpt_dir)`` returns a :class:`Verdict`: the scheme every engine-level layer
 resolves to, and the problems that would make the engine raise (or, worse, silently load a bf16

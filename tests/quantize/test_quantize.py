@@ -83,7 +83,7 @@ def test_outputs_decode_within_the_schemes_error(case, tiny_dir: Path, native_ru
     assert (out_dir / "quantization_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# What each engine's loader makes of each recipe (kimi_quant_formats.md 4): True = loads.
+# What each engine's loader makes of each recipe (tests/quantize/loaders.py): True = loads.
 # w4a8: vLLM ROCm AITER W4A8 MoE and AMD's SGLang branch; ATOM cannot parse a two-stage weight.
 # w4a8-int8: vLLM's W4A8 MoE requires fp8 activations in the config. int4-draft: only vLLM's
 # weight-only Quark INT4 Linear (PR #48606); SGLang has no INT4 Linear scheme.
@@ -235,13 +235,15 @@ def test_module_split_across_shards_quantizes_like_the_original(tiny_dir: Path, 
 
 
 def _fp8_block_draft(src: Path, dst: Path) -> None:
-    """The tiny Llama draft as a DeepSeek-style FP8-block checkpoint (128x128 weight_scale_inv)."""
+    """The tiny Llama draft as a DeepSeek-style FP8-block checkpoint (128x128 weight_scale_inv on
+    every Linear; ``lm_head`` stays dense, as in DeepSeek-V3's own FP8 release and as the engines'
+    FP8 configs load it)."""
     dst.mkdir()
     r = CheckpointReader(src)
     with CheckpointWriter(dst) as w:
         for n in r.names():
             t = r.get(n)
-            if n.endswith(".weight") and t.dim() == 2 and "embed" not in n:
+            if n.endswith(".weight") and t.dim() == 2 and "embed" not in n and not n.startswith("lm_head"):
                 q, s = codecs.fp8_block_quantize(t.float())
                 w.add(n, q)
                 w.add(n + "_scale_inv", s)
@@ -273,7 +275,7 @@ def test_fp8_block_source_is_dequantized_in_fp32(tiny_dir: Path, tmp_path: Path,
     want = NativeEngine().quantize(DenseRows(w32), spec, zero_point=True)
     for k, t in want.items():
         assert torch.equal(o.get(f"{mod}.{k}"), t), k
-    # Excluded FP8 modules (fc, lm_head) become dense bf16: the config no longer describes FP8 blocks.
+    # An excluded FP8 module (fc) becomes dense bf16: the config no longer describes FP8 blocks.
     fc = o.get("fc.weight")
     assert fc.dtype == torch.bfloat16 and "fc.weight_scale_inv" not in o
     assert torch.equal(fc, codecs.fp8_block_dequantize(s.get("fc.weight"), s.get("fc.weight_scale_inv")))

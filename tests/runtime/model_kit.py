@@ -101,7 +101,7 @@ def quark_config(scheme: str) -> dict:
 
 
 def quark_w4a8_expert(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """kimi_quant_formats.md 3.4: FP8 per-tensor stage, then INT4 per-channel (reorder packing).
+    """Quark W4A8: FP8 per-tensor stage, then INT4 per-channel (reorder packing).
     Returns (tensors, the dequantized fp32 weight q * s2 * s1)."""
     from eagle3.formats import codecs
 

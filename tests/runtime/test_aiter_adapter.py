@@ -121,7 +121,7 @@ def test_moe_matches_the_reference(fake_aiter, kind: str, quant: str) -> None:
 
 
 def test_moe_falls_back_where_aiter_has_no_kernel(fake_aiter) -> None:
-    """INT4 x int8 activations (W4A8): no aiter MoE kernel on any arch (kernel_backends.md 4.1)."""
+    """INT4 x int8 activations (W4A8): no aiter MoE kernel on any arch (aiter's fused_moe has no int4 x int8 path)."""
     gate, up, down = _experts("int4")
     gate = [Int4Weight(w.codes, w.scale.float().amax(1), None) for w in gate]
     up = [Int4Weight(w.codes, w.scale.float().amax(1), None) for w in up]

@@ -1,5 +1,5 @@
 """EAGLE-3 / 3.1 drafts against an independent float64 reference written here from
-eagle3_formats.md section 3 (tensors read with the safetensors library, not eagle3's loader):
+the EAGLE-3 draft forward as the engines implement it (tensors read with the safetensors library, not eagle3's loader):
 Llama/MHA and MLA attention, fc_norm, norm_before_fc, norm_output, norm_before_residual, d2t,
 a draft without its own embedding, speculators configs; over a paged cache for a step-0 prefill
 and two chained single-token steps."""
@@ -45,7 +45,7 @@ def _mscale(f, m):
 
 
 def _yarn(dim: int, base: float, rs: dict):
-    """kimi_quant_formats.md 5.2: ramped YaRN frequencies; returns (inv_freq, cos/sin factor, softmax mscale^2)."""
+    """DeepSeek-V3 YaRN rope: ramped YaRN frequencies; returns (inv_freq, cos/sin factor, softmax mscale^2)."""
     f, l0 = rs["factor"], rs["original_max_position_embeddings"]
     corr = [dim * math.log(l0 / (b * 2 * math.pi)) / (2 * math.log(base)) for b in (rs["beta_fast"], rs["beta_slow"])]
     low, high = max(math.floor(corr[0]), 0), min(math.ceil(corr[1]), dim - 1)

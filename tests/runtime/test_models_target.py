@@ -20,7 +20,7 @@ _threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 def _hf_model(path, wrapper: bool):
-    """transformers' reference in fp32 (recipes of transformers_kimi_tiny.md 3)."""
+    """transformers' reference in fp32 (DeepseekV3ForCausalLM with the tiny config)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
@@ -78,7 +78,7 @@ def test_logits_and_aux_match_transformers(tiny_dir, prompt, name: str, wrapper:
     torch.testing.assert_close(m.norm(aux[:, N_LAYERS]), h, rtol=0, atol=1e-6)
 
     # The runtime default uses rms_norm_eps for the latent norms, as vLLM/SGLang/ATOM do: a small,
-    # systematic gap to transformers (measured ~8e-5 here, 5.9e-5 in transformers_kimi_tiny.md 5).
+    # systematic gap to transformers (measured ~8e-5 here).
     m2 = load_target(tiny_dir / name, dtype=torch.float32)
     assert m2.layers[0].self_attn.kv_a_layernorm.eps == 1e-5
     _, _, logits2 = _forward(m2, prompt)

@@ -1,7 +1,7 @@
 """The memory plan (``eagle3 plan``) and the config-only sizing it stands on.
 
 ``data/kimi-k2.5/config.json`` is the Kimi-K2.5 config.json reconstructed from the research notes
-(shared/docs/research/kimi_quant_formats.md 1.1-1.4, transformers_kimi_tiny.md 1.1: the 6-entry
+(moonshotai/Kimi-K2.5's config.json and safetensors index: the 6-entry
 ignore list in text_config); it is planned with no weights present. The sizes are cross-checked
 against facts known about the real checkpoints: 208,550 tensors and ~554.3 GiB for Moonshot's INT4,
 139,613 tensors and total_size 558,995,180,568 B for amd/Kimi-K2.5-MXFP4, 1.015T routed parameters.
@@ -33,7 +33,7 @@ def kimi_models() -> dict[str, P.Model]:
 def test_kimi_int4_config_only_matches_the_real_checkpoint(kimi_models: dict[str, P.Model]) -> None:
     m = kimi_models["int4"]
     assert m.source == "config"
-    assert len(m.tensors) == 208_550  # the real tensor count (kimi_quant_formats.md 1.5)
+    assert len(m.tensors) == 208_550  # the real tensor count (the published index)
     total, expert_bytes, expert_params = m.totals()
     assert total == 595_148_192_736  # ~595 GB = 554.3 GiB, the published size
     assert abs(total / 2**30 - 554.3) < 0.1
@@ -64,7 +64,7 @@ PROJECTIONS = [(f, g) for f in ("int4", "w4a8", "mxfp4") for g in ("mi325x", "mi
 def test_kimi_projection_on_eight_gpus(kimi_models: dict[str, P.Model], fmt: str, gpu: str) -> None:
     m = kimi_models[fmt]
     p = P.plan(m, gpus=8, gpu=gpu, memory_fraction=0.9)
-    assert p.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # DESIGN.md: ~70 KB per token in bf16
+    assert p.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # ~70 KB per token in bf16 (61 layers x 576 latent)
     assert p.usable_memory == int(P.GPUS[gpu].memory * 0.9)
     assert p.kv_cache_bytes == p.usable_memory - p.max_weights_per_rank - P.DEFAULT_RESERVE
     assert p.kv_tokens == p.kv_cache_bytes // 70_272
@@ -79,7 +79,7 @@ def test_kimi_projection_on_eight_gpus(kimi_models: dict[str, P.Model], fmt: str
     assert r["router"] == 60 * (384 * 7168 * 2 + 384 * 4)
     assert r["attn_split"] == 61 * 2 * (12288 * 1536 + 16384 * 512 + 7168 * 8192) // 8
     assert p.not_loaded_bytes > 0 and p.loaded_bytes + p.not_loaded_bytes == p.checkpoint_bytes
-    assert 64 * GB < p.max_weights_per_rank < 80 * GB  # DESIGN.md's paper figure: about 75 GB
+    assert 64 * GB < p.max_weights_per_rank < 80 * GB  # the paper figure (docs/scale.md): about 75 GB
 
 
 def test_int4_does_not_fit_eight_h100s(kimi_models: dict[str, P.Model]) -> None:
@@ -221,7 +221,7 @@ def test_tiny_plan_with_draft_on_two_ranks(tiny_dir: Path) -> None:
 
 
 def test_kimi_with_the_lightseek_draft_config(kimi_models: dict[str, P.Model]) -> None:
-    """TorchSpec's init config of lightseekorg/kimi-k2.5-eagle3 (eagle3_formats.md 1.1): 3.18B bf16
+    """TorchSpec's init config of lightseekorg/kimi-k2.5-eagle3 (its published config.json): 3.18B bf16
     parameters, replicated; its one MHA layer adds 2 x 64 heads x 128 values per token to the cache."""
     draft = KIMI.parent / "kimi-k2.5-eagle3"
     p = P.plan(kimi_models["int4"], gpus=8, gpu="h200", draft=draft)

@@ -371,7 +371,7 @@ def test_tokenizer_loads_round_trips_and_renders_chat(tiny_dir: Path, name: str,
 
 
 # ---------------------------------------------------------------------------------------------
-# transformers loads the targets with an empty load report (kimi_quant / transformers_kimi_tiny §3)
+# transformers loads the targets with an empty load report (as transformers loads the real checkpoints)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -14,14 +14,22 @@ from typing import Any
 from eagle3.errors import UsageError
 
 MAX_SPECULATIVE_TOKENS = 8
-DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+AUTO = "auto"  # num_speculative_tokens="auto": k chosen per step in 0..max_speculative_tokens
+DEFAULT_MAX_SPECULATIVE_TOKENS = 5  # auto's ceiling when max_speculative_tokens is not given
+# dtype names the engine (and train-draft) accept -> the torch dtype attribute (torch imported lazily).
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+DTYPES = tuple(DTYPE_NAMES)
 BACKENDS = ("auto", "torch", "triton", "aiter")
 
 
 @dataclass
 class EngineConfig:
     # -- models and devices
-    num_speculative_tokens: int = 3  # k draft tokens per target step (ignored without a draft)
+    # k draft tokens per target step (ignored without a draft), or "auto": per step the engine picks
+    # k in 0..max_speculative_tokens from its measured costs and observed acceptance (spec/adaptive.py)
+    num_speculative_tokens: int | str = 3
+    max_speculative_tokens: int | None = None  # auto only: the largest k (default 5)
     dtype: Any = "bfloat16"  # compute dtype: a name in DTYPES or a torch.dtype
     device: Any = "cpu"  # str or torch.device; rank r of a tensor-parallel group uses index + r
     backend: str = "auto"  # kernel backend: auto | torch | triton | aiter (kernels.resolve_backend_name)
@@ -47,9 +55,7 @@ class EngineConfig:
     log_stats: bool = False  # print the acceptance line after generate()
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise UsageError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
-                             f"got {self.num_speculative_tokens}")
+        self._check_speculative()
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
             raise UsageError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -64,6 +70,31 @@ class EngineConfig:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
+
+    def _check_speculative(self) -> None:
+        k, m = self.num_speculative_tokens, self.max_speculative_tokens
+        if k == AUTO:
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int)
+                                  or not 1 <= m <= MAX_SPECULATIVE_TOKENS):
+                raise UsageError(f"max_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {m!r}")
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise UsageError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or 'auto', "
+                             f"got {k!r}")
+        if m is not None:
+            raise UsageError("max_speculative_tokens goes with num_speculative_tokens='auto'")
+
+    @property
+    def adaptive(self) -> bool:
+        """k chosen per step (``num_speculative_tokens="auto"``)."""
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def max_k(self) -> int:
+        """The most drafts a step may verify: the static k, or auto's ceiling."""
+        if self.adaptive:
+            return self.max_speculative_tokens or DEFAULT_MAX_SPECULATIVE_TOKENS
+        return int(self.num_speculative_tokens)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -80,6 +111,11 @@ class EngineConfig:
 
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
-        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
-                "fp32": torch.float32, "float": torch.float32}[self.dtype]
+        return dtype_by_name(self.dtype)
+
+
+def dtype_by_name(name: str) -> Any:
+    """A name of :data:`DTYPES` as a ``torch.dtype``."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])

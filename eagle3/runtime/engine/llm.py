@@ -1,31 +1,29 @@
 """The Python API of the runtime: ``LLM(target, draft).generate(prompts, params)``, plus the
 incremental ``add_request`` / ``step`` / ``abort`` API that the HTTP server drives.
 
-One engine step (``step()``):
+One engine step (``step()``), as in nano-vllm: schedule -> ``runner.step`` -> ``scheduler.postprocess``.
 
-1. the scheduler picks the sequences and their tokens (prefill chunks, decode, last token + k
-   drafts) within the token budget, allocating KV blocks (preempting when they run out);
-2. the target runs once over all of them (``ModelRunner.run_target``), returning the aux states;
-3. verification (greedy or rejection sampling) gives each sampling sequence its accepted drafts
-   plus one recovered / bonus token;
-4. the scheduler commits them with stop checks; the committed length excludes rejected drafts
-   (their KV slots are simply overwritten later);
-5. the proposer runs the draft over the committed positions and proposes the next k tokens;
-6. finished sequences free their blocks, the others release the blocks past their committed length.
+1. ``Scheduler.schedule`` picks the sequences and their tokens (prefill chunks, decode, last
+   token + k drafts) within the token budget, allocating KV blocks (preempting when they run out);
+2. ``ModelRunner.step`` runs the target once over all of them, verifies (greedy or rejection
+   sampling: each sampling sequence gets its accepted drafts plus one recovered / bonus token),
+   and runs the proposer over the positions that commits, proposing the next k tokens;
+3. ``Scheduler.postprocess`` commits the tokens with stop checks (the committed length excludes
+   rejected drafts; their KV slots are simply overwritten later), counts acceptance, adopts the
+   proposals, frees finished sequences' blocks and releases the others' blocks past their
+   committed length.
 
 Failure isolation: one request must never fail the others. Requests are checked when they are
 added (token ids, every sampling field), so most bad input never reaches a step. What still fails
 inside a step is attributed to sequences rather than to the step:
 
-- the batched target forward + verification (step 2-3) does not change any sequence (it writes KV
-  slots that belong to the scheduled sequences and draws random numbers), so when it raises, it
-  is simply run again for each sequence alone; the sequences that fail alone are failed
-  (``finish_reason == "error"``), the others go on with their own result. A failure that is not
-  any one sequence's (a broken model) fails each of them, and the engine stays up for new ones;
-  a transient one (out of memory in a large batch) often passes in the smaller runs.
-- committing (4), proposing (5, retried per sequence like 2-3; drafts are replaced wholesale, so
-  a half-done batched proposal leaves nothing behind) and detokenizing the output are guarded per
-  sequence.
+- ``runner.step`` (2) does not change any sequence (it writes KV slots that belong to the
+  scheduled sequences and draws random numbers), so when it raises, it is simply run again for
+  each sequence alone; the sequences that fail alone are failed (``finish_reason == "error"``),
+  the others go on with their own result. A failure that is not any one sequence's (a broken
+  model) fails each of them, and the engine stays up for new ones; a transient one (out of memory
+  in a large batch) often passes in the smaller runs.
+- committing (3) and detokenizing the output are guarded per sequence.
 
 Threading: ``add_request`` and ``abort`` only push onto a queue that ``step()`` drains, so a
 server may call them from any thread while one background thread loops on ``step()``. A step's
@@ -44,11 +42,10 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -56,19 +53,18 @@ from eagle3.errors import UsageError
 from eagle3.runtime.engine import graphs
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.config import EngineConfig
-from eagle3.runtime.engine.model_runner import ModelRunner, TargetStepOutput, kv_bytes_per_block
-from eagle3.runtime.engine.scheduler import Scheduler
+from eagle3.runtime.engine.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
+from eagle3.runtime.engine.scheduler import Scheduler, fail
 from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
 from eagle3.runtime.interfaces import DraftModel, TargetModel
 from eagle3.runtime.sampling import SamplingParams, make_generator
-from eagle3.runtime.spec.proposer import EagleProposer, ProposeItem
+from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.stats import SpecStats
 from eagle3.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("eagle3.runtime")
 
 PromptType = str | Seq[int]
-_R = TypeVar("_R")
 _CPU_KV_BYTES = 256 << 20  # default KV budget on CPU: plenty for the tiny and small models
 _GPU_KV_FRACTION = 0.8  # of the memory left free after loading
 _DEFAULT_MAX_MODEL_LEN = 4096  # when the target does not say
@@ -134,7 +130,9 @@ class LLM:
         self.enforce_eager = bool(cfg.enforce_eager)
         try:
             self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
-            self.k = self.config.num_speculative_tokens if self.draft is not None else 0
+            # auto: k is chosen per step in 0..max_k; everything sized by k is sized for max_k.
+            self.k = self.config.max_k if self.draft is not None else 0
+            self.policy = AdaptivePolicy(self.k) if self.config.adaptive and self.draft is not None else None
             self.tokenizer = self._load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.eos_ids = self._eos_ids()
         except BaseException:
@@ -160,7 +158,8 @@ class LLM:
             self.target.allocate_kv(num_blocks, self.config.block_size)  # the workers' latent caches
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids)
+                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids,
+                                   policy=self.policy)
         # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
         # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
         self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
@@ -168,11 +167,10 @@ class LLM:
         self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
                                   self.device, self.generator, graphs=self.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                                  capturer=graphs.default_capturer() if self.cuda_graphs else None)
-        self.proposer = None
-        if self.draft is not None:
-            self.proposer = EagleProposer(self.draft, self.k, self.runner.forward_draft,
-                                          self.config.draft_sampling, self.generator)
+                                  capturer=graphs.default_capturer() if self.cuda_graphs else None,
+                                  draft_sampling=self.config.draft_sampling, policy=self.policy)
+        if self.policy is not None and isinstance(self.policy.cost, MeasuredCostModel):
+            self.runner.profile_costs(self.policy.cost, self.config.max_num_seqs)
         self.num_steps = 0
         self.num_preemptions = 0
         self._ids = itertools.count()
@@ -391,24 +389,8 @@ class LLM:
             return [self._output(s) for s in done]
         self.num_steps += 1
         self.num_preemptions += len(out.preempted)
-        res = self._run_target_isolated(out.scheduled)
-        items: list[ProposeItem] = []
-        for item, emitted, row0 in zip(out.scheduled, res.emitted, res.row_starts, strict=True):
-            seq = item.seq
-            if seq.is_finished:  # failed in the forward (see _run_target_isolated)
-                continue
-            try:
-                committed = self.scheduler.commit(item, emitted)
-            except Exception as err:  # this sequence's bookkeeping, not the step's
-                self._fail(seq, err)
-                continue
-            if self.proposer is not None and not seq.is_finished:
-                num_drafts = min(self.k, seq.max_new_tokens(self.max_model_len) - 1) if item.samples else 0
-                items.append(ProposeItem(seq, item.start, committed, res.aux[row0: row0 + committed],
-                                         max(num_drafts, 0)))
-        if self.proposer is not None:
-            self._propose_isolated(items)
-        done += self.scheduler.finish_step(out)
+        result = self._run_isolated(out.scheduled)
+        done += self.scheduler.postprocess(out, result)
         progressed = [it.seq for it in out.scheduled if it.seq.num_returned_tokens < it.seq.num_output_tokens
                       or it.seq.is_finished]
         outputs = [self._output_or_error(s) for s in dict.fromkeys(progressed + done)]
@@ -419,79 +401,33 @@ class LLM:
         return outputs
 
     # -- failure isolation (see the module docstring) -----------------------------------------
-    def _fail(self, seq: Sequence, err: BaseException) -> None:
-        logger.warning("request %s failed inside the engine step (the others go on): %s: %s",
-                       seq.request_id, type(err).__name__, err, exc_info=err)
-        seq.fail(err)
-
-    def _isolated(self, what: str, seqs: list[Sequence], run: Callable[[list[int]], _R]) -> list[_R | None]:
-        """``run`` over the whole batch (indices into ``seqs``); when it raises, ``run`` once per
-        sequence, failing only the sequences that fail alone. Returns ``[result]`` for the batch,
-        else one result per sequence (``None`` where it failed)."""
+    def _run_isolated(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        """``runner.step`` over the whole batch; when it raises, once per sequence, failing only
+        the sequences that fail alone (a step changes no sequence, so running it again is safe).
+        The result has the batch's layout either way."""
         try:
-            return [run(list(range(len(seqs))))]
+            return self.runner.step(scheduled)
         except Exception as err:
-            if len(seqs) == 1:
-                self._fail(seqs[0], err)
-                return [None]
-            logger.warning("%s for %d sequences failed (%s: %s); running each alone to find which", what,
-                           len(seqs), type(err).__name__, err)
-        results: list[_R | None] = []
-        for i, seq in enumerate(seqs):
+            if len(scheduled) == 1:
+                fail(scheduled[0].seq, err)
+                return StepOutput.join([None], [1])
+            logger.warning("a batched step of %d sequences failed (%s: %s); running each alone to find which",
+                           len(scheduled), type(err).__name__, err)
+        parts: list[StepOutput | None] = []
+        for item in scheduled:
             try:
-                results.append(run([i]))
+                parts.append(self.runner.step([item]))
             except Exception as err:
-                self._fail(seq, err)
-                results.append(None)
-        return results
-
-    def _run_target_isolated(self, scheduled: list[ScheduledSeq]) -> TargetStepOutput:
-        """``runner.run_target`` with failure isolation (:meth:`_isolated`). The result has the
-        batch's layout either way (a failed sequence gets no tokens and no aux rows)."""
-        results = self._isolated("a batched step", [it.seq for it in scheduled],
-                                 lambda idx: self.runner.run_target([scheduled[i] for i in idx]))
-        if len(results) == 1 and results[0] is not None:  # the batch ran
-            return results[0]
-        emitted: list[list[int]] = []
-        auxes: list[torch.Tensor] = []
-        row_starts: list[int] = []
-        rows = 0
-        for item, one in zip(scheduled, results, strict=True):
-            row_starts.append(rows)
-            if one is None:
-                emitted.append([])
-                continue
-            emitted.append(one.emitted[0])
-            if one.aux is not None:
-                auxes.append(one.aux)
-            rows += item.num_query_tokens
-        # Failed sequences contribute no aux rows; row_starts above already skip them.
-        return TargetStepOutput(emitted, torch.cat(auxes) if auxes else None, row_starts)
-
-    def _propose_isolated(self, items: list[ProposeItem]) -> None:
-        assert self.proposer is not None
-        proposer = self.proposer
-
-        def run(idx: list[int]) -> None:
-            if len(idx) < len(items):  # a retry alone: drop what the failed batch left behind
-                for i in idx:
-                    items[i].seq.clear_drafts()
-            try:
-                proposer.propose([items[i] for i in idx], self.target.vocab_size)
-            except Exception:
-                if len(idx) < len(items):
-                    for i in idx:
-                        items[i].seq.clear_drafts()
-                raise
-
-        self._isolated("drafting", [it.seq for it in items], run)
+                fail(item.seq, err)
+                parts.append(None)
+        return StepOutput.join(parts, [1] * len(scheduled))
 
     def _output_or_error(self, seq: Sequence) -> RequestOutput:
         try:
             return self._output(seq)
         except Exception as err:  # e.g. the tokenizer cannot decode this request's tokens
             if not seq.is_finished:
-                self._fail(seq, err)
+                fail(seq, err)
             seq.num_returned_tokens = seq.num_output_tokens
             return RequestOutput(
                 request_id=seq.request_id, prompt=seq.prompt,
@@ -575,7 +511,7 @@ class LLM:
                 self._collect.discard(r)
                 self._results.pop(r, None)
         if self.config.log_stats and self.draft is not None:
-            print(self.stats.line(), file=sys.stderr)
+            print(self.stats_line(), file=sys.stderr)
         return final
 
     # -- gauges for a server's /metrics ------------------------------------------------------
@@ -594,7 +530,11 @@ class LLM:
         return 1.0 - bm.num_free_blocks / bm.num_blocks
 
     def stats_line(self) -> str:
-        return self.stats.line()
+        """The acceptance line; with ``num_speculative_tokens="auto"`` also the share of steps that
+        chose each k (acceptance counts only the steps that drafted)."""
+        if self.policy is None:
+            return self.stats.line()
+        return f"{self.stats.line()}  {self.policy.histogram_line()}"
 
     @property
     def stats(self) -> SpecStats:

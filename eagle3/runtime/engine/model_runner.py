@@ -1,13 +1,21 @@
-"""Runs the models for one scheduled step: owns the KV cache tensors, builds the per-forward
-``AttnMetadata``, runs the target once over the ragged batch, and verifies/samples its output.
+"""Runs the models for one scheduled step (:meth:`ModelRunner.step`): owns the KV cache tensors,
+builds the per-forward ``AttnMetadata``, runs the target once over the ragged batch, verifies /
+samples its output and runs the proposer over the result.
 
 The whole step is one target forward: prefill chunks, plain decode rows and speculative verify
 rows (last token + drafts) of different sequences share it. Logits are computed only for the
 rows that are sampled (a prefill chunk's rows never need the vocabulary projection).
+
+A step changes no sequence (it writes KV slots that belong to the scheduled sequences and draws
+random numbers), so the engine can run it again for a subset when it fails (failure isolation,
+``LLM._isolated``); the scheduler applies its :class:`StepOutput` afterwards
+(``Scheduler.postprocess``).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +23,12 @@ from typing import Any
 import torch
 
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.engine.graphs import GraphRunner
+from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
 from eagle3.runtime.sampling import SamplingBatch
+from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
+from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
 
 
@@ -60,28 +70,53 @@ def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
 
 @dataclass
 class TargetStepOutput:
-    """What the engine needs from one target forward."""
+    """What one target forward gives the rest of the step."""
 
     emitted: list[list[int]]  # per scheduled sequence: tokens to append ([] for a non-final chunk)
     aux: torch.Tensor | None  # [T, n*H] aux states of every query row (None without a draft)
     row_starts: list[int]  # first query row of each scheduled sequence
 
 
+@dataclass
+class StepOutput:
+    """One step's result per scheduled sequence, for ``Scheduler.postprocess``."""
+
+    emitted: list[list[int]]  # tokens to append ([] for a non-final prefill chunk)
+    proposals: list[Proposal | None]  # the next step's drafts (None: no draft / nothing proposed)
+
+    @staticmethod
+    def join(parts: list[StepOutput | None], sizes: list[int]) -> StepOutput:
+        """Concatenate the outputs of sub-batches of ``sizes`` sequences; a failed part (``None``)
+        gives its sequences no tokens and no drafts."""
+        out = StepOutput([], [])
+        for part, n in zip(parts, sizes, strict=True):
+            out.emitted += part.emitted if part is not None else [[] for _ in range(n)]
+            out.proposals += part.proposals if part is not None else [None] * n
+        return out
+
+
 class ModelRunner:
     """``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py);
     the KV caches then get one spare block (index ``num_blocks``) for the padding rows.
-    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers."""
+    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
+    caps how many tokens a sequence may still be proposed). ``policy`` (``num_speculative_tokens=
+    "auto"``): each step proposes the k it chooses (``num_speculative_tokens`` is then its ceiling),
+    and uniform steps feed their measured times to its cost model."""
 
     def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, device: torch.device | str = "cpu",
                  generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
-                 max_num_seqs: int = 1, capturer: Any = None) -> None:
+                 max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample",
+                 policy: AdaptivePolicy | None = None) -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
         self.k = num_speculative_tokens if draft is not None else 0
         self.device = torch.device(device)
         self.generator = generator
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.policy = policy if draft is not None else None
         cache_blocks = num_blocks + 1 if graphs else num_blocks  # + the graphs' pad block
         self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, cache_blocks,
                                            block_size, self.device)
@@ -105,6 +140,44 @@ class ModelRunner:
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
                     extra={"hidden": ((draft.hidden_size,), draft.kv_cache_spec().dtype)}, **common)
+        self.proposer: EagleProposer | None = None
+        if draft is not None:
+            self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator)
+
+    @torch.inference_mode()
+    def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        """The target forward and verification, then the proposer over what each sequence emitted."""
+        res = self._timed(lambda: self.run_target(scheduled), self._uniform_target_shape(scheduled), "target")
+        if self.proposer is None:
+            return StepOutput(res.emitted, [None] * len(scheduled))
+        assert res.aux is not None
+        # auto: k for the next verification of this batch (0: a plain step; draft step 0 still runs
+        # over the committed positions, so the draft's KV cache stays complete).
+        k = self.k if self.policy is None else self.policy.choose(sum(it.samples for it in scheduled))
+        items = [self._propose_item(item, emitted, res.aux, row0, k)
+                 for item, emitted, row0 in zip(scheduled, res.emitted, res.row_starts, strict=True)]
+        proposer = self.proposer
+        # auto: the whole proposer (forwards, logits, sampling) of a decode step is timed, per draft
+        # step it ran (step 0 runs at k = 0 too).
+        shape = (len(items), max(k, 1)) if self._uniform_target_shape(scheduled) is not None else None
+        proposals = self._timed(lambda: proposer.propose(items, self.target.vocab_size), shape, "draft")
+        return StepOutput(res.emitted, proposals)
+
+    def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int,
+                      k: int) -> ProposeItem:
+        """Draft step 0 runs over the positions this step commits: the chunk's real tokens and the
+        accepted drafts (``emitted`` minus its last token, the next step's input). A sequence that
+        samples proposes up to ``k`` tokens, but never more than it may still generate. When the
+        scheduler then stops the sequence inside ``emitted`` (EOS, a stop id), the proposal is
+        simply dropped."""
+        seq, start = item.seq, item.start
+        if not item.samples:
+            return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens + 1],
+                               aux[row0: row0 + item.num_tokens], 0)
+        count = item.num_tokens + len(emitted) - 1
+        room = seq.max_new_tokens(self.max_model_len) - len(emitted) - 1  # the bonus token takes one
+        return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens] + emitted,
+                           aux[row0: row0 + count], max(min(k, room), 0))
 
     def forward_target(self, input_ids: torch.Tensor, block_tables: Seq[Seq[int]], starts: Seq[int],
                        counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,6 +201,79 @@ class ModelRunner:
                 return out[0], out[1]  # type: ignore[return-value]
         kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
         return self.draft.forward(input_ids, hidden, self.meta(block_tables, starts, counts), kv)
+
+    # -- auto's cost model: measured step times ------------------------------------------------
+    def _uniform_target_shape(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
+        """(batch, query length) of a pure decode / verify step with one draft count, else None."""
+        if self.policy is None or not scheduled:
+            return None
+        q = scheduled[0].num_query_tokens
+        if all(s.samples and s.num_tokens == 1 and s.num_query_tokens == q for s in scheduled):
+            return len(scheduled), q
+        return None
+
+    def _timed(self, fn: Callable[[], Any], shape: tuple[int, int] | None, what: str) -> Any:
+        """``fn()``; with ``shape``, its wall time goes to the policy's measured cost model."""
+        cost = self.policy.cost if self.policy is not None else None
+        if shape is None or not isinstance(cost, MeasuredCostModel):
+            return fn()
+        self._sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self._sync()
+        dt = time.perf_counter() - t0
+        if what == "target":
+            cost.observe_target(shape[0], shape[1], dt)
+        else:  # shape: (batch, draft steps run)
+            cost.observe_draft(shape[0], dt / shape[1])
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def profile_costs(self, cost: MeasuredCostModel, max_num_seqs: int) -> None:
+        """Seed ``cost`` with a few dummy forwards per batch bucket: the target at query lengths 1
+        and k + 1 (forward + logits of every row), one draft step. The dummy sequences share the
+        first KV blocks (free at start-up; what they write is overwritten before it is read) and
+        sit at a moderate context length (the EMA of the real steps corrects the rest)."""
+        bs, q_max = self.block_size, self.k + 1
+        start = max(min(256, self.num_blocks * bs - q_max - 1), 0)
+        table = list(range(-(-(start + q_max) // bs)))
+        if not table or len(table) > self.num_blocks:
+            return
+        dev = self.device
+
+        def target(b: int, q: int) -> None:
+            hidden, _ = self.forward_target(torch.zeros(b * q, dtype=torch.int64, device=dev), [table] * b,
+                                            [start] * b, [q] * b)
+            at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers take part
+            if at is not None:
+                at(hidden, torch.arange(b * q, device=hidden.device))
+            else:
+                self.target.compute_logits(hidden)
+
+        def draft(b: int) -> None:
+            assert self.draft is not None
+            hidden = torch.zeros(b, self.draft.hidden_size, dtype=self.draft.kv_cache_spec().dtype, device=dev)
+            post, _ = self.forward_draft(torch.zeros(b, dtype=torch.int64, device=dev), hidden, [table] * b,
+                                         [start] * b, [1] * b)
+            self.draft.compute_logits(post)
+
+        target(1, 1)  # warm-up: first calls pay one-time costs
+        draft(1)
+        for b in sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)}):
+            for q in sorted({1, q_max}):
+                self._profile(lambda b=b, q=q: target(b, q), lambda dt, b=b, q=q: cost.observe_target(b, q, dt))
+            self._profile(lambda b=b: draft(b), lambda dt, b=b: cost.observe_draft(b, dt))
+
+    def _profile(self, fn: Callable[[], None], record: Callable[[float], None]) -> None:
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        record(time.perf_counter() - t0)
 
     def meta(self, block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int]) -> AttnMetadata:
         return build_attn_metadata(block_tables, starts, counts, self.block_size, self.device)
@@ -154,10 +300,11 @@ class ModelRunner:
     def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
         """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for
         plain decode and the last prefill chunk: then this is ordinary sampling)."""
-        k = self.k
-        # Row of the last real token, then one row per draft; padded to k + 1 by repeating.
         first = [r + it.num_tokens - 1 for r, it in zip(row_starts, items, strict=True)]
         num_drafts = [len(it.draft_ids) for it in items]
+        # Row of the last real token, then one row per draft; padded to k + 1 by repeating. auto
+        # pads only to this step's longest chain (static k keeps its fixed width, and its bits).
+        k = self.k if self.policy is None else max(max(num_drafts), 1)
         unique = torch.tensor([f + j for f, nd in zip(first, num_drafts, strict=True) for j in range(nd + 1)],
                               dtype=torch.int64, device=hidden.device)
         at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers need the rows

@@ -16,12 +16,20 @@ slots. Blocks past the committed length are released at the end of the step.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
+from eagle3.runtime.spec.adaptive import AdaptivePolicy
 from eagle3.runtime.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from eagle3.runtime.engine.model_runner import StepOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,12 +47,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int]) -> None:
+                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int],
+                 policy: AdaptivePolicy | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.k = num_speculative_tokens  # 0 without a draft
+        self.k = num_speculative_tokens  # 0 without a draft; auto: its ceiling (slots reserved for it)
+        self.policy = policy  # auto: sees every verification's acceptance (spec/adaptive.py)
         self.eos_ids = eos_ids
         # Engine-wide acceptance counters (each request also keeps its own in seq.stats).
         self.stats = SpecStats(max(num_speculative_tokens, 1))
@@ -130,6 +140,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the forward -----------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, result: StepOutput) -> list[Sequence]:
+        """Apply one step's result: commit each sequence's tokens (with stop checks and the
+        acceptance statistics), adopt the proposals of those still running, then free finished
+        sequences' blocks and trim the others'. A sequence whose bookkeeping raises fails alone.
+        Returns the sequences that finished."""
+        for item, emitted, proposal in zip(out.scheduled, result.emitted, result.proposals, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # failed inside the step (LLM._isolated)
+                continue
+            try:
+                self.commit(item, emitted)
+            except Exception as err:
+                fail(seq, err)
+                continue
+            if proposal is not None and not seq.is_finished:
+                seq.draft_token_ids, seq.draft_probs = proposal.token_ids, proposal.probs
+        return self.finish_step(out)
+
     def commit(self, item: ScheduledSeq, emitted: list[int]) -> int:
         """Apply one sequence's result: the chunk's KV is committed; when it sampled,
         ``emitted`` (accepted drafts + the recovered / bonus token) is appended with stop checks.
@@ -147,6 +175,8 @@ class Scheduler:
         seq.num_computed_tokens = item.start + item.num_tokens + num_accepted
         seq.append_checked(emitted, self.eos_ids, self.max_model_len)
         self.stats.observe(num_drafts, num_accepted)
+        if self.policy is not None:
+            self.policy.observe(num_drafts, num_accepted)
         return item.num_tokens + num_accepted
 
     def finish_step(self, out: SchedulerOutput) -> list[Sequence]:
@@ -171,3 +201,10 @@ class Scheduler:
                 self.block_manager.free(seq)
                 if seq in self.running:
                     self.running.remove(seq)
+
+
+def fail(seq: Sequence, err: BaseException) -> None:
+    """End ``seq`` with an error of its own; the other sequences of the step go on."""
+    logger.warning("request %s failed inside the engine step (the others go on): %s: %s",
+                   seq.request_id, type(err).__name__, err, exc_info=err)
+    seq.fail(err)

@@ -173,7 +173,7 @@ class MLAAttention(nn.Module):
 
     def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, meta: AttnMetadata,
                plan: Any) -> torch.Tensor:
-        """Expand every cached latent into per-head keys/values (the prefill form of 5.2)."""
+        """Expand every cached latent into per-head keys/values (the prefill form: one K/V per head, then ordinary attention)."""
         s, be = self.spec, self.backend
         t, nh = q_nope.shape[0], s.num_heads
         kv = be.matmul(flat[:, : s.kv_lora_rank].contiguous(), self.kv_b_matrix().t()).view(-1, nh, s.qk_nope_head_dim + s.v_head_dim)

@@ -34,9 +34,22 @@ class ProposeItem:
 
     seq: Seq
     start: int  # first committed position of this step (draft step 0 runs over start .. start+count-1)
-    count: int  # committed positions this step
+    next_ids: list[int]  # the token after each of those positions (the inputs shifted left by one)
     aux: torch.Tensor  # [count, n*H] target aux states of those positions
     num_drafts: int  # tokens to propose after step 0 (0: only fill the draft KV)
+
+    @property
+    def count(self) -> int:
+        return len(self.next_ids)
+
+
+@dataclass
+class Proposal:
+    """The drafts proposed for one sequence: target-vocabulary ids, and the draft distribution
+    they were sampled from (float32 [len(token_ids), V]; None for argmax / point-mass drafts)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None
 
 
 # (input_ids, hidden, block_tables, starts, counts) -> (post_norm, next_hidden)
@@ -58,14 +71,15 @@ class EagleProposer:
         self._identity_vocab = bool(torch.equal(self.draft_to_target, ids))
 
     @torch.inference_mode()
-    def propose(self, items: list[ProposeItem], target_vocab_size: int) -> None:
-        """Run the draft and store each sequence's proposals in ``seq.draft_token_ids`` (and
-        ``seq.draft_probs`` when they were sampled)."""
+    def propose(self, items: list[ProposeItem], target_vocab_size: int) -> list[Proposal | None]:
+        """Run the draft; returns each item's proposal (``None`` where it drafts nothing). The
+        sequences are not changed: the scheduler adopts the proposals when it commits the step."""
+        proposals: list[Proposal | None] = [None] * len(items)
         if not items:
-            return
+            return proposals
         ids: list[int] = []
         for it in items:
-            ids += it.seq.token_ids[it.start + 1: it.start + it.count + 1]
+            ids += it.next_ids
         device = items[0].aux.device
         input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         hidden = self.draft.combine_aux(torch.cat([it.aux for it in items]))
@@ -74,7 +88,7 @@ class EagleProposer:
 
         drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
         if not drafting:
-            return
+            return proposals
         seqs = [items[i].seq for i in drafting]
         last = torch.tensor([sum(it.count for it in items[: i + 1]) - 1 for i in drafting], device=device)
         post, nxt = post[last], nxt[last]
@@ -100,11 +114,9 @@ class EagleProposer:
         toks = torch.stack(tokens, dim=1).tolist()  # [B, steps]
         for b, i in enumerate(drafting):
             n = items[i].num_drafts
-            seq = items[i].seq
-            seq.draft_token_ids = toks[b][:n]
-            seq.draft_probs = None
-            if probs[0] is not None and not seq.params.greedy:
-                seq.draft_probs = torch.stack([q[b] for q in probs[:n]])
+            sampled = probs[0] is not None and not items[i].seq.params.greedy
+            proposals[i] = Proposal(toks[b][:n], torch.stack([q[b] for q in probs[:n]]) if sampled else None)
+        return proposals
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, target_vocab_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

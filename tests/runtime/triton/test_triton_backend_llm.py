@@ -28,7 +28,7 @@ PROMPTS = [[5, 17, 300, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12]]
 
 def test_backend_is_selected_by_name(device: torch.device) -> None:
     be = get_backend("triton", device)
-    assert isinstance(be, TritonBackend) and be.name == "triton" and be.batch_invariant
+    assert isinstance(be, TritonBackend) and be.name == "triton"
 
 
 def test_backend_extra_ops(device: torch.device) -> None:

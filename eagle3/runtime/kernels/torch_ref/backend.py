@@ -26,7 +26,6 @@ from eagle3.runtime.kernels.torch_ref.moe import TorchMoE
 
 class TorchBackend(KernelBackend):
     name = "torch"
-    batch_invariant = True
 
     def linear(self) -> LinearOp:
         return TorchLinear()

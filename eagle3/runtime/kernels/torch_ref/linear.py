@@ -48,7 +48,7 @@ class TorchLinear(LinearOp):
             assert isinstance(weight, Int4Weight)
             int4_channel_scale(weight)  # refuses group scales
             self.w_scale = self.bank.tensors["scale"][0]  # fp32 [N], stage scales merged
-            # torch._int_mm on CUDA needs M > 16 (kernel_backends.md 2.3): pad rows there.
+            # torch._int_mm on CUDA needs M > 16 (its cuBLASLt int8 path): pad rows there.
             self.min_rows = 17 if device.type == "cuda" else 1
             row_bytes = self.in_features
         else:  # fp8 activations, INT4 or per-channel FP8 weight: exact accumulation

@@ -35,7 +35,6 @@ class TritonBackend(TorchBackend):
     complete whatever the interface gains meanwhile."""
 
     name = "triton"
-    batch_invariant = True
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)

@@ -1,0 +1,189 @@
+"""Adaptive speculation (``num_speculative_tokens="auto"``): the draft length ``k`` in ``0..max_k``
+for each engine step, chosen to maximise the expected tokens per second of the batch.
+
+Per step and sequence, a chain of ``k`` drafts yields ``1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens
+(the bonus / recovered token always comes), where ``a_j`` is the acceptance of draft position
+``j`` given that positions ``1..j-1`` were accepted, observed over a recent window of verifications
+(:class:`AcceptanceWindow`). The step costs the target forward over ``k + 1`` query rows per
+sequence plus the draft forwards: draft step 0 runs over the committed positions at every ``k``
+(k = 0 included: it keeps the draft's KV cache complete, so acceptance is unchanged when drafting
+resumes) and yields the first draft; steps ``1..k-1`` are one more draft forward each. So
+
+    rate(k) = (1 + E[accepted | k]) / (T(B, k + 1) + max(k, 1) * D(B))
+
+with ``T`` / ``D`` from a :class:`CostModel`. :class:`MeasuredCostModel` is the engine's own: seeded
+by a start-up profile over the batch buckets (a few dummy forwards, ``ModelRunner.profile_costs``)
+and refined by an EMA of the step times measured while serving. Anything with ``target_time`` and
+``draft_time`` can stand in for it (tests stub it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# With no observation yet, position j is assumed accepted with this probability (optimistic, so
+# that a fresh engine drafts and measures); PRIOR_WEIGHT pseudo-observations keep a handful of
+# real verifications from being overruled. A position never reached yet takes the estimate of the
+# position before it (acceptance decays with depth, never rises much).
+PRIOR_ACCEPTANCE = 0.8
+PRIOR_WEIGHT = 2.0
+WINDOW = 512  # verifications kept (a few steps of a large batch; dozens at batch 1)
+EMA_ALPHA = 0.2  # weight of a new step-time measurement
+# A measurement further than this factor from the estimate is clipped to it before the EMA: on a
+# shared machine single steps stall 10x when another process runs; a real change of cost still
+# moves the estimate by up to (1 + alpha * (CLIP - 1)) per step.
+CLIP = 2.0
+# Every PROBE_INTERVAL-th step runs the k chosen least recently instead of the best one: its step
+# time is measured again under the machine's present load (a k never chosen keeps the figure of
+# its last measurement, possibly from a quieter or busier moment), and after a run of k = 0 steps
+# the acceptance window gets fresh verifications. Costs at most 1/64 of the steps at another k;
+# 0 disables it.
+PROBE_INTERVAL = 64
+
+
+class CostModel(Protocol):
+    def target_time(self, batch: int, query_len: int) -> float:
+        """Seconds of one target forward over ``batch`` sequences of ``query_len`` rows each."""
+
+    def draft_time(self, batch: int) -> float:
+        """Seconds of one draft forward over ``batch`` sequences (one row each)."""
+
+
+def _interp(keys: list[int], values: list[float], x: int) -> float:
+    """Piecewise-linear in ``x`` through the sorted ``keys``; proportional above the last key
+    (step time grows about linearly with rows once the batch fills the machine), flat below the first."""
+    if x <= keys[0]:
+        return values[0]
+    if x >= keys[-1]:
+        return values[-1] * x / keys[-1]
+    i = bisect.bisect_left(keys, x)
+    if keys[i] == x:
+        return values[i]
+    x0, x1, y0, y1 = keys[i - 1], keys[i], values[i - 1], values[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class MeasuredCostModel:
+    """Step times measured by the engine: EMA per (batch size, query length) for the target and
+    per batch size for the draft; lookups interpolate between the measured points."""
+
+    alpha: float = EMA_ALPHA
+    target: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> query_len -> seconds
+    draft: dict[int, float] = field(default_factory=dict)  # batch -> seconds
+
+    def observe_target(self, batch: int, query_len: int, seconds: float) -> None:
+        row = self.target.setdefault(batch, {})
+        row[query_len] = self._update(row.get(query_len), seconds)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        self.draft[batch] = self._update(self.draft.get(batch), seconds)
+
+    def _update(self, old: float | None, seconds: float) -> float:
+        if old is None:
+            return seconds
+        x = min(max(seconds, old / CLIP), old * CLIP)
+        return old + self.alpha * (x - old)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.target) and bool(self.draft)
+
+    def _target_at(self, batch: int, query_len: int) -> float:
+        row = self.target[batch]
+        qs = sorted(row)
+        return _interp(qs, [row[q] for q in qs], query_len)
+
+    def target_time(self, batch: int, query_len: int) -> float:
+        bs = sorted(self.target)
+        return _interp(bs, [self._target_at(b, query_len) for b in bs], batch)
+
+    def draft_time(self, batch: int) -> float:
+        bs = sorted(self.draft)
+        return _interp(bs, [self.draft[b] for b in bs], batch)
+
+
+class AcceptanceWindow:
+    """The last ``size`` verifications as (drafts proposed, drafts accepted)."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.items: deque[tuple[int, int]] = deque(maxlen=size)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts > 0:  # only steps that drafted say anything about acceptance
+            self.items.append((num_drafts, num_accepted))
+
+    def conditional(self, max_k: int) -> list[float]:
+        """``a_j`` for j = 1..max_k: accepted at j among the verifications that reached j
+        (drafted >= j tokens with the first j - 1 accepted), shrunk towards the prior."""
+        rates: list[float] = []
+        prior = PRIOR_ACCEPTANCE
+        for j in range(1, max_k + 1):
+            reached = sum(1 for d, a in self.items if d >= j and a >= j - 1)
+            accepted = sum(1 for _, a in self.items if a >= j)
+            rate = (accepted + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+            rates.append(rate)
+            prior = rate
+        return rates
+
+    def expected_accepted(self, max_k: int) -> list[float]:
+        """Expected accepted drafts for k = 0..max_k."""
+        out, run, total = [0.0], 1.0, 0.0
+        for a in self.conditional(max_k):
+            run *= a
+            total += run
+            out.append(total)
+        return out
+
+
+class AdaptivePolicy:
+    """Chooses k per step (:meth:`choose`) and records what it chose (``histogram[k]``)."""
+
+    def __init__(self, max_k: int, cost: CostModel | None = None, window: int = WINDOW,
+                 probe_interval: int = PROBE_INTERVAL) -> None:
+        self.max_k = max_k
+        self.cost: CostModel = cost if cost is not None else MeasuredCostModel()
+        self.acceptance = AcceptanceWindow(window)
+        self.probe_interval = probe_interval
+        self.histogram = [0] * (max_k + 1)  # steps that chose k = 0..max_k
+        self._steps = 0
+        self._last_chosen = [-1] * (max_k + 1)  # step at which each k last ran
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(num_drafts, num_accepted)
+
+    def rates(self, batch: int) -> list[float]:
+        """Expected tokens per second of the batch for k = 0..max_k."""
+        acc = self.acceptance.expected_accepted(self.max_k)
+        d = self.cost.draft_time(batch)
+        return [batch * (1.0 + acc[k]) / max(self.cost.target_time(batch, k + 1) + max(k, 1) * d, 1e-12)
+                for k in range(self.max_k + 1)]
+
+    def best(self, batch: int) -> int:
+        """The k of the highest expected rate (the smallest k on a tie: drafting must pay)."""
+        r = self.rates(batch)
+        return max(range(len(r)), key=lambda k: (r[k], -k))
+
+    def choose(self, batch: int) -> int:
+        """k for a step whose next verification has ``batch`` sequences; counted in the histogram."""
+        self._steps += 1
+        k = self.best(batch) if batch > 0 else 0
+        if batch > 0 and self.probe_interval and self._steps % self.probe_interval == 0:
+            k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
+        self._last_chosen[k] = self._steps
+        self.histogram[k] += 1
+        return k
+
+    def histogram_line(self) -> str:
+        """``k 0/1/2/3: 10.00/0.00/5.00/85.00%`` of the steps."""
+        n = sum(self.histogram) or 1
+        ks = "/".join(str(k) for k in range(self.max_k + 1))
+        return f"k {ks}: " + "/".join(f"{100 * c / n:.2f}" for c in self.histogram) + "%"
+
+    @property
+    def mean_k(self) -> float:
+        n = sum(self.histogram)
+        return sum(k * c for k, c in enumerate(self.histogram)) / n if n else 0.0

@@ -1,0 +1,127 @@
+"""The adaptive-speculation policy (runtime/spec/adaptive.py) with stubbed cost models."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3.runtime.spec.adaptive import AcceptanceWindow, AdaptivePolicy, MeasuredCostModel
+
+
+class LinearCost:
+    """Target forward = fixed + per_row * batch * query_len; draft forward = draft * batch."""
+
+    def __init__(self, fixed: float, per_row: float, draft: float) -> None:
+        self.fixed, self.per_row, self.draft = fixed, per_row, draft
+
+    def target_time(self, batch: int, query_len: int) -> float:
+        return self.fixed + self.per_row * batch * query_len
+
+    def draft_time(self, batch: int) -> float:
+        return self.draft * batch
+
+
+def test_drafting_that_cannot_pay_chooses_zero():
+    # Every query row costs as much as a whole forward and half the drafts are accepted.
+    policy = AdaptivePolicy(4, LinearCost(fixed=0.0, per_row=1.0, draft=0.5), probe_interval=0)
+    for _ in range(50):
+        policy.observe(1, 0)
+        policy.observe(1, 1)
+    assert [policy.choose(b) for b in (1, 4, 16)] == [0, 0, 0]
+    assert policy.histogram == [3, 0, 0, 0, 0]
+
+
+def test_cheap_verification_and_high_acceptance_drafts_the_maximum():
+    policy = AdaptivePolicy(4, LinearCost(fixed=1.0, per_row=1e-4, draft=1e-4))
+    for _ in range(50):
+        policy.observe(4, 4)
+    assert policy.choose(1) == 4
+
+
+def test_low_acceptance_drafts_less_than_high_acceptance():
+    cost = LinearCost(fixed=1.0, per_row=0.02, draft=0.01)
+    high, low = AdaptivePolicy(5, cost), AdaptivePolicy(5, cost)
+    for _ in range(200):
+        high.observe(5, 5)
+        low.observe(5, 0)
+    assert high.best(4) > low.best(4)
+    assert low.best(4) == 0
+
+
+def test_batch_size_moves_the_choice():
+    # Cost per row grows with the batch: drafting pays at batch 1, not at batch 64.
+    policy = AdaptivePolicy(3, LinearCost(fixed=1.0, per_row=0.05, draft=0.001))
+    for _ in range(100):
+        policy.observe(1, 0)
+        policy.observe(1, 1)
+    assert policy.best(1) >= 1
+    assert policy.best(64) == 0
+
+
+def test_probe_runs_the_least_recently_chosen_k():
+    policy = AdaptivePolicy(2, LinearCost(fixed=0.0, per_row=1.0, draft=1.0), probe_interval=3)
+    for _ in range(100):
+        policy.observe(1, 0)
+    assert [policy.choose(1) for _ in range(9)] == [0, 0, 1, 0, 0, 2, 0, 0, 1]
+
+
+def test_acceptance_window_conditional_rates():
+    w = AcceptanceWindow(100)
+    for _ in range(1000):  # position 1 always accepted, position 2 never
+        w.observe(2, 1)
+    w.observe(0, 0)  # a step that did not draft says nothing
+    a1, a2 = w.conditional(2)
+    assert a1 == pytest.approx(1.0, abs=0.03) and a2 == pytest.approx(0.0, abs=0.03)
+    assert len(w.items) == 100
+    exp = w.expected_accepted(3)
+    assert exp[0] == 0.0 and exp[1] == pytest.approx(1.0, abs=0.03)
+    assert exp[3] == pytest.approx(exp[2], abs=0.01)  # nothing past a rejected position
+
+
+def test_window_forgets_old_acceptance():
+    w = AcceptanceWindow(10)
+    for _ in range(10):
+        w.observe(1, 0)
+    for _ in range(10):
+        w.observe(1, 1)
+    assert w.conditional(1)[0] > 0.8
+
+
+def test_measured_cost_model_interpolates_and_smooths():
+    m = MeasuredCostModel(alpha=0.5)
+    m.observe_target(1, 1, 1.0)
+    m.observe_target(1, 5, 3.0)
+    m.observe_target(4, 1, 4.0)
+    m.observe_target(4, 5, 8.0)
+    m.observe_draft(1, 0.1)
+    m.observe_draft(4, 0.4)
+    assert m.target_time(1, 3) == pytest.approx(2.0)
+    assert m.target_time(2, 1) == pytest.approx(2.0)
+    assert m.target_time(8, 5) == pytest.approx(16.0)  # proportional past the last bucket
+    assert m.draft_time(2) == pytest.approx(0.2)
+    m.observe_target(1, 1, 1.5)  # EMA: halfway
+    assert m.target_time(1, 1) == pytest.approx(1.25)
+    m.observe_draft(1, 10.0)  # a stall: clipped to twice the estimate before the EMA
+    assert m.draft_time(1) == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_speculative_tokens": "auto", "max_speculative_tokens": 0}, "max_speculative_tokens must be"),
+    ({"num_speculative_tokens": "auto", "max_speculative_tokens": 9}, "max_speculative_tokens must be"),
+    ({"num_speculative_tokens": "three"}, "or 'auto'"),
+    ({"num_speculative_tokens": 0}, "or 'auto'"),
+    ({"num_speculative_tokens": 2, "max_speculative_tokens": 4}, "goes with num_speculative_tokens='auto'"),
+])
+def test_engine_config_checks_the_speculative_options(kwargs, message):
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.config import EngineConfig
+
+    with pytest.raises(UsageError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_auto_ceiling():
+    from eagle3.runtime.engine.config import EngineConfig
+
+    assert EngineConfig(num_speculative_tokens="auto").max_k == 5
+    assert EngineConfig(num_speculative_tokens="auto", max_speculative_tokens=2).max_k == 2
+    assert EngineConfig(num_speculative_tokens=4).max_k == 4 and not EngineConfig().adaptive

@@ -1,0 +1,74 @@
+"""benchmarks/runtime_peer.py's own machinery: the configurations, the medians and the auto-vs-best
+table from given runs, the figure, --help and its one required choice (vLLM or --no-peer). No model
+is loaded and vLLM is never imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("runtime_peer", ROOT / "benchmarks" / "runtime_peer.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["runtime_peer"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(seconds: float, outputs: list[list[int]], drafts: int = 0, accepted: int = 0, per_pos=None, hist=None):
+    spec = None
+    if drafts:
+        spec = {"num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": accepted,
+                "accepted_per_pos": per_pos}
+    run = {"seconds": seconds, "outputs": outputs, "spec": spec}
+    if hist is not None:
+        run["k_histogram"] = hist
+    return run
+
+
+def test_summary_medians_lossless_and_auto_against_the_best(bench) -> None:
+    assert bench.configs((1, 2), True) == ["plain", "k1", "k2", "auto"]
+    out = [[1, 2, 3]]
+    raw = {"eagle3": {
+        "plain": {1: [_run(2.0, out), _run(1.0, out), _run(4.0, out)]},
+        "k1": {1: [_run(1.0, out, 4, 3, [3, 0])] * 3},
+        "k2": {1: [_run(0.5, out, 4, 6, [4, 2]), _run(0.5, out, 4, 6, [4, 2]), _run(0.5, [[9]], 4, 6, [4, 2])]},
+        "auto": {1: [_run(0.625, out, 4, 6, [4, 2], [1, 0, 3])] * 3},
+    }}
+    s = bench.summarize(raw, [1], 10, 2)
+    t = s["table"]["eagle3"]
+    assert t["plain"][1]["median_tok_s"] == pytest.approx(5.0)  # 10 tokens in the median 2 s
+    assert t["k2"][1]["median_tok_s"] == pytest.approx(20.0) and t["k2"][1]["lossless"] is False
+    assert t["k1"][1]["lossless"] is True
+    assert t["auto"][1]["k_histogram"] == [3, 0, 9]
+    spec = t["k2"][1]["spec"]
+    assert spec["acceptance_rate"] == pytest.approx(18 / 24) and spec["per_position_acceptance"] == [1.0, 0.5]
+    row = s["auto_vs_best"][1]
+    assert row["best_static"] == "k2" and row["auto_over_best"] == pytest.approx(0.8)
+    assert row["auto_over_plain"] == pytest.approx(3.2)
+
+
+def test_figure(bench, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = [[1]]
+    raw = {"eagle3": {c: {1: [_run(1.0, out)], 4: [_run(2.0, out)]} for c in ("plain", "k1")},
+           "vllm": {c: {1: [_run(1.0, out)], 4: [_run(1.0, out)]} for c in ("plain", "k1")}}
+    result = {"batches": [1, 4], "summary": bench.summarize(raw, [1, 4], 8, 1), "label": "x"}
+    assert result["summary"]["eagle3_over_vllm"]["plain"][4] == pytest.approx(0.5)
+    assert bench.figure(tmp_path / "f.png", result) and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_help_and_the_peer_choice() -> None:
+    script = str(ROOT / "benchmarks" / "runtime_peer.py")
+    p = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "--no-peer" in p.stdout and "--vllm-python" in p.stdout
+    p = subprocess.run([sys.executable, script, "t", "d"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--vllm-python" in p.stderr
