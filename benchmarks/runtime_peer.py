@@ -87,9 +87,11 @@ class Eagle3Runs:
     between runs, as a serving engine would)."""
 
     def __init__(self, target: Path, draft: Path, prompts: list[list[int]], max_tokens: int, max_k: int,
-                 dtype: str, backend: str) -> None:
+                 dtype: str, backend: str, auto_max: int | None = None) -> None:
         self.target, self.draft, self.prompts, self.max_tokens = target, draft, prompts, max_tokens
+        # max_k: the largest k of any configuration (array sizes); auto_max: auto's own ceiling
         self.max_k, self.dtype, self.backend = max_k, dtype, backend
+        self.auto_max = max_k if auto_max is None else auto_max
         self.engines: dict[str, Any] = {}
 
     def _engine(self, cfg: str) -> Any:
@@ -103,7 +105,7 @@ class Eagle3Runs:
                                     "max_num_seqs": len(self.prompts),
                                     "num_blocks": kv_blocks(self.prompts, self.max_tokens, self.max_k)}
             if k == "auto":
-                opts.update(num_speculative_tokens="auto", max_speculative_tokens=self.max_k)
+                opts.update(num_speculative_tokens="auto", max_speculative_tokens=self.auto_max)
             elif k:
                 opts["num_speculative_tokens"] = k
             llm = LLM(self.target, self.draft if k else None, **opts)
@@ -125,7 +127,8 @@ class Eagle3Runs:
         run: dict[str, Any] = {"seconds": seconds, "outputs": [o.token_ids for o in outs],
                                "spec": spec_summary(llm.stats.as_dict(), self.max_k) if llm.draft else None}
         if policy is not None:
-            run["k_histogram"] = [a - b for a, b in zip(policy.histogram, hist0, strict=True)]
+            hist = [a - b for a, b in zip(policy.histogram, hist0, strict=True)]
+            run["k_histogram"] = hist + [0] * (self.max_k + 1 - len(hist))  # auto's ceiling may be below max_k
         return run
 
     def close(self) -> None:
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = {"eagle3": {c: {b: [] for b in batches} for c in cfgs}}
     if peer:
         raw["vllm"] = {c: {b: [] for b in batches} for c in cfgs if c != "auto"}
-    e3 = Eagle3Runs(target, args.draft, prompts, args.max_tokens, max_k, args.dtype, args.backend)
+    e3 = Eagle3Runs(target, args.draft, prompts, args.max_tokens, max_k, args.dtype, args.backend,
+                    auto_max=args.max_speculative_tokens)
     vllm_version = None
     try:
         for rep in range(args.repeats):

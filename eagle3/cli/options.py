@@ -30,22 +30,25 @@ def check_kernel_backend(name: str) -> str:
 
 def parse_speculative(num: str, max_k: int | None, draft: object) -> tuple[int | str, int | None]:
     """``--num-speculative-tokens`` (an integer or ``auto``) and ``--max-speculative-tokens``, checked
-    before anything loads; the EngineConfig fields they become."""
+    before anything loads by EngineConfig itself (its messages in the flags' names); the
+    EngineConfig fields they become."""
     from eagle3.errors import UsageError
-    from eagle3.runtime.engine.config import AUTO, MAX_SPECULATIVE_TOKENS
+    from eagle3.runtime.engine.config import AUTO, MAX_SPECULATIVE_TOKENS, EngineConfig
 
     text = num.strip().lower()
-    if text == AUTO:
-        if draft is None:
-            raise UsageError("--num-speculative-tokens auto needs --draft (it chooses how many draft tokens to verify)")
-        if max_k is not None and not 1 <= max_k <= MAX_SPECULATIVE_TOKENS:
-            raise UsageError(f"--max-speculative-tokens {max_k}: expected 1..{MAX_SPECULATIVE_TOKENS}")
-        return AUTO, max_k
-    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= MAX_SPECULATIVE_TOKENS:
+    if text != AUTO and not re.fullmatch(r"[0-9]+", text):
         raise UsageError(f"--num-speculative-tokens {num!r}: expected an integer in 1..{MAX_SPECULATIVE_TOKENS} or auto")
-    if max_k is not None:
-        raise UsageError("--max-speculative-tokens goes with --num-speculative-tokens auto")
-    return int(text), None
+    k: int | str = text if text == AUTO else int(text)
+    if k == AUTO and draft is None:
+        raise UsageError("--num-speculative-tokens auto needs --draft (it chooses how many draft tokens to verify)")
+    try:
+        EngineConfig(num_speculative_tokens=k, max_speculative_tokens=max_k)
+    except UsageError as err:
+        msg = str(err).replace("='auto'", " auto").replace("'auto'", "auto")
+        for field in ("num_speculative_tokens", "max_speculative_tokens"):
+            msg = msg.replace(field, "--" + field.replace("_", "-"))
+        raise UsageError(msg) from None
+    return k, max_k
 
 
 def parse_bytes(text: str, flag: str) -> int:

@@ -88,6 +88,7 @@ def serve(
     """
     from eagle3.errors import UsageError
 
+    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if plan:
         _print_serve_plan(target, draft, tensor_parallel_size, gpu, gpu_memory, memory_fraction, kv_cache_dtype,
                           max_model_len, to_stdout=dry_run)
@@ -95,7 +96,6 @@ def serve(
             return
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
-    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if engine is not None:
         if not isinstance(spec_k, int):
             raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")

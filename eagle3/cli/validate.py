@@ -98,6 +98,17 @@ def bench(
 
     if (target is None) == (base_url is None):
         raise UsageError("give either TARGET (served in-process) or --base-url")
+    if base_url is not None:
+        # the engine flags describe an in-process server; a running one is benchmarked as it is
+        engine_flags = {"--draft": draft is not None, "--max-speculative-tokens": max_speculative_tokens is not None,
+                        "--num-speculative-tokens": num_speculative_tokens != str(ENGINE.num_speculative_tokens),
+                        "--device": device != ENGINE.device, "--dtype": dtype != ENGINE.dtype,
+                        "--tensor-parallel-size": tensor_parallel_size != ENGINE.tensor_parallel_size,
+                        "--kernel-backend": kernel_backend != ENGINE.backend,
+                        "--enforce-eager": enforce_eager != ENGINE.enforce_eager}
+        given = [flag for flag, set_ in engine_flags.items() if set_]
+        if given:
+            raise UsageError(f"{', '.join(given)} go with TARGET (served in-process), not with --base-url")
     spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if report is not None:
         from eagle3.checkpoint import check_output_path

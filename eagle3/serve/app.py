@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagle3.serve.async_engine import AsyncEngine
 from eagle3.serve.handlers import OpenAIHandlers
 from eagle3.serve.limits import BodyGuard, ServerLimits
-from eagle3.serve.metrics import ServerMetrics
+from eagle3.serve.metrics import ServerMetrics, metrics_for
 from eagle3.serve.protocol import (
     APIError,
     error_body,
@@ -66,7 +66,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     ``manage_engine``: start the engine thread at startup and stop it at shutdown. ``limits``:
     request body size and read timeouts (:mod:`eagle3.serve.limits`; also read by the launcher
     for uvicorn's header timeout)."""
-    metrics = metrics or engine.metrics or ServerMetrics(model_name, engine.num_speculative_tokens)
+    metrics = metrics or engine.metrics or metrics_for(model_name, engine.llm)
     engine.metrics = metrics
 
     @contextlib.asynccontextmanager

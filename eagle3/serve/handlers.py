@@ -331,7 +331,9 @@ class OpenAIHandlers:
         """SGLang's endpoint, which its benchmark reads the acceptance length from."""
         stats = getattr(self.engine.llm, "stats", None)
         accept = stats.mean_acceptance_length if stats is not None and self.engine.num_speculative_tokens else None
+        adaptive = getattr(self.engine.llm, "policy", None) is not None  # auto: k above is the ceiling
         return {"model_path": self.root or self.model_name, "num_speculative_tokens": self.engine.num_speculative_tokens,
+                "speculative_adaptive": adaptive,
                 "max_model_len": self.engine.context_limit, "internal_states": [{"avg_spec_accept_length": accept}]}
 
     async def tokenizer_info(self) -> dict[str, Any]:

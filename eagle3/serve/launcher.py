@@ -61,9 +61,9 @@ def build_app(llm: Any, model_name: str, *, api_key: str | None = None, root: st
     :class:`eagle3.serve.limits.ServerLimits` (default: its defaults)."""
     from eagle3.serve.app import create_app
     from eagle3.serve.async_engine import AsyncEngine
-    from eagle3.serve.metrics import ServerMetrics
+    from eagle3.serve.metrics import metrics_for
 
-    metrics = ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0), getattr(llm, "policy", None) is not None)
+    metrics = metrics_for(model_name, llm)
     engine = AsyncEngine(llm, metrics)
     return create_app(engine, model_name=model_name, api_key=api_key, root=root, metrics=metrics,
                       limits=limits)

@@ -141,3 +141,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def metrics_for(model_name: str, llm: Any) -> ServerMetrics:
+    """The instruments for serving ``llm``: its k (auto: the ceiling) and, under auto, the chosen-k
+    histogram."""
+    return ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0), getattr(llm, "policy", None) is not None)

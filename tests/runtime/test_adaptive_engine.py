@@ -167,6 +167,21 @@ def test_cli_flag_errors(pair: Path, command: str, args: list[str], message: str
     assert len(lines) == 1 and message in lines[0], p.stderr
 
 
+@pytest.mark.parametrize("command, args, message", [
+    ("serve", ["{t}", "--dry-run", "--plan", "--gpu", "h100", "--num-speculative-tokens", "lots"], "integer in 1..8 or auto"),
+    ("bench", ["--base-url", "http://127.0.0.1:9", "--draft", "{d}", "--num-speculative-tokens", "auto"],
+     "--draft, --num-speculative-tokens go with TARGET"),
+])
+def test_cli_flags_are_checked_on_every_path(pair: Path, command: str, args: list[str], message: str) -> None:
+    # serve --plan --dry-run returns before serving; bench --base-url serves nothing: neither may
+    # accept a bad or meaningless engine flag silently
+    args = [a.replace("{d}", str(pair / DRAFT)).replace("{t}", str(pair / TARGET)) for a in args]
+    p = subprocess.run([sys.executable, "-m", "eagle3", command, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
+
+
 def test_metrics_expose_the_chosen_k_histogram(pair: Path) -> None:
     from eagle3.runtime.engine.config import EngineConfig
     from eagle3.serve.launcher import ServerThread, build_app, build_llm, engine_info
@@ -180,6 +195,8 @@ def test_metrics_expose_the_chosen_k_histogram(pair: Path) -> None:
                        "\nAnswer:", "max_tokens": 24, "temperature": 0}, trust_env=False, timeout=120)
         assert r.status_code == 200, r.text
         after = httpx.get(url + "/metrics", trust_env=False, timeout=30).text
+        server_info = httpx.get(url + "/get_server_info", trust_env=False, timeout=30).json()
+    assert server_info["speculative_adaptive"] is True and server_info["num_speculative_tokens"] == K
     assert "eagle3:spec_decode_chosen_k_bucket" in after
     delta = metrics_client.spec_delta(before, after)
     chosen = delta["chosen_k_histogram"]

@@ -72,3 +72,37 @@ def test_help_and_the_peer_choice() -> None:
     assert p.returncode == 0 and "--no-peer" in p.stdout and "--vllm-python" in p.stdout
     p = subprocess.run([sys.executable, script, "t", "d"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--vllm-python" in p.stderr
+
+
+def test_auto_runs_with_its_own_ceiling(bench, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --max-speculative-tokens is auto's ceiling even when a static k above it runs too; the auto
+    # histogram is padded to the largest k so the per-batch sums line up.
+    from eagle3.runtime.engine import llm as llm_mod
+
+    made: list[dict] = []
+
+    class Policy:
+        histogram = [0, 0, 0]
+
+    class FakeLLM:
+        draft = object()
+
+        def __init__(self, target, draft, **opts) -> None:
+            made.append(opts)
+            self.policy = Policy() if opts.get("num_speculative_tokens") == "auto" else None
+            self.stats = type("S", (), {"as_dict": lambda s: {"num_drafts": 0, "num_draft_tokens": 0,
+                                                                 "num_accepted_tokens": 0, "accepted_per_pos": [0] * 4}})()
+
+        def generate(self, prompts, params):
+            if self.policy is not None:
+                self.policy.histogram = [a + b for a, b in zip(self.policy.histogram, [1, 0, 2], strict=True)]
+            return [type("O", (), {"token_ids": [1]})() for _ in prompts]
+
+        def reset_stats(self) -> None:
+            pass
+
+    monkeypatch.setattr(llm_mod, "LLM", FakeLLM)
+    runs = bench.Eagle3Runs(Path("t"), Path("d"), [[1, 2]], 4, 4, "float32", "torch", auto_max=2)
+    run = runs.run("auto", 1)
+    assert made[0]["max_speculative_tokens"] == 2
+    assert run["k_histogram"] == [1, 0, 2, 0, 0]
