@@ -16,6 +16,22 @@ import torch
 
 
 @dataclass
+class TreeMask:
+    """Tree verification / tree drafting: the last ``num_nodes[b]`` query tokens of sequence ``b``
+    are the nodes of a draft tree (node order, root first; ``num_nodes[b] == 0``: no tree).
+
+    Their keys/values are cached in node order at the end of the sequence: node ``j`` at cache
+    position ``context_lens[b] - num_nodes[b] + j`` (``slot_mapping`` puts them there), while
+    ``positions`` (RoPE) holds the root's position plus the node's depth. Node ``i``'s query sees
+    the cache positions before the tree and the nodes ``j`` with ``ancestors[b, i, j]`` (its
+    ancestors and itself, ``spec.tree.ancestor_mask``), nothing else. Query tokens of the sequence
+    before the tree are ordinary causal ones."""
+
+    num_nodes: list[int]  # [B] on the host
+    ancestors: torch.Tensor  # bool [B, N, N], N >= max(num_nodes); rows/cols past num_nodes[b] unused
+
+
+@dataclass
 class AttnMetadata:
     positions: torch.Tensor  # int64 [T]: absolute position of each query token
     cu_seqlens_q: torch.Tensor  # int32 [B+1]: query tokens of sequence b are [cu[b], cu[b+1])
@@ -30,6 +46,9 @@ class AttnMetadata:
     # forwards that reuse this metadata: a graph's warm-up run fills it, its capture finds them.
     # None: no caching (ordinary per-step metadata).
     cache: dict[Any, Any] | None = None
+    # Draft-tree attention for some sequences (see TreeMask); None: every query is causal by position.
+    # Only the torch reference backend implements it; the others refuse it.
+    tree: TreeMask | None = None
 
     @property
     def num_seqs(self) -> int:
