@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
@@ -30,6 +30,7 @@ from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
+from eagle3.runtime.spec.tree import DraftTree, ancestor_mask, check_parents
 
 
 def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int], block_size: int,
@@ -60,6 +61,19 @@ def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: S
         block_size=block_size,
         host_cu=cu.tolist(),
     )
+
+
+def build_tree_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], tree: DraftTree, block_size: int,
+                             device: torch.device | str = "cpu") -> AttnMetadata:
+    """Metadata for verifying ``B`` draft trees of ``N`` nodes: sequence ``b``'s root (its last
+    committed token, not cached yet) is at position ``starts[b]``; node ``j`` is cached at position
+    ``starts[b] + j`` and rotated at ``starts[b] + depth[j]`` (see ``TreeMask``)."""
+    b, n = tree.parents.shape
+    meta = build_attn_metadata(block_tables, starts, [n] * b, block_size, device)
+    root = torch.as_tensor(list(starts), dtype=torch.int64)
+    meta.positions = (root[:, None] + tree.depth.cpu()).reshape(-1).to(device)
+    meta.tree = TreeMask([n] * b, ancestor_mask(tree.parents.cpu()).to(device))
+    return meta
 
 
 def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
@@ -296,6 +310,25 @@ class ModelRunner:
             for i, toks in zip(sampling, rows, strict=True):
                 emitted[i] = toks
         return TargetStepOutput(emitted, aux, row_starts)
+
+    @torch.inference_mode()
+    def verify_tree(self, tree: DraftTree, block_tables: Seq[Seq[int]], starts: Seq[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over ``B`` draft trees (eager: no CUDA graph, torch reference
+        attention only): ``tree.tokens`` are written to the KV slots of positions ``starts[b] ..
+        starts[b] + N - 1`` in node order (blocks must be allocated). Returns the target's logits
+        float32 ``[B, N, V]`` (row ``i``: the prediction after node ``i``'s path, what
+        ``tree_rejection_sample`` takes) and the aux states ``[B * N, n*H]`` (None without a draft).
+        Not wired into :meth:`step` yet (docs/trees.md)."""
+        check_parents(tree.parents.cpu())
+        b, n = tree.parents.shape
+        meta = build_tree_attn_metadata(block_tables, starts, tree, self.block_size, self.device)
+        hidden, aux = self.target.forward(tree.tokens.reshape(-1).to(self.device), meta, self.target_kv,
+                                          self.aux_layer_ids)
+        at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers need the rows
+        rows = torch.arange(b * n, device=hidden.device)
+        logits = at(hidden, rows) if at is not None else self.target.compute_logits(hidden)
+        return logits.view(b, n, -1), aux
 
     def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
         """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for
