@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.runtime.engine.model_runner import ModelRunner
+from eagle3.runtime.engine.model_runner import ModelRunner, compact_tree_kv
 from eagle3.runtime.sampling import SamplingBatch, SamplingParams
 from eagle3.runtime.spec.tree import DraftTree, build_tree, depths, path
 from eagle3.runtime.spec.tree_rejection import tree_rejection_sample
@@ -86,3 +86,49 @@ def test_chain_shaped_tree_gives_verify_bits(target) -> None:
     logits, _ = runner.verify_tree(tree, table, [start])
     hidden, _ = runner.forward_target(tokens[0], table, [start], [5])
     assert torch.equal(logits[0], target.compute_logits(hidden))
+
+
+def _plain_greedy(runner: ModelRunner, prompt: list[int], table: list[int], n: int) -> list[int]:
+    hidden, _ = runner.forward_target(torch.tensor(prompt), [table], [0], [len(prompt)])
+    out = [int(runner.target.compute_logits(hidden[-1:]).argmax())]
+    while len(out) < n:
+        pos = len(prompt) + len(out) - 1
+        hidden, _ = runner.forward_target(torch.tensor(out[-1:]), [table], [pos], [1])
+        out.append(int(runner.target.compute_logits(hidden).argmax()))
+    return out
+
+
+def test_greedy_tree_speculation_equals_plain_greedy(target) -> None:
+    """Tree steps (verify_tree, greedy tree acceptance, compact_tree_kv) generate exactly the plain
+    greedy tokens. The trees hold the true continuation on a random branch, cut at a random depth,
+    among random siblings, so steps accept 0 to 3 drafts."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 768, (7,), generator=g).tolist()
+    table = list(range(8))
+    n_new = 14
+    want = _plain_greedy(_runner(target), prompt, table, n_new + 4)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 5]])  # depth 3 on two branches
+    runner = _runner(target)
+    (start,) = _prefill(runner, [prompt], [table])
+    out: list[int] = []
+    root, accepted = prompt[-1], []
+    greedy = SamplingBatch.build([SamplingParams(temperature=0)], [None])
+    while len(out) < n_new:
+        truth = want[len(out): len(out) + 3]
+        tokens = torch.randint(0, 768, (1, 8), generator=g)
+        tokens[0, 0] = root
+        branch = [1, 3, 6] if bool(torch.rand(1, generator=g) < 0.5) else [2, 5, 7]
+        for node, tok in zip(branch[: int(torch.randint(0, 4, (1,), generator=g))], truth, strict=False):
+            tokens[0, node] = tok
+        tree = DraftTree(parents, tokens, depths(parents), torch.zeros(1, 8))
+        logits, _ = runner.verify_tree(tree, [table], [start])
+        res = tree_rejection_sample(logits, tree, greedy)
+        nodes = res.node_ids[0, : int(res.num_accepted[0])].tolist()
+        compact_tree_kv(runner.target_kv, table, BLOCK, start, nodes)
+        emitted = res.rows()[0]
+        out += emitted
+        accepted.append(len(nodes))
+        start += len(emitted)
+        root = emitted[-1]
+    assert out[:n_new] == want[:n_new]
+    assert max(accepted) >= 2 and min(accepted) == 0  # the walk took real branches, and stopped early too
