@@ -17,15 +17,16 @@ import torch
 
 @dataclass
 class TreeMask:
-    """Tree verification / tree drafting: the last ``num_nodes[b]`` query tokens of sequence ``b``
-    are the nodes of a draft tree (node order, root first; ``num_nodes[b] == 0``: no tree).
+    """Tree verification / tree drafting: the last ``num_nodes[b]`` cache positions of sequence
+    ``b`` hold the nodes of a draft tree in node order (``num_nodes[b] == 0``: no tree): node ``j``
+    at cache position ``context_lens[b] - num_nodes[b] + j``.
 
-    Their keys/values are cached in node order at the end of the sequence: node ``j`` at cache
-    position ``context_lens[b] - num_nodes[b] + j`` (``slot_mapping`` puts them there), while
-    ``positions`` (RoPE) holds the root's position plus the node's depth. Node ``i``'s query sees
-    the cache positions before the tree and the nodes ``j`` with ``ancestors[b, i, j]`` (its
-    ancestors and itself, ``spec.tree.ancestor_mask``), nothing else. Query tokens of the sequence
-    before the tree are ordinary causal ones."""
+    The last ``m = min(num_nodes[b], query tokens of b)`` query tokens are the last ``m`` nodes
+    (a verify: every node, root first; a draft step: the new frontier, whose ancestors were cached
+    by earlier steps). Their ``positions`` (RoPE) are the root's position plus their depth. Node
+    ``i``'s query sees the cache positions before the tree and the nodes ``j`` with
+    ``ancestors[b, i, j]`` (its ancestors and itself, ``spec.tree.ancestor_mask``), nothing else.
+    Query tokens of the sequence before the tree are ordinary causal ones."""
 
     num_nodes: list[int]  # [B] on the host
     ancestors: torch.Tensor  # bool [B, N, N], N >= max(num_nodes); rows/cols past num_nodes[b] unused

@@ -166,7 +166,22 @@ def test_chain_shaped_tree_gives_causal_bits(n: int) -> None:
     assert torch.equal(BE.attention(q, k_cache, v_cache, bt.meta, 0.2), BE.attention(q, k_cache, v_cache, causal, 0.2))
 
 
-def test_tree_larger_than_the_query_is_refused() -> None:
+def test_frontier_queries_see_ancestors_cached_by_earlier_steps() -> None:
+    """A draft step queries only the newest nodes of a tree region whose older nodes are already
+    cached: those rows get the same bits as in a forward that queries every node."""
+    tree = _random_tree(15, k=3, steps=3, n=10)
+    bt = _Batch(ctx=[66, 7], pre=[0, 0], trees=[tree, tree.clone()], seed=16)
+    _, k_cache, v_cache = _caches(1, 48, 32, False, seed=17)
+    q = torch.randn(bt.num_tokens, 1, 4, 48, generator=_gen(18))
+    full = BE.attention(q, k_cache, v_cache, bt.meta, 0.2)
+    m = 4  # the last m nodes of each tree are this step's queries
+    rows = torch.tensor([bt.rows[(b, j)] for b in range(2) for j in range(10 - m, 10)])
+    meta = AttnMetadata(bt.meta.positions[rows], torch.tensor([0, m, 2 * m], dtype=torch.int32), bt.meta.context_lens,
+                        bt.meta.slot_mapping[rows], bt.meta.block_tables, BLOCK, tree=bt.meta.tree)
+    assert torch.equal(BE.attention(q[rows], k_cache, v_cache, meta, 0.2), full[rows])
+
+
+def test_ancestor_mask_narrower_than_the_tree_is_refused() -> None:
     bt = _Batch(ctx=[5], pre=[0], trees=[torch.tensor([-1, 0, 0])], seed=1)
     bt.meta.tree = TreeMask([4], bt.meta.tree.ancestors)
     _, k_cache, v_cache = _caches(1, 8, 8, False, seed=2)

@@ -122,12 +122,11 @@ class AttnPlan:
             if n <= 0:
                 continue
             t0, t1 = self.cu[b], self.cu[b + 1]
-            if n > t1 - t0 or n > anc.shape[-1]:
-                raise UsageError(f"tree of {n} nodes for sequence {b} with {t1 - t0} query tokens and an "
-                                 f"ancestor mask of width {anc.shape[-1]}")
+            if n > anc.shape[-1]:
+                raise UsageError(f"tree of {n} nodes for sequence {b} with an ancestor mask of width {anc.shape[-1]}")
             start = ctx[b] - n
             self.tree_seqs.add(b)
-            for i in range(n):
+            for i in range(n - min(n, t1 - t0), n):  # the query tokens are the last nodes
                 t = t1 - n + i
                 self.reach[t] = start + i
                 self.tree_hidden[t] = (start, ~anc[b, i, : i + 1])
