@@ -14,6 +14,7 @@ from eagle3.runtime.engine.sequence import Sequence
 from eagle3.runtime.sampling import SamplingParams
 from eagle3.runtime.spec.proposer import ProposeItem
 from eagle3.runtime.spec.tree import check_parents, path
+from eagle3.runtime.spec.tree_driver import tree_generate
 from eagle3.runtime.spec.tree_proposer import draft_tree
 from tests.runtime.model_kit import single_thread
 
@@ -98,3 +99,54 @@ def test_every_expanded_node_matches_its_path_drafted_as_a_chain(models) -> None
         q = torch.zeros(st.vocab)
         q[d2t] = st.draft.compute_logits(post)[0].float().softmax(-1)
         torch.testing.assert_close(tree.draft_probs[0, i], q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory: pytest.TempPathFactory):
+    """The trained tiny target and its EAGLE-3 draft: drafts are accepted, so trees are walked."""
+    from eagle3.runtime.loader import load_draft, load_target
+    from eagle3.testing.tiny import make_tiny
+
+    out: Path = tmp_path_factory.mktemp("treetrained") / "tiny"
+    paths = make_tiny(out, seed=0, only=["kimi-k2.5-trained", "kimi-k2.5-trained-eagle3"])
+    target = load_target(paths["kimi-k2.5-trained"], dtype=torch.float32)
+    return target, load_draft(paths["kimi-k2.5-trained-eagle3"], target)
+
+
+def _gsm8k_prompt() -> list[int]:
+    from eagle3.testing import tiny
+
+    text = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples does "
+            "Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 apples "
+            "left.\n#### 19\n\nQuestion: Tom reads 12 pages every day. How many pages does he read in 3 weeks?\n"
+            "Answer:")
+    return tiny.build_tokenizer().encode(text).ids
+
+
+@pytest.mark.parametrize(("pair", "topk", "steps", "nodes"),
+                         [("random", 3, 3, 8), ("trained", 1, 3, 4), ("trained", 3, 3, 10), ("trained", 2, 4, 12)])
+def test_greedy_tree_generation_equals_plain_greedy(request: pytest.FixtureRequest, pair: str, topk: int, steps: int,
+                                                    nodes: int) -> None:
+    """The whole target + draft tree loop (spec/tree_driver.py): greedy output is the target's,
+    with drafts accepted along real branches (the trained pair)."""
+    target, draft = request.getfixturevalue("models" if pair == "random" else "trained_pair")
+    prompt = _gsm8k_prompt() if pair == "trained" else torch.randint(0, 768, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    blocks = -(-(len(prompt) + 64) // BLOCK)
+    plain = ModelRunner(target, None, num_blocks=blocks, block_size=BLOCK, num_speculative_tokens=0)
+    want = _plain_greedy(plain, prompt, 24)
+    runner = ModelRunner(target, draft, num_blocks=blocks, block_size=BLOCK, num_speculative_tokens=steps)
+    run = tree_generate(runner, prompt, 24, topk, steps, nodes)
+    assert run.token_ids == want
+    assert all(0 <= a <= steps for a in run.accepted)
+    if pair == "trained":
+        assert max(run.accepted) >= 2 and run.mean_acceptance_length > 1.5
+
+
+def _plain_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    table = list(range(runner.num_blocks))
+    hidden, _ = runner.forward_target(torch.tensor(prompt), [table], [0], [len(prompt)])
+    out = [int(runner.target.compute_logits(hidden[-1:]).argmax())]
+    while len(out) < n:
+        hidden, _ = runner.forward_target(torch.tensor(out[-1:]), [table], [len(prompt) + len(out) - 1], [1])
+        out.append(int(runner.target.compute_logits(hidden).argmax()))
+    return out
