@@ -48,7 +48,7 @@ class AttnMetadata:
     # None: no caching (ordinary per-step metadata).
     cache: dict[Any, Any] | None = None
     # Draft-tree attention for some sequences (see TreeMask); None: every query is causal by position.
-    # Only the torch reference backend implements it; the others refuse it.
+    # The torch reference and the Triton kernels (up to 64 tree nodes) implement it.
     tree: TreeMask | None = None
 
     @property

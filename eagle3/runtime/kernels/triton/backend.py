@@ -72,12 +72,10 @@ class TritonBackend(TorchBackend):
         raise UsageError(f"unknown per-token activation quantization {kind!r} (int8, fp8)")
 
     def plan_attention(self, meta: AttnMetadata) -> TritonAttnPlan:
-        _refuse_tree(meta)
         return plan_attention(meta)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
                   scale: float, plan: Any = None) -> torch.Tensor:
-        _refuse_tree(meta)
         p = plan if isinstance(plan, TritonAttnPlan) else plan_attention(meta)
         t, hkv, g, d = q.shape
         dv = v_cache.shape[-1]
@@ -87,13 +85,6 @@ class TritonBackend(TorchBackend):
             o = mla_attention.mla_attention(q.view(t, g, d), k_cache[:, 0], dv, p, scale)
             return o.view(t, 1, g, dv)
         return paged_attention.paged_attention(q, k_cache, v_cache, p, scale)
-
-
-def _refuse_tree(meta: AttnMetadata) -> None:
-    """The Triton attention kernels mask by position only: a draft tree's mask would be ignored."""
-    if meta.tree is not None:
-        raise UsageError("the triton backend has no tree attention yet (AttnMetadata.tree); "
-                         "use the torch backend for draft trees (docs/trees.md)")
 
 
 register_backend("triton", TritonBackend)
