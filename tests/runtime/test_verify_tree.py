@@ -132,3 +132,18 @@ def test_greedy_tree_speculation_equals_plain_greedy(target) -> None:
         root = emitted[-1]
     assert out[:n_new] == want[:n_new]
     assert max(accepted) >= 2 and min(accepted) == 0  # the walk took real branches, and stopped early too
+
+
+def test_tree_logits_do_not_depend_on_the_batch(target) -> None:
+    """A tree verified alone or with another sequence's tree gives the same logits, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 768, (n,), generator=g).tolist() for n in (12, 6)]
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    runner = _runner(target)
+    starts = _prefill(runner, prompts, tables)
+    tree = _trees([p[-1] for p in prompts], 768, seed=4)
+    both, _ = runner.verify_tree(tree, tables, starts)
+    for b in range(2):
+        one = DraftTree(tree.parents[b: b + 1], tree.tokens[b: b + 1], tree.depth[b: b + 1], tree.scores[b: b + 1])
+        alone, _ = runner.verify_tree(one, tables[b: b + 1], starts[b: b + 1])
+        assert torch.equal(alone[0], both[b]), b
