@@ -15,6 +15,8 @@ chain proposer's argmax chain, bit for bit (a chain's tree mask is the causal ma
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,3 +89,24 @@ def draft_tree(draft: DraftModel, step: DraftStep, meta_fn: MetaFn, root_tokens:
         full[..., d2t] = tree.draft_probs
         tree.draft_probs = full
     return tree
+
+
+@dataclass
+class TreeDrafting:
+    """The engine's tree settings and forwards (``EagleProposer(tree=...)``): after step 0 each
+    drafting sequence gets a tree of ``num_nodes`` nodes from ``steps`` draft steps, proposed as
+    its ``num_nodes - 1`` node tokens with their parents. Children are the draft's top-K: they are
+    verified as point masses (no ``q`` is kept)."""
+
+    topk: int
+    steps: int
+    num_nodes: int
+    step: DraftStep
+    meta_fn: MetaFn
+
+    def propose(self, draft: DraftModel, roots: torch.Tensor, post: torch.Tensor, nxt: torch.Tensor,
+                root_pos: Sequence[int], seqs: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+        """Per drafting sequence (``seqs``: their block tables): (node tokens, parents)."""
+        tree = draft_tree(draft, self.step, self.meta_fn, roots, post, nxt, root_pos, [s.block_table for s in seqs],
+                          self.topk, self.steps, self.num_nodes)
+        return list(zip(tree.tokens[:, 1:].tolist(), tree.parents.tolist(), strict=True))

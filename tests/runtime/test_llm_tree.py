@@ -1,0 +1,79 @@
+"""``LLM(..., speculative_eagle_topk=K, speculative_num_draft_tokens=N)``: the engine drafts and
+verifies EAGLE-2 trees (torch reference, eager). Greedy output equals plain greedy output on the
+trained tiny pair, alone and batched, with more accepted tokens per verify than the chain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3.errors import UsageError
+from eagle3.runtime.engine.config import EngineConfig
+from eagle3.runtime.sampling import SamplingParams
+from eagle3.testing import tiny, trained
+from tests.runtime.model_kit import single_thread
+
+TARGET, DRAFT = trained.NAME, "kimi-k2.5-trained-eagle3"
+EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
+            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
+            "apples left.\n#### 19\n\n")
+QUESTIONS = ("Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
+             "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
+             "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change "
+             "does she get?")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+ENGINE = {"num_blocks": 128, "max_num_seqs": 4, "tokenizer": None, "dtype": "float32", "block_size": 4}
+
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llmtree") / "tiny"
+    tiny.make_tiny(out, only=[TARGET, DRAFT])
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    tok = tiny.build_tokenizer()
+    return [tok.encode(f"{EXEMPLAR}Question: {q}\nAnswer:").ids for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain(pair: Path) -> list[list[int]]:
+    from eagle3.runtime.engine.llm import LLM
+
+    return [o.token_ids for o in LLM(pair / TARGET, None, **ENGINE).generate(_prompts(), GREEDY)]
+
+
+def _run(pair: Path, prompts: list[list[int]], **kw) -> tuple[list[list[int]], float]:
+    from eagle3.runtime.engine.llm import LLM
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, **ENGINE, **kw)
+    outs = llm.generate(prompts, GREEDY)
+    return [o.token_ids for o in outs], llm.stats.mean_acceptance_length
+
+
+def test_tree_engine_greedy_equals_plain_greedy(pair: Path, plain: list[list[int]]) -> None:
+    chain, chain_len = _run(pair, _prompts())
+    tree, tree_len = _run(pair, _prompts(), speculative_eagle_topk=4, speculative_num_draft_tokens=16)
+    assert chain == plain
+    assert tree == plain
+    assert tree_len > chain_len > 1.5  # measured: 3.29 (chain, k = 3) vs 3.86 (K = 4, N = 16)
+
+
+def test_a_tree_request_alone_equals_batched(pair: Path, plain: list[list[int]]) -> None:
+    alone, _ = _run(pair, _prompts()[1:2], speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    assert alone == plain[1:2]
+
+
+def test_tree_options_are_checked() -> None:
+    assert EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=4).tree == (4, 13)
+    assert EngineConfig(num_speculative_tokens=3).tree is None
+    with pytest.raises(UsageError, match="auto"):
+        EngineConfig(num_speculative_tokens="auto", speculative_eagle_topk=2)
+    with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
+        EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=65)
+    with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
+        EngineConfig(num_speculative_tokens=3, speculative_num_draft_tokens=8)
