@@ -77,3 +77,32 @@ def test_tree_options_are_checked() -> None:
         EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=65)
     with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
         EngineConfig(num_speculative_tokens=3, speculative_num_draft_tokens=8)
+
+
+def test_tree_engine_under_preemption(pair: Path, plain: list[list[int]]) -> None:
+    """A KV cache too small for the batch: sequences are preempted and recomputed mid-tree."""
+    from eagle3.runtime.engine.llm import LLM
+
+    engine = dict(ENGINE, num_blocks=72)
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=10, **engine)
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_preemptions for o in outs) > 0
+
+
+def test_sampled_tree_request_does_not_depend_on_the_batch(pair: Path) -> None:
+    """A seeded sampled request: the same tokens alone and batched (its randomness is its own;
+    the trees and the target's logits are batch invariant)."""
+    params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=11)
+    others = SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True)
+    from eagle3.runtime.engine.llm import LLM
+
+    def llm() -> LLM:
+        return LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=8, **ENGINE)
+
+    prompts = _prompts()
+    alone = llm().generate(prompts[:1], params)[0].token_ids
+    batched = llm().generate(prompts, [params, others, others])[0].token_ids
+    assert alone == batched and len(alone) == 24
