@@ -421,7 +421,8 @@ class ModelRunner:
         starts[b] + N - 1`` in node order (blocks must be allocated). Returns the target's logits
         float32 ``[B, N, V]`` (row ``i``: the prediction after node ``i``'s path, what
         ``tree_rejection_sample`` takes) and the aux states ``[B * N, n*H]`` (None without a draft).
-        Not wired into :meth:`step` yet (docs/trees.md)."""
+        A standalone entry (tests, the reference driver); :meth:`step` verifies the trees of
+        scheduled sequences inside its one forward (docs/trees.md)."""
         check_parents(tree.parents.cpu())
         b, n = tree.parents.shape
         meta = build_tree_attn_metadata(block_tables, starts, tree, self.block_size, self.device)

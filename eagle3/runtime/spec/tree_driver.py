@@ -13,7 +13,7 @@ It strings the tree pieces together over a :class:`~eagle3.runtime.engine.model_
    the emitted bonus / recovered token is the next root.
 
 It exists to test the pieces end to end and to measure acceptance (benchmarks/tree_acceptance.py);
-the engine (scheduler, batching, block allocation, CUDA graphs) does not draft trees yet.
+the engine runs the same pieces batched (``LLM(speculative_eagle_topk=K)``, docs/trees.md).
 """
 
 from __future__ import annotations

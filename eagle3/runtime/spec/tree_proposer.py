@@ -1,5 +1,5 @@
 """EAGLE-3 tree drafting: the draft model grows a :class:`~eagle3.runtime.spec.tree.TreeBuilder`
-tree with tree attention (not called by the engine yet, docs/trees.md).
+tree with tree attention (the engine calls it through :class:`TreeDrafting`, docs/trees.md).
 
 Input: the draft's state after step 0 (the chain proposer's step 0, which runs over the committed
 positions): per sequence the root row's ``post_norm`` / ``next_hidden`` at draft position
