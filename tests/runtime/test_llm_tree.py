@@ -106,3 +106,21 @@ def test_sampled_tree_request_does_not_depend_on_the_batch(pair: Path) -> None:
     alone = llm().generate(prompts[:1], params)[0].token_ids
     batched = llm().generate(prompts, [params, others, others])[0].token_ids
     assert alone == batched and len(alone) == 24
+
+
+@pytest.mark.parametrize(("target", "draft"), [("kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla"),
+                                               ("kimi-k2.5", "kimi-k2.5-eagle3-d2t")])
+def test_other_drafts_draft_trees(tmp_path_factory: pytest.TempPathFactory, target: str, draft: str) -> None:
+    """The MLA EAGLE-3.1 draft (tree attention through the MLA layer) and a draft with its own
+    vocabulary (d2t): greedy trees still give plain greedy output."""
+    from eagle3.runtime.engine.llm import LLM
+
+    out = tmp_path_factory.mktemp("llmtree2") / "tiny"
+    tiny.make_tiny(out, only=[target, draft])
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(out / target, None, **ENGINE).generate(prompts, params)]
+    llm = LLM(out / target, out / draft, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=9, **ENGINE)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.stats.num_drafts > 0
