@@ -124,3 +124,38 @@ def test_other_drafts_draft_trees(tmp_path_factory: pytest.TempPathFactory, targ
               speculative_num_draft_tokens=9, **ENGINE)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.stats.num_drafts > 0
+
+
+def test_served_tree_engine_answers_like_plain_greedy(pair: Path, plain: list[list[int]]) -> None:
+    import httpx
+
+    from eagle3.runtime.engine.config import EngineConfig
+    from eagle3.serve.launcher import ServerThread, build_app, build_llm, engine_info
+
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=8,
+                       num_blocks=96, max_num_seqs=4, dtype="float32", block_size=4)
+    llm = build_llm(pair / TARGET, pair / DRAFT, cfg)
+    assert engine_info(llm)["speculative_eagle_topk"] == 2
+    with ServerThread(build_app(llm, "tiny", root=str(pair / TARGET))) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": _prompts()[0], "max_tokens": 40,
+                                                       "temperature": 0, "ignore_eos": True},
+                       trust_env=False, timeout=120)
+    assert r.status_code == 200, r.text
+    assert llm.stats.num_drafts > 0
+    want = tiny.build_tokenizer().decode(plain[0])
+    assert r.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--speculative-eagle-topk", "0"], "speculative_eagle_topk must be an integer >= 1"),
+    (["--speculative-eagle-topk", "2", "--engine", "vllm", "--dry-run"], "bundled runtime's"),
+])
+def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "eagle3", "serve", str(pair / TARGET), "--draft", str(pair / DRAFT),
+                        *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
