@@ -77,6 +77,8 @@ def test_tree_options_are_checked() -> None:
         EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=65)
     with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
         EngineConfig(num_speculative_tokens=3, speculative_num_draft_tokens=8)
+    with pytest.raises(UsageError, match="tensor_parallel_size=1"):
+        EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, tensor_parallel_size=2)
 
 
 def test_tree_engine_under_preemption(pair: Path, plain: list[list[int]]) -> None:
@@ -159,3 +161,4 @@ def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> No
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], p.stderr
+
