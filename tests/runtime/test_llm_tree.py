@@ -77,8 +77,6 @@ def test_tree_options_are_checked() -> None:
         EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=65)
     with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
         EngineConfig(num_speculative_tokens=3, speculative_num_draft_tokens=8)
-    with pytest.raises(UsageError, match="tensor_parallel_size=1"):
-        EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, tensor_parallel_size=2)
 
 
 def test_tree_engine_under_preemption(pair: Path, plain: list[list[int]]) -> None:
@@ -162,3 +160,16 @@ def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> No
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], p.stderr
 
+
+def test_tree_engine_at_tensor_parallel_size_2(pair: Path, plain: list[list[int]]) -> None:
+    """The workers get the tree metadata with the forward and compact their own KV copies (gloo on
+    CPU, 2 ranks)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=8, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == plain[:2]
+        assert llm.stats.num_drafts > 0
+    finally:
+        llm.close()

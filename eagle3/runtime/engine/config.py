@@ -103,9 +103,6 @@ class EngineConfig:
             return
         if self.adaptive:
             raise UsageError("speculative_eagle_topk > 1 (draft trees) does not combine with num_speculative_tokens='auto'")
-        if self.tensor_parallel_size != 1:
-            # the accepted path's KV is compacted in the driver's cache only, not in the workers'
-            raise UsageError("speculative_eagle_topk > 1 (draft trees) needs tensor_parallel_size=1 for now")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_TREE_NODES):
             raise UsageError(f"speculative_num_draft_tokens must be an integer in 2..{MAX_TREE_NODES}, got {n!r}")
 

@@ -26,7 +26,7 @@ from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
-from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
+from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
@@ -77,27 +77,6 @@ def build_tree_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], tree
     meta.positions = (root[:, None] + tree.depth.cpu()).reshape(-1).to(device)
     meta.tree = TreeMask([n] * b, ancestor_mask(tree.parents.cpu()).to(device))
     return meta
-
-
-def compact_tree_kv(kv_caches: Seq[torch.Tensor], block_table: Seq[int], block_size: int, start: int,
-                    node_ids: Seq[int]) -> None:
-    """After a tree verify (root at ``start``, node ``j`` cached at ``start + j``): move the KV of
-    the accepted path's nodes ``node_ids`` (root excluded, in path order) to the chain positions
-    ``start + 1 ..``, so the cache reads as if the path had been verified as a chain. Each cache
-    is ``[num_blocks, block_size, ...]``; the values are copied as they are (bits kept)."""
-    if not node_ids:
-        return
-
-    def slots(positions: list[int]) -> torch.Tensor:
-        return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in positions],
-                            dtype=torch.int64)
-
-    src = slots([start + int(j) for j in node_ids])
-    dst = slots([start + 1 + k for k in range(len(node_ids))])
-    for cache in kv_caches:
-        flat = cache.view(-1, *cache.shape[2:])
-        rows = flat[src.to(flat.device)]  # gathered first: a source may be another node's destination
-        flat[dst.to(flat.device)] = rows
 
 
 def _tree_of(item: ScheduledSeq) -> DraftTree | None:
@@ -408,8 +387,9 @@ class ModelRunner:
             batch = SamplingBatch.build([item.seq.params], [item.seq.generator], device=logits.device)
             res = tree_rejection_sample(logits[None], tree, batch, None, self.generator)
             acc = res.node_ids[0, : int(res.num_accepted[0])].tolist()
-            compact_tree_kv(self.target_kv, item.seq.block_table, self.block_size, item.start + item.num_tokens - 1,
-                            acc)
+            # tensor parallel: TPTarget.compact_tree_kv moves the workers' copies too
+            compact = getattr(self.target, "compact_tree_kv", compact_tree_kv)
+            compact(self.target_kv, item.seq.block_table, self.block_size, item.start + item.num_tokens - 1, acc)
             out[i] = (res.rows()[0], acc)
         return out
 
