@@ -173,3 +173,15 @@ def test_tree_engine_at_tensor_parallel_size_2(pair: Path, plain: list[list[int]
         assert llm.stats.num_drafts > 0
     finally:
         llm.close()
+
+
+def test_tree_engine_with_a_small_token_budget(pair: Path, plain: list[list[int]]) -> None:
+    """Chunked prefill alongside trees, and trees that do not fit the step's budget wait (a tree is
+    verified whole or not at all)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    engine = dict(ENGINE, max_num_batched_tokens=20)
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=10, **engine)
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == plain
+    assert llm.stats.num_drafts > 0
