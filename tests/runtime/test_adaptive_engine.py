@@ -131,6 +131,21 @@ def test_unprofitable_drafting_runs_plain_and_resumes_with_its_acceptance(
     assert resumed["per_position_acceptance"][0] >= always["per_position_acceptance"][0] - 0.03
 
 
+def test_prefill_only_steps_choose_no_k(pair: Path) -> None:
+    # One prompt prefilled in chunks of 32 tokens: those steps sample nothing, so they choose no k
+    # and the histogram counts exactly the steps that sampled (here, always k = K).
+    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K, max_num_batched_tokens=32)
+    llm.policy.cost, llm.policy.probe_interval = ALWAYS, 0
+    prompt = _prompts()[0]
+    assert len(prompt) > 3 * 32
+    llm.add_request(prompt, _params())
+    sampled = 0
+    while llm.has_unfinished():
+        sampled += bool(llm.step())
+    assert llm.policy.histogram[:K] == [0] * K
+    assert llm.policy.histogram[K] == sampled
+
+
 def test_static_k_does_not_build_a_policy(pair: Path) -> None:
     llm = _llm(pair, True, num_speculative_tokens=K)
     assert llm.policy is None and llm.k == K and "k 0/" not in llm.stats_line()

@@ -104,6 +104,39 @@ def test_measured_cost_model_interpolates_and_smooths():
     assert m.draft_time(1) == pytest.approx(0.15)
 
 
+def test_serving_steps_refine_the_profiled_buckets():
+    # Profiled buckets 1, 2, 4 at q = 1 and 6; a serving step of 3 sequences at q = 1 refines bucket
+    # 4's row instead of starting a row {1: ...} at batch 3 that would extrapolate q = 6 from q = 1.
+    m = MeasuredCostModel(alpha=0.5, buckets=[1, 2, 4])
+    for b, t1, t6 in ((1, 1.0, 1.1), (2, 1.0, 1.2), (4, 1.0, 1.4)):
+        m.observe_target(b, 1, t1)
+        m.observe_target(b, 6, t6)
+    m.observe_target(3, 1, 1.2)
+    assert sorted(m.target) == [1, 2, 4]
+    assert m.target[4][1] == pytest.approx(1.1)
+    assert m.target_time(3, 6) == pytest.approx(1.3)  # between buckets 2 and 4, no extrapolation
+    m.observe_draft(3, 0.2)
+    assert sorted(m.draft) == [4]
+
+
+def test_rows_that_do_not_bracket_the_query_length_are_not_extrapolated():
+    m = MeasuredCostModel()  # no buckets: rows as observed
+    m.observe_target(1, 1, 1.0)
+    m.observe_target(1, 6, 1.1)
+    m.observe_target(8, 1, 2.0)
+    m.observe_target(8, 6, 2.4)
+    m.observe_target(3, 1, 1.2)  # a sparse row (q = 1 only)
+    # q = 4 at batch 3: from the rows that measured q <= 4 <= their largest q (1 and 8)
+    assert m.target_time(3, 4) == pytest.approx(1.06 + (2.24 - 1.06) * 2 / 7)
+
+
+def test_a_step_where_nothing_samples_chooses_nothing():
+    policy = AdaptivePolicy(3, LinearCost(fixed=1.0, per_row=1e-4, draft=1e-4), probe_interval=2)
+    assert policy.choose(0) == 0
+    assert policy.histogram == [0, 0, 0, 0]
+    assert [policy.choose(1) for _ in range(2)] == [3, 0]  # the probe counts choices, not prefill steps
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_speculative_tokens": "auto", "max_speculative_tokens": 0}, "max_speculative_tokens must be"),
     ({"num_speculative_tokens": "auto", "max_speculative_tokens": 9}, "max_speculative_tokens must be"),
@@ -125,3 +158,24 @@ def test_engine_config_auto_ceiling():
     assert EngineConfig(num_speculative_tokens="auto").max_k == 5
     assert EngineConfig(num_speculative_tokens="auto", max_speculative_tokens=2).max_k == 2
     assert EngineConfig(num_speculative_tokens=4).max_k == 4 and not EngineConfig().adaptive
+
+
+def test_profile_discards_the_first_call_and_keeps_the_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shape's first call pays one-time costs (graph capture, autotuning): it is run untimed, then
+    # the fastest of the timed calls is recorded. The clock is scripted: call i takes durations[i].
+    from types import SimpleNamespace
+
+    from eagle3.runtime.engine import model_runner
+
+    durations = iter([9.0, 3.0, 2.0])
+    now = [0.0]
+    calls: list[float] = []
+
+    def fn() -> None:
+        now[0] += next(durations)
+        calls.append(now[0])
+
+    monkeypatch.setattr(model_runner, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    recorded: list[float] = []
+    model_runner.ModelRunner._profile(SimpleNamespace(_sync=lambda: None), fn, recorded.append)
+    assert len(calls) == 3 and recorded == [2.0]

@@ -285,6 +285,8 @@ class ModelRunner:
         and k + 1 (forward + logits of every row), one draft step. The dummy sequences share the
         first KV blocks (free at start-up; what they write is overwritten before it is read) and
         sit at a moderate context length (the EMA of the real steps corrects the rest)."""
+        buckets = sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)})
+        cost.buckets = buckets  # serving steps refine these rows (see MeasuredCostModel)
         bs, q_max = self.block_size, self.k + 1
         start = max(min(256, self.num_blocks * bs - q_max - 1), 0)
         table = list(range(-(-(start + q_max) // bs)))
@@ -308,19 +310,24 @@ class ModelRunner:
                                          [start] * b, [1] * b)
             self.draft.compute_logits(post)
 
-        target(1, 1)  # warm-up: first calls pay one-time costs
-        draft(1)
-        for b in sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)}):
+        for b in buckets:
             for q in sorted({1, q_max}):
                 self._profile(lambda b=b, q=q: target(b, q), lambda dt, b=b, q=q: cost.observe_target(b, q, dt))
             self._profile(lambda b=b: draft(b), lambda dt, b=b: cost.observe_draft(b, dt))
 
-    def _profile(self, fn: Callable[[], None], record: Callable[[float], None]) -> None:
-        self._sync()
-        t0 = time.perf_counter()
+    def _profile(self, fn: Callable[[], None], record: Callable[[float], None], runs: int = 2) -> None:
+        """One untimed call (each shape's first call pays one-time costs: CUDA graph capture, Triton
+        autotuning, allocator growth), then the fastest of ``runs`` timed calls (a stall of a
+        shared machine lengthens single calls, never shortens them)."""
         fn()
-        self._sync()
-        record(time.perf_counter() - t0)
+        times = []
+        for _ in range(runs):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        record(min(times))
 
     def meta(self, block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int]) -> AttnMetadata:
         return build_attn_metadata(block_tables, starts, counts, self.block_size, self.device)

@@ -68,19 +68,31 @@ def _interp(keys: list[int], values: list[float], x: int) -> float:
 
 @dataclass
 class MeasuredCostModel:
-    """Step times measured by the engine: EMA per (batch size, query length) for the target and
-    per batch size for the draft; lookups interpolate between the measured points."""
+    """Step times measured by the engine: EMA per (batch bucket, query length) for the target and
+    per batch bucket for the draft; lookups interpolate between the measured points.
+
+    A step over ``b`` sequences is recorded under the smallest of ``buckets`` holding ``b`` (the
+    batch sizes the start-up profile measured; a CUDA graph runs a batch padded to its bucket, and
+    eager steps of nearby sizes cost about the same), so the profiled rows are refined instead of
+    sparse rows being started at every batch size seen: a row with only the query lengths of the
+    k chosen so far would extrapolate every other query length from those."""
 
     alpha: float = EMA_ALPHA
-    target: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> query_len -> seconds
-    draft: dict[int, float] = field(default_factory=dict)  # batch -> seconds
+    buckets: list[int] = field(default_factory=list)  # sorted; empty: every batch size is its own row
+    target: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> query_len -> seconds
+    draft: dict[int, float] = field(default_factory=dict)  # bucket -> seconds
+
+    def bucket(self, batch: int) -> int:
+        i = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[i] if i < len(self.buckets) else batch
 
     def observe_target(self, batch: int, query_len: int, seconds: float) -> None:
-        row = self.target.setdefault(batch, {})
+        row = self.target.setdefault(self.bucket(batch), {})
         row[query_len] = self._update(row.get(query_len), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        self.draft[batch] = self._update(self.draft.get(batch), seconds)
+        b = self.bucket(batch)
+        self.draft[b] = self._update(self.draft.get(b), seconds)
 
     def _update(self, old: float | None, seconds: float) -> float:
         if old is None:
@@ -98,7 +110,10 @@ class MeasuredCostModel:
         return _interp(qs, [row[q] for q in qs], query_len)
 
     def target_time(self, batch: int, query_len: int) -> float:
-        bs = sorted(self.target)
+        # Rows whose measured query lengths bracket ``query_len`` interpolate it; the others would
+        # extrapolate, so they are used only when no row brackets it.
+        covering = sorted(b for b, row in self.target.items() if min(row) <= query_len <= max(row))
+        bs = covering or sorted(self.target)
         return _interp(bs, [self._target_at(b, query_len) for b in bs], batch)
 
     def draft_time(self, batch: int) -> float:
@@ -168,10 +183,13 @@ class AdaptivePolicy:
         return max(range(len(r)), key=lambda k: (r[k], -k))
 
     def choose(self, batch: int) -> int:
-        """k for a step whose next verification has ``batch`` sequences; counted in the histogram."""
+        """k for a step whose next verification has ``batch`` sequences; counted in the histogram
+        (a step where no sequence samples chooses nothing: 0, not counted)."""
+        if batch <= 0:
+            return 0  # nothing samples (prefill chunks only): no choice made, nothing counted
         self._steps += 1
-        k = self.best(batch) if batch > 0 else 0
-        if batch > 0 and self.probe_interval and self._steps % self.probe_interval == 0:
+        k = self.best(batch)
+        if self.probe_interval and self._steps % self.probe_interval == 0:
             k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
         self._last_chosen[k] = self._steps
         self.histogram[k] += 1
