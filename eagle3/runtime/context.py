@@ -3,8 +3,9 @@
 One layout serves prefill (chunks included), decode and multi-token speculative verification: a
 forward is a ragged batch of query tokens, grouped per sequence, each at a known absolute
 position. Query token at position ``p`` attends to the cached keys at positions ``0..p`` of its own
-sequence, so "causal" needs no separate prefill/decode modes. New keys/values are written into the
-paged cache at ``slot_mapping`` *before* attention reads the cache.
+sequence, so "causal" needs no separate prefill/decode modes (draft trees are the exception: see
+:class:`TreeMask`). New keys/values are written into the paged cache at ``slot_mapping`` *before*
+attention reads the cache.
 """
 
 from __future__ import annotations
