@@ -16,6 +16,10 @@ KERNEL_BACKEND_HELP = ("Kernel backend of the bundled runtime: auto (triton on a
 NUM_SPEC_HELP = ("Draft tokens per step (k), or auto: each step picks k in 0..--max-speculative-tokens from "
                  "the engine's measured step times and the observed acceptance.")
 MAX_SPEC_HELP = "With --num-speculative-tokens auto: the largest k (default 5)."
+TREE_TOPK_HELP = ("Draft trees (EAGLE-2, docs/trees.md): expand the best K nodes by their top-K draft tokens per "
+                  "step, --num-speculative-tokens steps deep (1: the chain).")
+TREE_NODES_HELP = ("With --speculative-eagle-topk > 1: tree tokens verified per step, the root included "
+                   "(default min(K * steps, 63) + 1, at most 64).")
 ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
 
 

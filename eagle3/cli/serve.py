@@ -17,6 +17,8 @@ from eagle3.cli.options import (
     KERNEL_BACKEND_HELP,
     MAX_SPEC_HELP,
     NUM_SPEC_HELP,
+    TREE_NODES_HELP,
+    TREE_TOPK_HELP,
     check_kernel_backend,
     exit_on_report,
     parse_bytes,
@@ -31,6 +33,8 @@ def serve(
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
     num_speculative_tokens: Annotated[str, typer.Option(help=NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
     max_speculative_tokens: Annotated[int | None, typer.Option(help=MAX_SPEC_HELP)] = None,
+    speculative_eagle_topk: Annotated[int, typer.Option(help=TREE_TOPK_HELP)] = ENGINE.speculative_eagle_topk,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help=TREE_NODES_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
@@ -97,6 +101,9 @@ def serve(
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
     if engine is not None:
+        if speculative_eagle_topk != 1 or speculative_num_draft_tokens is not None:
+            raise UsageError("--speculative-eagle-topk / --speculative-num-draft-tokens are the bundled runtime's "
+                             "(not passed on to --engine)")
         if not isinstance(spec_k, int):
             raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
         _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=spec_k, host=host,
@@ -113,7 +120,8 @@ def serve(
         kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
-        enforce_eager=enforce_eager)
+        enforce_eager=enforce_eager, speculative_eagle_topk=speculative_eagle_topk,
+        speculative_num_draft_tokens=speculative_num_draft_tokens)
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)

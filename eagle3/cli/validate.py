@@ -14,6 +14,8 @@ from eagle3.cli.options import (
     KERNEL_BACKEND_HELP,
     MAX_SPEC_HELP,
     NUM_SPEC_HELP,
+    TREE_NODES_HELP,
+    TREE_TOPK_HELP,
     check_kernel_backend,
     exit_on_report,
     parse_speculative,
@@ -66,6 +68,8 @@ def bench(
     draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
     num_speculative_tokens: Annotated[str, typer.Option(help="With TARGET: " + NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
     max_speculative_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + MAX_SPEC_HELP)] = None,
+    speculative_eagle_topk: Annotated[int, typer.Option(help="With TARGET: " + TREE_TOPK_HELP)] = ENGINE.speculative_eagle_topk,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + TREE_NODES_HELP)] = None,
     base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
@@ -133,7 +137,9 @@ def bench(
         eopts = launcher.EngineOptions(num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype,
                                        device=device,
                                        trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
-                                       backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager)
+                                       backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
+                                       speculative_eagle_topk=speculative_eagle_topk,
+                                       speculative_num_draft_tokens=speculative_num_draft_tokens)
         llm = launcher.build_llm(target, draft, eopts)
         try:
             api = launcher.build_app(llm, target.resolve().name, root=str(target))

@@ -3,8 +3,9 @@
 One layout serves prefill (chunks included), decode and multi-token speculative verification: a
 forward is a ragged batch of query tokens, grouped per sequence, each at a known absolute
 position. Query token at position ``p`` attends to the cached keys at positions ``0..p`` of its own
-sequence, so "causal" needs no separate prefill/decode modes. New keys/values are written into the
-paged cache at ``slot_mapping`` *before* attention reads the cache.
+sequence, so "causal" needs no separate prefill/decode modes (draft trees are the exception: see
+:class:`TreeMask`). New keys/values are written into the paged cache at ``slot_mapping`` *before*
+attention reads the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class TreeMask:
+    """Tree verification / tree drafting: the last ``num_nodes[b]`` cache positions of sequence
+    ``b`` hold the nodes of a draft tree in node order (``num_nodes[b] == 0``: no tree): node ``j``
+    at cache position ``context_lens[b] - num_nodes[b] + j``.
+
+    The last ``m = min(num_nodes[b], query tokens of b)`` query tokens are the last ``m`` nodes
+    (a verify: every node, root first; a draft step: the new frontier, whose ancestors were cached
+    by earlier steps). Their ``positions`` (RoPE) are the root's position plus their depth. Node
+    ``i``'s query sees the cache positions before the tree and the nodes ``j`` with
+    ``ancestors[b, i, j]`` (its ancestors and itself, ``spec.tree.ancestor_mask``), nothing else.
+    Query tokens of the sequence before the tree are ordinary causal ones."""
+
+    num_nodes: list[int]  # [B] on the host
+    ancestors: torch.Tensor  # bool [B, N, N], N >= max(num_nodes); rows/cols past num_nodes[b] unused
 
 
 @dataclass
@@ -30,6 +48,9 @@ class AttnMetadata:
     # forwards that reuse this metadata: a graph's warm-up run fills it, its capture finds them.
     # None: no caching (ordinary per-step metadata).
     cache: dict[Any, Any] | None = None
+    # Draft-tree attention for some sequences (see TreeMask); None: every query is causal by position.
+    # The torch reference and the Triton kernels (up to 64 tree nodes) implement it.
+    tree: TreeMask | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -36,6 +36,7 @@ layer before the final norm). ``aux`` is the concatenation over ascending ids, `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -129,3 +130,24 @@ class DraftModel(Protocol):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         ...
+
+
+def compact_tree_kv(kv_caches: Sequence[torch.Tensor], block_table: Sequence[int], block_size: int, start: int,
+                    node_ids: Sequence[int]) -> None:
+    """After a tree verify (root at ``start``, node ``j`` cached at ``start + j``): move the KV of
+    the accepted path's nodes ``node_ids`` (root excluded, in path order) to the chain positions
+    ``start + 1 ..``, so the cache reads as if the path had been verified as a chain. Each cache
+    is ``[num_blocks, block_size, ...]``; the values are copied as they are (bits kept)."""
+    if not node_ids:
+        return
+
+    def slots(positions: list[int]) -> torch.Tensor:
+        return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in positions],
+                            dtype=torch.int64)
+
+    src = slots([start + int(j) for j in node_ids])
+    dst = slots([start + 1 + k for k in range(len(node_ids))])
+    for cache in kv_caches:
+        flat = cache.view(-1, *cache.shape[2:])
+        rows = flat[src.to(flat.device)]  # gathered first: a source may be another node's destination
+        flat[dst.to(flat.device)] = rows

@@ -52,6 +52,9 @@ def engine_info(llm: Any) -> dict[str, Any]:
     if policy is not None:  # num_speculative_tokens="auto": what it chose so far (steps per k)
         info.update(num_speculative_tokens="auto", max_speculative_tokens=policy.max_k,
                     chosen_k_histogram=list(policy.histogram), mean_chosen_k=policy.mean_k)
+    tree = getattr(llm, "tree", None)
+    if tree is not None:  # draft trees (docs/trees.md)
+        info.update(speculative_eagle_topk=tree[0], speculative_num_draft_tokens=tree[1])
     return info
 
 

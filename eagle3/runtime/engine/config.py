@@ -14,6 +14,7 @@ from typing import Any
 from eagle3.errors import UsageError
 
 MAX_SPECULATIVE_TOKENS = 8
+MAX_TREE_NODES = 64  # the Triton tree mask's limit (kernels/triton/plan.py)
 AUTO = "auto"  # num_speculative_tokens="auto": k chosen per step in 0..max_speculative_tokens
 DEFAULT_MAX_SPECULATIVE_TOKENS = 5  # auto's ceiling when max_speculative_tokens is not given
 # dtype names the engine (and train-draft) accept -> the torch dtype attribute (torch imported lazily).
@@ -30,6 +31,11 @@ class EngineConfig:
     # k in 0..max_speculative_tokens from its measured costs and observed acceptance (spec/adaptive.py)
     num_speculative_tokens: int | str = 3
     max_speculative_tokens: int | None = None  # auto only: the largest k (default 5)
+    # Draft trees (docs/trees.md; SGLang's names): > 1 drafts an EAGLE-2 tree of depth
+    # num_speculative_tokens expanding the best topk nodes by their topk tokens per step, and
+    # verifies speculative_num_draft_tokens nodes (root included) per step. 1: the chain.
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int | None = None  # trees only; default min(topk * steps, 63) + 1
     dtype: Any = "bfloat16"  # compute dtype: a name in DTYPES or a torch.dtype
     device: Any = "cpu"  # str or torch.device; rank r of a tensor-parallel group uses index + r
     backend: str = "auto"  # kernel backend: auto | torch | triton | aiter (kernels.resolve_backend_name)
@@ -77,17 +83,42 @@ class EngineConfig:
             if m is not None and (isinstance(m, bool) or not isinstance(m, int)
                                   or not 1 <= m <= MAX_SPECULATIVE_TOKENS):
                 raise UsageError(f"max_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {m!r}")
+            self._check_tree()
             return
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise UsageError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} or 'auto', "
                              f"got {k!r}")
         if m is not None:
             raise UsageError("max_speculative_tokens goes with num_speculative_tokens='auto'")
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        t, n = self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise UsageError(f"speculative_eagle_topk must be an integer >= 1, got {t!r}")
+        if t == 1:
+            if n is not None and (self.adaptive or n != int(self.num_speculative_tokens) + 1):
+                raise UsageError("speculative_num_draft_tokens goes with speculative_eagle_topk > 1 (a chain "
+                                 "verifies num_speculative_tokens + 1 tokens)")
+            return
+        if self.adaptive:
+            raise UsageError("speculative_eagle_topk > 1 (draft trees) does not combine with num_speculative_tokens='auto'")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_TREE_NODES):
+            raise UsageError(f"speculative_num_draft_tokens must be an integer in 2..{MAX_TREE_NODES}, got {n!r}")
 
     @property
     def adaptive(self) -> bool:
         """k chosen per step (``num_speculative_tokens="auto"``)."""
         return self.num_speculative_tokens == AUTO
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """(topk, tree nodes with the root) when drafting trees, else None."""
+        t = self.speculative_eagle_topk
+        if t == 1:
+            return None
+        n = self.speculative_num_draft_tokens or min(t * int(self.num_speculative_tokens), MAX_TREE_NODES - 1) + 1
+        return t, n
 
     @property
     def max_k(self) -> int:

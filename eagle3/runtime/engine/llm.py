@@ -146,7 +146,11 @@ class LLM:
         # One sequence of max_model_len tokens (+ the draft-step slots) must fit the KV cache, or a
         # request running alone could never finish: refuse an explicit limit that does not fit,
         # and shrink the model's default limit to the cache (vLLM refuses both).
-        room = num_blocks * self.config.block_size - self.k
+        self.tree = self.config.tree if self.draft is not None else None  # (topk, nodes): draft trees
+        # KV slots a step may write past a sequence's last token when drafting trees (the tree's
+        # nodes, then the draft's tree region after the accepted path; scheduler.slots_needed)
+        tree_slots = (max(self.tree[1] - 1, self.k + (self.k - 1) * self.tree[0]) if self.tree is not None else 0)
+        room = num_blocks * self.config.block_size - max(self.k, tree_slots)
         if self.config.max_model_len is not None and self.max_model_len > room:
             raise UsageError(f"max_model_len={self.max_model_len} does not fit the KV cache ({num_blocks} blocks "
                              f"of {self.config.block_size} tokens, {self.k} draft slots); raise num_blocks or "
@@ -159,16 +163,16 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids,
-                                   policy=self.policy)
+                                   policy=self.policy, tree_slots=tree_slots)
         # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
         # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
-        self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
+        self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1 and self.tree is None
                             and graphs.available(self.device))
         self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
                                   self.device, self.generator, graphs=self.cuda_graphs,
                                   max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
                                   capturer=graphs.default_capturer() if self.cuda_graphs else None,
-                                  draft_sampling=self.config.draft_sampling, policy=self.policy)
+                                  draft_sampling=self.config.draft_sampling, policy=self.policy, tree=self.tree)
         if self.policy is not None and isinstance(self.policy.cost, MeasuredCostModel):
             self.runner.profile_costs(self.policy.cost, self.config.max_num_seqs)
         self.num_steps = 0

@@ -17,19 +17,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from eagle3.runtime.context import AttnMetadata
+from eagle3.errors import UsageError
+from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
-from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache
+from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
+from eagle3.runtime.spec.tree import DraftTree, ancestor_mask, check_parents, depths
+from eagle3.runtime.spec.tree_proposer import TreeDrafting
+from eagle3.runtime.spec.tree_rejection import tree_rejection_sample
 
 
 def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int], block_size: int,
@@ -62,6 +66,31 @@ def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: S
     )
 
 
+def build_tree_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], tree: DraftTree, block_size: int,
+                             device: torch.device | str = "cpu") -> AttnMetadata:
+    """Metadata for verifying ``B`` draft trees of ``N`` nodes: sequence ``b``'s root (its last
+    committed token, not cached yet) is at position ``starts[b]``; node ``j`` is cached at position
+    ``starts[b] + j`` and rotated at ``starts[b] + depth[j]`` (see ``TreeMask``)."""
+    b, n = tree.parents.shape
+    meta = build_attn_metadata(block_tables, starts, [n] * b, block_size, device)
+    root = torch.as_tensor(list(starts), dtype=torch.int64)
+    meta.positions = (root[:, None] + tree.depth.cpu()).reshape(-1).to(device)
+    meta.tree = TreeMask([n] * b, ancestor_mask(tree.parents.cpu()).to(device))
+    return meta
+
+
+def _tree_of(item: ScheduledSeq) -> DraftTree | None:
+    """The draft tree ``item`` verifies this step (root: its last real token), or None (a chain,
+    or no drafts)."""
+    parents = item.seq.draft_parents
+    if not item.samples or not item.draft_ids or parents is None or len(parents) != len(item.draft_ids) + 1:
+        return None
+    par = torch.tensor([parents], dtype=torch.int64)
+    root = item.seq.token_ids[item.start + item.num_tokens - 1]
+    tokens = torch.tensor([[root] + list(item.draft_ids)], dtype=torch.int64)
+    return DraftTree(par, tokens, depths(par), torch.zeros(par.shape))
+
+
 def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
     spec = model.kv_cache_spec()
     per_token = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
@@ -75,6 +104,9 @@ class TargetStepOutput:
     emitted: list[list[int]]  # per scheduled sequence: tokens to append ([] for a non-final chunk)
     aux: torch.Tensor | None  # [T, n*H] aux states of every query row (None without a draft)
     row_starts: list[int]  # first query row of each scheduled sequence
+    # per scheduled sequence that verified a draft tree: the accepted nodes (their rows follow the
+    # root's, the last real token's, at node offsets); absent for chains
+    tree_nodes: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +139,7 @@ class ModelRunner:
                  num_speculative_tokens: int, device: torch.device | str = "cpu",
                  generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
                  max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample",
-                 policy: AdaptivePolicy | None = None) -> None:
+                 policy: AdaptivePolicy | None = None, tree: tuple[int, int] | None = None) -> None:
         self.target = target
         self.draft = draft
         self.block_size = block_size
@@ -141,8 +173,17 @@ class ModelRunner:
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
                     extra={"hidden": ((draft.hidden_size,), draft.kv_cache_spec().dtype)}, **common)
         self.proposer: EagleProposer | None = None
+        # Draft trees (topk, nodes with the root; docs/trees.md): eager steps only.
+        self.tree = tree if draft is not None else None
+        if self.tree is not None and (graphs or policy is not None):
+            raise UsageError("draft trees run eagerly with a static num_speculative_tokens (no CUDA graphs, no auto)")
         if draft is not None:
-            self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator)
+            tree_drafting = None
+            if self.tree is not None:
+                dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
+                tree_drafting = TreeDrafting(self.tree[0], self.k, self.tree[1],
+                                             lambda i, h, m: draft.forward(i, h, m, dkv), self.meta)
+            self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator, tree_drafting)
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
@@ -154,8 +195,8 @@ class ModelRunner:
         # auto: k for the next verification of this batch (0: a plain step; draft step 0 still runs
         # over the committed positions, so the draft's KV cache stays complete).
         k = self.k if self.policy is None else self.policy.choose(sum(it.samples for it in scheduled))
-        items = [self._propose_item(item, emitted, res.aux, row0, k)
-                 for item, emitted, row0 in zip(scheduled, res.emitted, res.row_starts, strict=True)]
+        items = [self._propose_item(item, emitted, res.aux, row0, k, res.tree_nodes.get(i))
+                 for i, (item, emitted, row0) in enumerate(zip(scheduled, res.emitted, res.row_starts, strict=True))]
         proposer = self.proposer
         # auto: the whole proposer (forwards, logits, sampling) of a decode step is timed, per draft
         # step it ran (step 0 runs at k = 0 too).
@@ -164,7 +205,7 @@ class ModelRunner:
         return StepOutput(res.emitted, proposals)
 
     def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int,
-                      k: int) -> ProposeItem:
+                      k: int, tree_nodes: list[int] | None = None) -> ProposeItem:
         """Draft step 0 runs over the positions this step commits: the chunk's real tokens and the
         accepted drafts (``emitted`` minus its last token, the next step's input). A sequence that
         samples proposes up to ``k`` tokens, but never more than it may still generate. When the
@@ -176,8 +217,14 @@ class ModelRunner:
                                aux[row0: row0 + item.num_tokens], 0)
         count = item.num_tokens + len(emitted) - 1
         room = seq.max_new_tokens(self.max_model_len) - len(emitted) - 1  # the bonus token takes one
-        return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens] + emitted,
-                           aux[row0: row0 + count], max(min(k, room), 0))
+        rows = aux[row0: row0 + count]
+        if tree_nodes is not None:  # the accepted nodes' rows follow the root's at their node offsets
+            root = row0 + item.num_tokens - 1
+            rows = aux[torch.tensor(list(range(row0, root + 1)) + [root + j for j in tree_nodes], device=aux.device)]
+        drafts = max(min(k, room), 0)
+        if self.tree is not None and drafts < k:
+            drafts = 0  # a tree has the full depth or is not drafted (near max_tokens / max_model_len)
+        return ProposeItem(seq, start, seq.token_ids[start + 1: start + item.num_tokens] + emitted, rows, drafts)
 
     def forward_target(self, input_ids: torch.Tensor, block_tables: Seq[Seq[int]], starts: Seq[int],
                        counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -293,16 +340,85 @@ class ModelRunner:
             row_starts.append(len(ids))
             ids += item.input_ids()
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        hidden, aux = self.forward_target(input_ids, [s.seq.block_table for s in scheduled],
-                                          [s.start for s in scheduled], [s.num_query_tokens for s in scheduled])
+        tables, starts = [s.seq.block_table for s in scheduled], [s.start for s in scheduled]
+        counts = [s.num_query_tokens for s in scheduled]
+        trees = {i: t for i, s in enumerate(scheduled) if (t := _tree_of(s)) is not None}
+        if trees:  # eager, with the trees' attention metadata
+            meta = self._tree_step_meta(self.meta(tables, starts, counts), scheduled, row_starts, trees)
+            hidden, aux = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
+        else:
+            hidden, aux = self.forward_target(input_ids, tables, starts, counts)
 
         emitted: list[list[int]] = [[] for _ in scheduled]
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        sampling = [i for i, s in enumerate(scheduled) if s.samples and i not in trees]
         if sampling:
             rows = self._verify([scheduled[i] for i in sampling], [row_starts[i] for i in sampling], hidden)
             for i, toks in zip(sampling, rows, strict=True):
                 emitted[i] = toks
-        return TargetStepOutput(emitted, aux, row_starts)
+        nodes: dict[int, list[int]] = {}
+        if trees:
+            for i, (toks, acc) in self._verify_trees(scheduled, row_starts, trees, hidden).items():
+                emitted[i], nodes[i] = toks, acc
+        return TargetStepOutput(emitted, aux, row_starts, nodes)
+
+    def _tree_step_meta(self, meta: AttnMetadata, scheduled: list[ScheduledSeq], row_starts: list[int],
+                        trees: dict[int, DraftTree]) -> AttnMetadata:
+        """A step's metadata with the draft trees: each tree's N rows (the last real token, its
+        root, then the drafted nodes) at positions root + depth, attending to their ancestors."""
+        n_max = max(t.parents.shape[1] for t in trees.values())
+        anc = torch.zeros(len(scheduled), n_max, n_max, dtype=torch.bool)
+        num_nodes = [0] * len(scheduled)
+        positions = meta.positions.clone()
+        for i, tree in trees.items():
+            n = tree.parents.shape[1]
+            root_row = row_starts[i] + scheduled[i].num_tokens - 1
+            root_pos = scheduled[i].start + scheduled[i].num_tokens - 1
+            positions[root_row: root_row + n] = (root_pos + tree.depth[0]).to(positions.device)
+            anc[i, :n, :n] = ancestor_mask(tree.parents)[0]
+            num_nodes[i] = n
+        meta.positions = positions
+        meta.tree = TreeMask(num_nodes, anc.to(meta.positions.device))
+        return meta
+
+    def _verify_trees(self, scheduled: list[ScheduledSeq], row_starts: list[int], trees: dict[int, DraftTree],
+                      hidden: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
+        """Tree acceptance (point-mass children) per tree, then the accepted path's KV moved to
+        chain positions. Returns per tree (emitted tokens, accepted nodes)."""
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        at = getattr(self.target, "compute_logits_at", None)
+        for i, tree in trees.items():  # one tree at a time: trees of different sizes need no padding
+            item = scheduled[i]
+            root_row = row_starts[i] + item.num_tokens - 1
+            rows = torch.arange(root_row, root_row + tree.parents.shape[1], device=hidden.device)
+            logits = at(hidden, rows) if at is not None else self.target.compute_logits(hidden[rows])
+            batch = SamplingBatch.build([item.seq.params], [item.seq.generator], device=logits.device)
+            res = tree_rejection_sample(logits[None], tree, batch, None, self.generator)
+            acc = res.node_ids[0, : int(res.num_accepted[0])].tolist()
+            # tensor parallel: TPTarget.compact_tree_kv moves the workers' copies too
+            compact = getattr(self.target, "compact_tree_kv", compact_tree_kv)
+            compact(self.target_kv, item.seq.block_table, self.block_size, item.start + item.num_tokens - 1, acc)
+            out[i] = (res.rows()[0], acc)
+        return out
+
+    @torch.inference_mode()
+    def verify_tree(self, tree: DraftTree, block_tables: Seq[Seq[int]], starts: Seq[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over ``B`` draft trees (eager: no CUDA graph, torch reference
+        attention only): ``tree.tokens`` are written to the KV slots of positions ``starts[b] ..
+        starts[b] + N - 1`` in node order (blocks must be allocated). Returns the target's logits
+        float32 ``[B, N, V]`` (row ``i``: the prediction after node ``i``'s path, what
+        ``tree_rejection_sample`` takes) and the aux states ``[B * N, n*H]`` (None without a draft).
+        A standalone entry (tests, the reference driver); :meth:`step` verifies the trees of
+        scheduled sequences inside its one forward (docs/trees.md)."""
+        check_parents(tree.parents.cpu())
+        b, n = tree.parents.shape
+        meta = build_tree_attn_metadata(block_tables, starts, tree, self.block_size, self.device)
+        hidden, aux = self.target.forward(tree.tokens.reshape(-1).to(self.device), meta, self.target_kv,
+                                          self.aux_layer_ids)
+        at = getattr(self.target, "compute_logits_at", None)  # tensor parallel: the workers need the rows
+        rows = torch.arange(b * n, device=hidden.device)
+        logits = at(hidden, rows) if at is not None else self.target.compute_logits(hidden)
+        return logits.view(b, n, -1), aux
 
     def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
         """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for

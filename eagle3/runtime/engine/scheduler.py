@@ -48,8 +48,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int],
-                 policy: AdaptivePolicy | None = None) -> None:
+                 policy: AdaptivePolicy | None = None, tree_slots: int = 0) -> None:
         self.block_manager = block_manager
+        # Draft trees: KV slots past the sequence's last token that a step may write (the tree's
+        # nodes for the target, then the draft's tree region after the accepted path); 0: chains.
+        self.tree_slots = tree_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -84,6 +87,8 @@ class Scheduler:
     def slots_needed(self, seq: Sequence, num_tokens: int, num_drafts: int) -> int:
         end = seq.num_computed_tokens + num_tokens + num_drafts
         if self.k and end - num_drafts == seq.num_tokens:
+            if self.tree_slots:
+                return max(end, seq.num_tokens + self.tree_slots)
             end += self.k - 1  # draft steps 1..k-1 after verification
         return end
 
@@ -92,6 +97,8 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining > budget:
             return budget, []  # a prefill chunk; drafts only ride along with the last chunk
+        if seq.draft_parents is not None and remaining + len(seq.draft_token_ids) > budget:
+            return remaining, []  # a tree is verified whole or not at all
         return remaining, seq.draft_token_ids[: budget - remaining]
 
     def schedule(self) -> SchedulerOutput:
@@ -156,6 +163,7 @@ class Scheduler:
                 continue
             if proposal is not None and not seq.is_finished:
                 seq.draft_token_ids, seq.draft_probs = proposal.token_ids, proposal.probs
+                seq.draft_parents = proposal.parents
         return self.finish_step(out)
 
     def commit(self, item: ScheduledSeq, emitted: list[int]) -> int:

@@ -54,6 +54,8 @@ class Sequence:
         # sampled from (float32 [len(draft_token_ids), V], None for greedy / point-mass drafts).
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+        # A draft tree's parents (root -1 first, then one per draft token), None for a chain.
+        self.draft_parents: list[int] | None = None
         self.stats = SpecStats(num_speculative_tokens)
         self.num_preemptions = 0
         self.num_returned_tokens = 0  # output tokens already handed out by LLM.step()
@@ -131,6 +133,7 @@ class Sequence:
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
         self.draft_probs = None
+        self.draft_parents = None
 
     def reset_for_recompute(self) -> None:
         """Preemption by recomputation: forget all KV; the next prefill covers every token."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import Eagle3Error, UsageError
-from eagle3.runtime.interfaces import allocate_kv_cache
+from eagle3.runtime.interfaces import allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.loader import load_target
 from eagle3.runtime.parallel import TPGroup, free_port, init_rank, rank_device
 
@@ -73,6 +73,8 @@ def worker_main(rank: int, world: int, port: int, target: str, load_kw: dict[str
                 elif op == "logits":
                     assert hidden is not None
                     model.compute_logits(hidden[msg[1].to(device)])
+                elif op == "compact":  # a draft tree's accepted path (interfaces.compact_tree_kv)
+                    compact_tree_kv(kv, *msg[1:])
     except BaseException as err:  # noqa: BLE001 - the driver sees this rank's sockets close
         logger.error("tensor-parallel rank %d failed: %s: %s", rank, type(err).__name__, err)
     finally:
@@ -290,6 +292,12 @@ class TPTarget:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise UsageError("at tensor_parallel_size > 1 logits are computed by row index (compute_logits_at)")
+
+    def compact_tree_kv(self, kv_caches: list[torch.Tensor], block_table: list[int], block_size: int, start: int,
+                        node_ids: list[int]) -> None:
+        """A draft tree's accepted path moved to chain positions in every rank's cache."""
+        self.workers.broadcast(("compact", list(block_table), block_size, start, list(node_ids)))
+        compact_tree_kv(kv_caches, block_table, block_size, start, node_ids)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self.workers.broadcast(("kv", num_blocks, block_size))

@@ -301,8 +301,9 @@ class AiterBackend(TorchBackend):
         latent = (hkv == 1 and v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
                   and dv <= d)
         layout = head_layout(heads)
-        if not latent or layout is None or q.dtype not in (torch.bfloat16, torch.float16) or t == 0:
-            # MHA (the Llama draft), fp32 models, head counts aiter cannot take
+        if (not latent or layout is None or q.dtype not in (torch.bfloat16, torch.float16) or t == 0
+                or meta.tree is not None):
+            # MHA (the Llama draft), fp32 models, head counts aiter cannot take, draft trees
             self.calls["mla_fallback"] += 1
             return self.base.attention(q, k_cache, v_cache, meta, scale, lazy.base())
         p = lazy.aiter()

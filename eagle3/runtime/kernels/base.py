@@ -255,7 +255,8 @@ class KernelBackend(ABC):
         """Paged causal attention by position. ``q [T, Hkv, G, D]``, ``k_cache [S, Hkv, D]``,
         ``v_cache [S, Hkv, Dv]`` (flat slots; MLA: ``Hkv = 1``, ``v`` a prefix view of ``k``).
         Query ``t`` of sequence ``b`` at position ``p`` attends slots of positions ``0..p``
-        through ``meta.block_tables[b]``. Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``."""
+        through ``meta.block_tables[b]``; with ``meta.tree`` a draft tree's nodes see the context
+        and their ancestors only (``context.TreeMask``). Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``."""
 
 
 _BACKENDS: dict[str, type[KernelBackend]] = {}

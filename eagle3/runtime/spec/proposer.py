@@ -26,6 +26,7 @@ import torch
 from eagle3.runtime.engine.sequence import Sequence as Seq
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
+from eagle3.runtime.spec.tree_proposer import TreeDrafting
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None
+    parents: list[int] | None = None  # a draft tree's parents (root -1 first, then per token); None: a chain
 
 
 # (input_ids, hidden, block_tables, starts, counts) -> (post_norm, next_hidden)
@@ -59,9 +61,11 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, Sequence[Sequence[int]], Se
 
 class EagleProposer:
     def __init__(self, draft: DraftModel, num_speculative_tokens: int, forward_fn: DraftForward,
-                 draft_sampling: str = "sample", generator: torch.Generator | None = None) -> None:
+                 draft_sampling: str = "sample", generator: torch.Generator | None = None,
+                 tree: TreeDrafting | None = None) -> None:
         self.draft = draft
         self.k = num_speculative_tokens
+        self.tree = tree  # draft trees instead of chains (spec/tree_proposer.py)
         # One draft step over its KV cache (ModelRunner.forward_draft: a CUDA graph when uniform).
         self.forward_fn = forward_fn
         self.draft_sampling = draft_sampling
@@ -93,6 +97,12 @@ class EagleProposer:
         last = torch.tensor([sum(it.count for it in items[: i + 1]) - 1 for i in drafting], device=device)
         post, nxt = post[last], nxt[last]
         pos = [items[i].start + items[i].count - 1 for i in drafting]  # draft position of `post`
+        if self.tree is not None:
+            roots = torch.tensor([items[i].next_ids[-1] for i in drafting], dtype=torch.int64, device=device)
+            for i, (toks, parents) in zip(drafting, self.tree.propose(self.draft, roots, post, nxt, pos, seqs),
+                                          strict=True):
+                proposals[i] = Proposal(toks, None, parents)
+            return proposals
         steps = max(items[i].num_drafts for i in drafting)
         batch = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], device=device)
         tokens: list[torch.Tensor] = []

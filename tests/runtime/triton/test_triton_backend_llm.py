@@ -83,11 +83,14 @@ CASES = [  # (draft, k, engine kwargs)
     ("kimi-k2.6-eagle3.1-mla", 3, {}),
     ("kimi-k2.5-eagle3-d2t", 5, {"block_size": 2, "max_num_batched_tokens": 8}),  # chunked prefill
     ("kimi-k2.6-eagle3.1-mla", 2, {"num_blocks": 7}),  # preemption
+    ("kimi-k2.5-eagle3", 3, {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7}),  # draft trees
+    ("kimi-k2.6-eagle3.1-mla", 3, {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 9}),
 ]
 
 
 @pytest.mark.parametrize(("draft", "k", "kw"), CASES,
-                         ids=["llama-draft", "mla-draft", "d2t-chunked-prefill", "mla-preemption"])
+                         ids=["llama-draft", "mla-draft", "d2t-chunked-prefill", "mla-preemption", "llama-draft-tree",
+                              "mla-draft-tree"])
 def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path, draft: str,
                                                 k: int, kw: dict) -> None:
     target_llm, expected = plain

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle3.errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     from eagle3.runtime.context import AttnMetadata
 
@@ -35,6 +37,12 @@ KEY_TILE = 64  # keys per attention tile
 #   ~11 s (every token gathering its own padded context) to ~1 s.
 #
 # Memory is bounded by ATTN_CHUNK_FLOATS per group of row tiles, never ``T x J``.
+#
+# Draft trees (``AttnMetadata.tree``): a tree node's query sees the keys up to its own cache
+# position (its *reach*, not its RoPE position) minus the tree nodes that are not its ancestors,
+# masked to -inf like the causal mask, so they contribute exact zeros: a node's output bits do
+# not depend on the keys or values of its non-ancestors. Tree sequences always take the gathered
+# units (their positions are not ascending), and a chain-shaped tree gives ordinary causal bits.
 #
 # Both schedules rely on the property the row-tiled linears rely on: a row of a fixed-shape
 # batched GEMM does not depend on its position in the tile, on the other rows or on the batch
@@ -98,6 +106,30 @@ class AttnPlan:
         self.tables = meta.block_tables.to("cpu", torch.int64)
         self.block_size = int(meta.block_size)
         self._schedules: dict[tuple[int, int, int], _Schedule] = {}
+        # The last cache position each query may see: its position, or a tree node's own slot.
+        self.reach = self.positions.clone()
+        self.tree_seqs: set[int] = set()
+        self.tree_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # token -> (first tree position, hidden)
+        if meta.tree is not None:
+            self._tree_setup(meta)
+
+    def _tree_setup(self, meta: AttnMetadata) -> None:
+        """Reach and hidden tree keys (``~ancestors`` up to the node itself) of every tree query."""
+        assert meta.tree is not None
+        ctx = meta.context_lens.to("cpu", torch.int64).tolist()
+        anc = meta.tree.ancestors.to("cpu", torch.bool)
+        for b, n in enumerate(meta.tree.num_nodes):
+            if n <= 0:
+                continue
+            t0, t1 = self.cu[b], self.cu[b + 1]
+            if n > anc.shape[-1]:
+                raise UsageError(f"tree of {n} nodes for sequence {b} with an ancestor mask of width {anc.shape[-1]}")
+            start = ctx[b] - n
+            self.tree_seqs.add(b)
+            for i in range(n - min(n, t1 - t0), n):  # the query tokens are the last nodes
+                t = t1 - n + i
+                self.reach[t] = start + i
+                self.tree_hidden[t] = (start, ~anc[b, i, : i + 1])
 
     def schedule(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
         key = (qt, unit_floats, tile_floats)
@@ -126,7 +158,7 @@ class AttnPlan:
                 continue
             pos = self.positions[t0:t1]
             chunk = None
-            if t1 - t0 >= SEQ_PATH_MIN_TOKENS and bool((pos[1:] > pos[:-1]).all()):
+            if t1 - t0 >= SEQ_PATH_MIN_TOKENS and b not in self.tree_seqs and bool((pos[1:] > pos[:-1]).all()):
                 chunk = self._seq_chunk(b, t0, t1, pos, qt, tile_floats)
             if chunk is None:
                 short.append(b)
@@ -175,7 +207,7 @@ class AttnPlan:
         tseq: list[int] = []
         for b in seqs:
             t0, t1 = self.cu[b], self.cu[b + 1]
-            p = self.positions[t0:t1].tolist()
+            p = self.reach[t0:t1].tolist()
             top = max(p)  # pad slots see the sequence's keys: finite scores, result dropped
             for i in range(t0, t1, qt):
                 k = min(qt, t1 - i)
@@ -196,6 +228,8 @@ class AttnPlan:
             slots, ok = self._key_slots(self.tables[seq_all[lo: lo + per]], nk * KEY_TILE)  # [nqt, J]
             kpos = torch.arange(nk * KEY_TILE)
             masked = ~ok[:, None, :] | (kpos[None, None, :] > tp[:, :, None])  # [nqt, qt, J]
+            if self.tree_hidden:
+                self._hide_tree_keys(tok, masked)
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
@@ -206,6 +240,16 @@ class AttnPlan:
                 src = torch.nonzero(flat < t).reshape(-1)
                 groups.append(_Units(tok.to(dev), slots.to(dev), masked.to(dev), flat[src].to(dev), src.to(dev)))
         return groups
+
+
+    def _hide_tree_keys(self, tok: torch.Tensor, masked: torch.Tensor) -> None:
+        """Mask the non-ancestor tree keys of the tree queries among the tile slots ``tok``."""
+        for row, tile in enumerate(tok.tolist()):
+            for slot, t in enumerate(tile):
+                hit = self.tree_hidden.get(t)
+                if hit is not None:
+                    start, hidden = hit
+                    masked[row, slot, start: start + hidden.numel()] |= hidden
 
 
 def plan_attention(meta: AttnMetadata) -> AttnPlan:

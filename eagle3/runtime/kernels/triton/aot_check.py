@@ -35,9 +35,15 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
     )
 
     bf, i32 = "*bf16", "*i32"
-    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32)
+    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32, bits_ptr="*i64")
+    paged_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32,
+                      bits_ptr="*i64")
     bh, qt = mla_attention.tile_shape(64, 512)
     bg, gqt = paged_attention.tile_shape(8)
+    mla = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
+               BLOCK_R=64, _warps=8)
+    paged = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
+                 BLOCK_V=128)
     return [
         ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel,
          dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, r_out_ptr=bf),
@@ -48,16 +54,14 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
          dict(QMAX=127.0, TO_INT8=True, BLOCK=8192), ()),
         ("act quant fp8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32"),
          dict(QMAX=448.0, TO_INT8=False, BLOCK=8192), ()),
-        ("mla bf16 64 heads 512+64", mla_attention._mla_kernel, mla_ptrs,
-         dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
-              BLOCK_R=64, _warps=8), ("scale",)),
+        ("mla bf16 64 heads 512+64", mla_attention._mla_kernel, mla_ptrs, dict(mla, TREE=False), ("scale",)),
+        ("mla bf16 64 heads 512+64 tree", mla_attention._mla_kernel, mla_ptrs, dict(mla, TREE=True), ("scale",)),
         ("mla fp32 ieee 512+64", mla_attention._mla_kernel, {k: "*fp32" if v == bf else v for k, v in mla_ptrs.items()},
-         dict(DOT=tl.float32, IEEE=True, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
-              BLOCK_R=64, _warps=8), ("scale",)),
-        ("paged gqa bf16 group 8 d128", paged_attention._paged_kernel,
-         dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32),
-         dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
-              BLOCK_V=128), ("scale",)),
+         dict(mla, DOT=tl.float32, IEEE=True, TREE=False), ("scale",)),
+        ("paged gqa bf16 group 8 d128", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=False),
+         ("scale",)),
+        ("paged gqa bf16 group 8 d128 tree", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=True),
+         ("scale",)),
     ] + _gemm_cases(linear)
 
 

@@ -58,3 +58,14 @@ def mma(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def tree_visible(k, lo, bits):
+    """Draft-tree mask ``[rows, keys]`` for keys ``k [keys]``: a key before the row's tree region
+    (``k < lo``) is context; inside it, key ``lo + j`` is visible iff bit ``j`` of the row's
+    ancestor mask ``bits`` (int64) is set. Keys past the row's own position are masked by the
+    caller (``k <= pos``), so ``j`` stays below 64 wherever the bit decides."""
+    rel = k[None, :] - lo[:, None]
+    shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+    return (rel < 0) | (((bits[:, None] >> shift) & 1) != 0)

@@ -6,7 +6,7 @@ of up to ``QT`` query tokens of one sequence, kv head); the score tile's rows ar
 tokens x the ``G`` query heads sharing the kv head (``QT * next_pow2(G) >= 16`` rows). Each row is
 masked by its own position; key tiles of ``BLOCK_N`` from position 0 with an online softmax in
 fp32. Batch invariance as in ``mla_attention``: fixed tiles, no split over keys, fixed order,
-exact zeros from key tiles past a row's position.
+exact zeros from key tiles past a row's position. Draft trees (``TREE``): as in ``mla_attention``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, widen
+from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, tree_visible, widen
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan
 
 BLOCK_M = 16  # score-tile rows at least: query tokens x group heads
@@ -29,10 +29,11 @@ def tile_shape(group: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, stride_qt, stride_qh, stride_qg,
-                  stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_og, stride_bt,
+def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, bits_ptr, stride_qt, stride_qh,
+                  stride_qg, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_og, stride_bt,
                   group, d, dv, block_size, scale, DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+                  QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+                  TREE: tl.constexpr):
     c = tl.program_id(0)
     kh = tl.program_id(1).to(tl.int64)
     t0 = tl.load(chunk_ptr + 3 * c).to(tl.int64)
@@ -44,6 +45,9 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, stride
     rm = (tok < nt) & (g < group)
     pos = tl.load(pos_ptr + t0 + tok, mask=tok < nt, other=0)  # pad rows see key 0 only: finite
     last = tl.max(pos, axis=0)
+    if TREE:  # see tree_visible
+        lo = tl.load(lo_ptr + t0 + tok, mask=tok < nt, other=1)
+        bits = tl.load(bits_ptr + t0 + tok, mask=tok < nt, other=0)
     dd = tl.arange(0, BLOCK_D)
     dvv = tl.arange(0, BLOCK_V)
     q = tl.load(q_ptr + (t0 + tok)[:, None] * stride_qt + kh * stride_qh + g[:, None] * stride_qg + dd[None, :],
@@ -61,7 +65,10 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, stride
         vt = tl.load(v_ptr + slot[:, None] * stride_vs + kh * stride_vh + dvv[None, :],
                      mask=km[:, None] & (dvv[None, :] < dv), other=0.0).to(DOT)
         s = mma(q, tl.trans(kt), IEEE)
-        s = tl.where(k[None, :] <= pos[:, None], s * scale, float("-inf"))
+        vis = k[None, :] <= pos[:, None]
+        if TREE:
+            vis = vis & tree_visible(k, lo, bits)
+        s = tl.where(vis, s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -92,10 +99,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         bg, qt = tile_shape(group)
         chunks = plan.chunks(qt)
         dd = dot_dtype(qs.dtype)
+        lo, bits = plan.tree if plan.tree is not None else (plan.positions, plan.positions)  # unread without TREE
         _paged_kernel[(chunks.shape[0], hkv)](
-            qs, kc, vc, out, chunks, plan.positions, plan.block_tables, qs.stride(0), qs.stride(1),
+            qs, kc, vc, out, chunks, plan.positions, plan.block_tables, lo, bits, qs.stride(0), qs.stride(1),
             qs.stride(2), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0), out.stride(1),
             out.stride(2), plan.block_tables.stride(0), group, d, dv, plan.block_size, float(scale),
             DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_G=bg, QT=qt, BLOCK_N=BLOCK_N, BLOCK_D=block(d),
-            BLOCK_V=block(dv))
+            BLOCK_V=block(dv), TREE=plan.tree is not None)
     return out if out.dtype == dtype else out.to(dtype)

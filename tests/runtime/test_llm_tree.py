@@ -1,0 +1,202 @@
+"""``LLM(..., speculative_eagle_topk=K, speculative_num_draft_tokens=N)``: the engine drafts and
+verifies EAGLE-2 trees (torch reference, eager). Greedy output equals plain greedy output on the
+trained tiny pair, alone and batched, with more accepted tokens per verify than the chain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3.errors import UsageError
+from eagle3.runtime.engine.config import EngineConfig
+from eagle3.runtime.sampling import SamplingParams
+from eagle3.testing import tiny, trained
+from tests.runtime.model_kit import single_thread
+
+TARGET, DRAFT = trained.NAME, "kimi-k2.5-trained-eagle3"
+EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
+            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
+            "apples left.\n#### 19\n\n")
+QUESTIONS = ("Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
+             "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
+             "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change "
+             "does she get?")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+ENGINE = {"num_blocks": 128, "max_num_seqs": 4, "tokenizer": None, "dtype": "float32", "block_size": 4}
+
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llmtree") / "tiny"
+    tiny.make_tiny(out, only=[TARGET, DRAFT])
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    tok = tiny.build_tokenizer()
+    return [tok.encode(f"{EXEMPLAR}Question: {q}\nAnswer:").ids for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain(pair: Path) -> list[list[int]]:
+    from eagle3.runtime.engine.llm import LLM
+
+    return [o.token_ids for o in LLM(pair / TARGET, None, **ENGINE).generate(_prompts(), GREEDY)]
+
+
+def _run(pair: Path, prompts: list[list[int]], **kw) -> tuple[list[list[int]], float]:
+    from eagle3.runtime.engine.llm import LLM
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, **ENGINE, **kw)
+    outs = llm.generate(prompts, GREEDY)
+    return [o.token_ids for o in outs], llm.stats.mean_acceptance_length
+
+
+def test_tree_engine_greedy_equals_plain_greedy(pair: Path, plain: list[list[int]]) -> None:
+    chain, chain_len = _run(pair, _prompts())
+    tree, tree_len = _run(pair, _prompts(), speculative_eagle_topk=4, speculative_num_draft_tokens=16)
+    assert chain == plain
+    assert tree == plain
+    assert tree_len > chain_len > 1.5  # measured: 3.29 (chain, k = 3) vs 3.86 (K = 4, N = 16)
+
+
+def test_a_tree_request_alone_equals_batched(pair: Path, plain: list[list[int]]) -> None:
+    alone, _ = _run(pair, _prompts()[1:2], speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    assert alone == plain[1:2]
+
+
+def test_tree_options_are_checked() -> None:
+    assert EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=4).tree == (4, 13)
+    assert EngineConfig(num_speculative_tokens=3).tree is None
+    with pytest.raises(UsageError, match="auto"):
+        EngineConfig(num_speculative_tokens="auto", speculative_eagle_topk=2)
+    with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
+        EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=65)
+    with pytest.raises(UsageError, match="speculative_num_draft_tokens"):
+        EngineConfig(num_speculative_tokens=3, speculative_num_draft_tokens=8)
+
+
+def test_tree_engine_under_preemption(pair: Path, plain: list[list[int]]) -> None:
+    """A KV cache too small for the batch: sequences are preempted and recomputed mid-tree."""
+    from eagle3.runtime.engine.llm import LLM
+
+    engine = dict(ENGINE, num_blocks=72)
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=10, **engine)
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_preemptions for o in outs) > 0
+
+
+def test_sampled_tree_request_does_not_depend_on_the_batch(pair: Path) -> None:
+    """A seeded sampled request: the same tokens alone and batched (its randomness is its own;
+    the trees and the target's logits are batch invariant)."""
+    params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=11)
+    others = SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True)
+    from eagle3.runtime.engine.llm import LLM
+
+    def llm() -> LLM:
+        return LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=8, **ENGINE)
+
+    prompts = _prompts()
+    alone = llm().generate(prompts[:1], params)[0].token_ids
+    batched = llm().generate(prompts, [params, others, others])[0].token_ids
+    assert alone == batched and len(alone) == 24
+
+
+@pytest.mark.parametrize(("target", "draft"), [("kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla"),
+                                               ("kimi-k2.5", "kimi-k2.5-eagle3-d2t")])
+def test_other_drafts_draft_trees(tmp_path_factory: pytest.TempPathFactory, target: str, draft: str) -> None:
+    """The MLA EAGLE-3.1 draft (tree attention through the MLA layer) and a draft with its own
+    vocabulary (d2t): greedy trees still give plain greedy output."""
+    from eagle3.runtime.engine.llm import LLM
+
+    out = tmp_path_factory.mktemp("llmtree2") / "tiny"
+    tiny.make_tiny(out, only=[target, draft])
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(out / target, None, **ENGINE).generate(prompts, params)]
+    llm = LLM(out / target, out / draft, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=9, **ENGINE)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.stats.num_drafts > 0
+
+
+def test_served_tree_engine_answers_like_plain_greedy(pair: Path, plain: list[list[int]]) -> None:
+    import httpx
+
+    from eagle3.runtime.engine.config import EngineConfig
+    from eagle3.serve.launcher import ServerThread, build_app, build_llm, engine_info
+
+    cfg = EngineConfig(num_speculative_tokens=3, speculative_eagle_topk=2, speculative_num_draft_tokens=8,
+                       num_blocks=96, max_num_seqs=4, dtype="float32", block_size=4)
+    llm = build_llm(pair / TARGET, pair / DRAFT, cfg)
+    assert engine_info(llm)["speculative_eagle_topk"] == 2
+    with ServerThread(build_app(llm, "tiny", root=str(pair / TARGET))) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": _prompts()[0], "max_tokens": 40,
+                                                       "temperature": 0, "ignore_eos": True},
+                       trust_env=False, timeout=120)
+    assert r.status_code == 200, r.text
+    assert llm.stats.num_drafts > 0
+    want = tiny.build_tokenizer().decode(plain[0])
+    assert r.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--speculative-eagle-topk", "0"], "speculative_eagle_topk must be an integer >= 1"),
+    (["--speculative-eagle-topk", "2", "--engine", "vllm", "--dry-run"], "bundled runtime's"),
+])
+def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "eagle3", "serve", str(pair / TARGET), "--draft", str(pair / DRAFT),
+                        *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
+
+
+def test_tree_engine_at_tensor_parallel_size_2(pair: Path, plain: list[list[int]]) -> None:
+    """The workers get the tree metadata with the forward and compact their own KV copies (gloo on
+    CPU, 2 ranks)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=8, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == plain[:2]
+        assert llm.stats.num_drafts > 0
+    finally:
+        llm.close()
+
+
+def test_tree_engine_with_a_small_token_budget(pair: Path, plain: list[list[int]]) -> None:
+    """Chunked prefill alongside trees, and trees that do not fit the step's budget wait (a tree is
+    verified whole or not at all)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    engine = dict(ENGINE, max_num_batched_tokens=20)
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=3,
+              speculative_num_draft_tokens=10, **engine)
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == plain
+    assert llm.stats.num_drafts > 0
+
+
+def test_bench_cli_runs_trees(pair: Path, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, "-m", "eagle3", "bench", str(pair / TARGET), "--draft", str(pair / DRAFT),
+                        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "7", "--input-len", "16",
+                        "--output-len", "8", "--num-prompts", "2", "--dtype", "float32", "--report", str(report)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(report.read_text())
+    assert got["speculative_eagle_topk"] == 2 and got["speculative_num_draft_tokens"] == 7

@@ -1,0 +1,77 @@
+"""Tree attention in the Triton kernels (MLA latent and paged GQA), against the torch reference:
+the same metadata (``AttnMetadata.tree``) gives the reference's outputs within fp32 rounding, a
+node's output bits do not depend on its non-ancestors, and trees over 64 nodes are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eagle3.errors import UsageError  # noqa: E402
+from eagle3.runtime.context import AttnMetadata, TreeMask  # noqa: E402
+from eagle3.runtime.kernels import get_backend  # noqa: E402
+from eagle3.runtime.spec.tree import ancestor_mask  # noqa: E402
+from tests.runtime.test_tree_attention import _Batch, _caches, _random_tree  # noqa: E402
+
+SHAPES = [pytest.param(2, 3, 16, 8, False, id="paged-gqa"), pytest.param(1, 4, 48, 32, True, id="mla-latent")]
+
+
+def _to(meta: AttnMetadata, device: torch.device) -> AttnMetadata:
+    assert meta.tree is not None
+    return AttnMetadata(meta.positions.to(device), meta.cu_seqlens_q.to(device), meta.context_lens.to(device),
+                        meta.slot_mapping.to(device), meta.block_tables.to(device), meta.block_size,
+                        tree=TreeMask(meta.tree.num_nodes, meta.tree.ancestors.to(device)))
+
+
+@pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)
+def test_tree_attention_matches_the_reference(device: torch.device, hkv: int, g: int, d: int, dv: int,
+                                              shared: bool) -> None:
+    trees = [_random_tree(1), None, _random_tree(3, k=4, steps=2, n=6)]
+    bt = _Batch(ctx=[40, 9, 33], pre=[0, 1, 3], trees=trees, seed=4)
+    _, k_cache, v_cache = _caches(hkv, d, dv, shared, seed=5)
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=torch.Generator().manual_seed(6))
+    want = get_backend("torch").attention(q, k_cache, v_cache, bt.meta, 0.25)
+    be = get_backend("triton", device)
+    meta = _to(bt.meta, device)
+    kc, vc = k_cache.to(device), v_cache.to(device)
+    if shared:  # MLA: the values are a prefix view of the same latent rows (the kernel's latent path)
+        lat = k_cache[:, 0].to(device)
+        kc, vc = lat[:, None, :], lat[:, None, :dv]
+    got = be.attention(q.to(device), kc, vc, meta, 0.25, be.plan_attention(meta))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)
+def test_non_ancestors_do_not_change_a_node_bits(device: torch.device, hkv: int, g: int, d: int, dv: int,
+                                                 shared: bool) -> None:
+    tree = _random_tree(7, k=3, steps=3, n=9)
+    bt = _Batch(ctx=[35], pre=[0], trees=[tree], seed=8)
+    store, _, _ = _caches(hkv, d, dv, shared, seed=9)
+    be = get_backend("triton", device)
+    meta = _to(bt.meta, device)
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=torch.Generator().manual_seed(10)).to(device)
+
+    def run(st: torch.Tensor) -> torch.Tensor:
+        st = st.to(device)
+        kc, vc = (st[:, None, :], st[:, None, :dv]) if shared else (st[:, 0], st[:, 1, :, :dv])
+        return be.attention(q, kc, vc, meta, 0.3, be.plan_attention(meta))
+
+    out = run(store)
+    anc = ancestor_mask(tree[None])[0]
+    g2 = torch.Generator().manual_seed(11)
+    for i in (3, 8):
+        others = torch.tensor([bt.slot_of[(0, 35 + j)] for j in range(9) if not bool(anc[i, j])])
+        changed = store.clone()
+        changed[others] = torch.randn(changed[others].shape, generator=g2) * 5.0
+        row = bt.rows[(0, i)]
+        assert torch.equal(run(changed)[row], out[row]), i
+
+
+def test_trees_over_64_nodes_are_refused(device: torch.device) -> None:
+    n = 65
+    chain = torch.arange(-1, n - 1)
+    bt = _Batch(ctx=[3], pre=[0], trees=[chain], seed=1)
+    with pytest.raises(UsageError, match="up to 64 tree nodes"):
+        get_backend("triton", device).plan_attention(_to(bt.meta, device))
