@@ -310,3 +310,31 @@ def test_runtime_refuses_what_it_would_misread(tiny_dir: Path, tmp_path: Path, z
         with pytest.raises(FormatError) as e:
             call()
         assert f"{EXPERT}.{what}" in str(e.value) and "\n" not in str(e.value)
+
+
+def _static_fp8(cfg: dict[str, Any]) -> None:
+    """Quark FP8 with static per-tensor activations: the export saves each Linear's input_scale."""
+    cfg["quantization_config"]["global_quant_config"]["input_tensors"].update(
+        {"is_dynamic": False, "qscheme": "per_tensor", "ch_axis": None})
+
+
+def _input_scales(shape: tuple[int, ...]) -> Callable[[Tensors], None]:
+    def fn(t: Tensors) -> None:
+        for k in [k for k in t if k.endswith(".weight") and t[k].dtype == torch.float8_e4m3fn]:
+            t[k[: -len("weight")] + "input_scale"] = torch.full(shape, 0.05)  # 0-d, as Quark writes it
+    return fn
+
+
+@pytest.mark.parametrize("shape,ok", [((), True), ((1,), True), ((128,), False)])
+def test_static_fp8_draft_input_scales(tiny_dir: Path, tmp_path: Path, shape: tuple[int, ...], ok: bool) -> None:
+    from eagle3.quantize import quantize
+
+    d = tmp_path / "fp8-static"
+    quantize(tiny_dir / "kimi-k2.5-eagle3", d, "fp8-draft", workers=1)
+    _edit_config(d, _static_fp8)
+    _edit(d, _input_scales(shape))
+    args = (*DRAFT_ARGS, "--target", str(tiny_dir / "kimi-k2.5"))
+    if ok:
+        _accepted(d, tmp_path, args)
+    else:
+        _refused(d, tmp_path, "input_scale", args)
