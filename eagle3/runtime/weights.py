@@ -7,7 +7,9 @@ Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit dec
 
 * bf16 / fp16 / fp32 weights;
 * compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi routed experts, W4A16):
-  ``weight_packed`` + ``weight_scale`` + ``weight_shape``;
+  ``weight_packed`` + ``weight_scale`` (groups, or [N, 1] for the channel strategy) + ``weight_shape``
+  (any integer width); all-zero ``weight_zero_point`` and an in-order ``weight_g_idx`` are accepted,
+  others refused (:meth:`WeightReader._refuse_unsupported`);
 * Quark W4A8: reorder-packed INT4 ``weight`` int32 + per-tensor ``weight_scale`` (0-d or [1]) +
   per-channel ``weight_scale_2`` [N], with dynamic per-token FP8 (default, as the config says) or
   INT8 (``act_override="int8"``) activations;
