@@ -1,7 +1,7 @@
 """``check_checkpoint``: a checkpoint against its architecture's schema, before any weight is read.
 
-Reads ``config.json``, the safetensors headers and the index (never a weight, except a reduced-
-vocabulary draft's two small vocabulary maps) and reports, one line each naming the file and the
+Reads ``config.json``, the safetensors headers and the index (never a weight, except a draft's two
+small vocabulary maps) and reports, one line each naming the file and the
 field or tensor:
 
 * config fields of the wrong type or out of range (:mod:`eagle3.formats.model_config`);
@@ -9,7 +9,9 @@ field or tensor:
 * the config's layer count disagreeing with the layers in the files;
 * missing, unexpected and mis-shaped / mis-typed tensors (:mod:`eagle3.formats.schema`), including
   ones whose byte size is right but whose shape is not;
-* ``d2t`` / ``t2d`` disagreeing with each other or with ``draft_vocab_size``.
+* ``d2t`` / ``t2d`` disagreeing with each other or with ``draft_vocab_size`` (a full-vocabulary
+  draft's pair must be the identity);
+* an optional per-module tensor (``input_scale``, zero points, ``k_scale``, ...) of the wrong shape.
 
 ``convert``, ``quantize`` and ``train-draft`` call :func:`require_valid` before reading weights,
 ``serve`` / ``bench`` :func:`require_valid_pair`, ``verify`` :func:`require_valid_tree` (exit 2 with
@@ -29,9 +31,10 @@ from eagle3.errors import Eagle3Error, FormatError
 from eagle3.formats import keys
 from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.model_config import DraftConfig, TextStackConfig, parse_config
-from eagle3.formats.schema import FLOAT_TAGS, Schema, schema_for
+from eagle3.formats.schema import FLOAT_TAGS, Extra, Schema, schema_for
 
 _MAX_SHOWN = 3  # names listed in one problem line
+_MAX_HINT_SCHEMAS = 4  # schemas rebuilt with one config field changed, per check, to name a culprit field
 _MAX_MAP_BYTES = 64 << 20  # d2t / t2d values are read up to this size (a 160k vocab's t2d is 160 KB)
 
 
@@ -86,14 +89,52 @@ def _layer_problems(cfg_file: Path, schema: Schema, names: list[str]) -> list[Pr
     return []
 
 
-def _fields_for(typed: Any, spec_shape: tuple[int, ...], shape: list[int]) -> str:
-    """The config fields whose value is a dimension the files disagree with (the likely culprit)."""
+def _fields_for(cfg: dict[str, Any], typed: Any, name: str, expected: tuple[int, ...], shape: list[int],
+                cache: dict[str, Schema | None], names: set[str]) -> str:
+    """The config fields that determine the dimensions of tensor ``name`` the files disagree with
+    (the likely culprit). A field is named only when changing it changes that dimension of the
+    expected tensor (the schema rebuilt from the changed config); a field that merely has the same
+    value is not. Empty when none is sure."""
     import dataclasses
 
-    dims = {e for e, g in zip(spec_shape, shape, strict=False) if e != g} if len(shape) == len(spec_shape) else set()
-    hits = [f"{k}={v}" for k, v in dataclasses.asdict(typed).items()
-            if isinstance(v, int) and not isinstance(v, bool) and v in dims]
+    if len(shape) != len(expected):
+        return ""
+    bad = [i for i, (e, g) in enumerate(zip(expected, shape, strict=True)) if e != g]
+    hits = []
+    for f, v in dataclasses.asdict(typed).items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or all(expected[i] != v for i in bad):
+            continue
+        if f not in cache:
+            if len(cache) >= _MAX_HINT_SCHEMAS:  # a full-size schema takes seconds to build: unsure, no hint
+                continue
+            cache[f] = _schema_with(cfg, f, v, names)
+        other = cache[f].tensors.get(name) if cache[f] is not None else None
+        if other is not None and len(other.shape) == len(expected) and any(other.shape[i] != expected[i] for i in bad):
+            hits.append(f"{f}={v}")
     return f" ({', '.join(hits)})" if hits else ""
+
+
+def _schema_with(cfg: dict[str, Any], field: str, value: int, names: set[str]) -> Schema | None:
+    """The schema of ``cfg`` with ``field`` doubled wherever it holds ``value`` (None: no such
+    config, or one eagle3 does not type)."""
+    import copy
+
+    changed = copy.deepcopy(cfg)
+    subs = [changed] + [changed[k] for k in ("text_config", "transformer_layer_config") if isinstance(changed.get(k), dict)]
+    hit = False
+    for c in subs:
+        if c.get(field) == value and not isinstance(c.get(field), bool):
+            c[field] = 2 * value
+            hit = True
+    if not hit:
+        return None
+    typed, problems = parse_config(changed, Path("config.json"))
+    if typed is None:
+        return None
+    try:
+        return schema_for(changed, typed, names=names)
+    except (FormatError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +151,29 @@ def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
+def _extra_of(schema: Schema, tensors: dict[str, Any], name: str) -> Extra | None:
+    """The optional extra ``name`` is, unless its module is stored dense (a dense Linear carries none)."""
+    e = schema.extra(name)
+    if e is None:
+        return None
+    w = tensors.get(name.rpartition(".")[0] + ".weight")
+    return None if w is not None and w.dtype in FLOAT_TAGS else e
+
+
+def _extra_problems(schema: Schema, tensors: dict[str, Any], got: dict[str, Any], cfg_file: Path) -> list[Problem]:
+    out = []
+    for name, info in got.items():
+        if name in tensors:
+            continue
+        e = _extra_of(schema, tensors, name)
+        if e is not None and not e.accepts(info.dtype, tuple(info.shape)):
+            out.append(Problem(info.file, name, f"{info.file}: tensor {name!r} is {info.dtype}{list(info.shape)}, "
+                                                f"expected {e.describe()} for its module's format in {cfg_file.name}"))
+    return out
+
+
 def _tensor_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader, typed: Any,
-                     ignore: frozenset[str] = frozenset()) -> list[Problem]:
+                     ignore: frozenset[str] = frozenset(), cfg: dict[str, Any] | None = None) -> list[Problem]:
     out: list[Problem] = []
     got = {i.name: i for i in reader.infos() if i.name not in ignore}
     tensors = _resolve_dense(schema, got)
@@ -119,19 +181,22 @@ def _tensor_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader, t
     if missing:
         out.append(Problem(cfg_file, missing[0], f"{reader.path}: missing tensor(s) {_names(missing)} that the "
                                                  f"{schema.family} schema of {cfg_file.name} requires"))
-    extra = [n for n in got if n not in tensors and not schema.allowed_extra(n)]
+    extra = [n for n in got if n not in tensors and not schema.allowed_extra(n)
+             and _extra_of(schema, tensors, n) is None]
     if extra:
         out.append(Problem(_where(reader, extra[0]), extra[0],
                            f"{_where(reader, extra[0])}: unexpected tensor(s) {_names(extra)} (not in the "
                            f"{schema.family} schema of {cfg_file.name})"))
+    out += _extra_problems(schema, tensors, got, cfg_file)
+    hints: dict[str, Schema | None] = {}  # field -> the schema with it changed (shared by every problem)
     for name, spec in tensors.items():
         info = got.get(name)
         if info is None:
             continue
-        if tuple(info.shape) != spec.shape or not schema.dtype_ok(spec.dtype, info.dtype):
+        if tuple(info.shape) != spec.shape or not schema.dtype_ok(spec.dtype, info.dtype, name):
+            hint = _fields_for(cfg, typed, name, spec.shape, list(info.shape), hints, set(got)) if cfg is not None else ""
             out.append(Problem(info.file, name, f"{info.file}: tensor {name!r} is {info.dtype}{list(info.shape)}, "
-                                                f"expected {spec.dtype}{list(spec.shape)} from {cfg_file.name}"
-                                                f"{_fields_for(typed, spec.shape, list(info.shape))}"))
+                                                f"expected {spec.dtype}{list(spec.shape)} from {cfg_file.name}{hint}"))
     return out
 
 
@@ -141,22 +206,19 @@ def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader
     t2d = reader.info(keys.T2D) if keys.T2D in reader else None
     if schema.vocab_map is None:
         present = [i for i in (d2t, t2d) if i is not None]
-        if present:  # engines would remap with a map the config says is not there
+        if len(present) == 1:  # engines would remap with a map the config says is not there
             return [Problem(present[0].file, present[0].name,
                             f"{present[0].file}: tensor {present[0].name!r} is there but {cfg_file.name} has "
                             f"no reduced vocabulary (draft_vocab_size equals vocab_size)")]
-        return []
+        return _identity_map_problems(cfg_file, reader, d2t, t2d) if present else []
     if d2t is None or t2d is None or list(d2t.shape) != [Vd] or list(t2d.shape) != [V] or t2d.dtype != "BOOL":
         return []  # missing / mis-shaped: reported by the schema comparison
-    if d2t.nbytes > _MAX_MAP_BYTES or t2d.nbytes > _MAX_MAP_BYTES or not d2t.file.is_file() \
-            or d2t.file.stat().st_size == 0:  # a header-only view (a Hub repo) has no data here
-        return []
     import torch
 
-    try:
-        mask, offs = reader.get(keys.T2D), reader.get(keys.D2T)
-    except Eagle3Error:  # a header-only view (a Hub repo): the values are not here
+    values = _map_values(reader, d2t, t2d)
+    if values is None:
         return []
+    mask, offs = values
     trues = int(mask.sum())
     if trues != Vd:
         return [Problem(t2d.file, keys.T2D, f"{t2d.file}: tensor 't2d' marks {trues} target ids but "
@@ -167,6 +229,37 @@ def _vocab_map_problems(cfg_file: Path, schema: Schema, reader: CheckpointReader
     if bool((targets < 0).any()) or bool((targets >= V).any()) or not bool(mask[targets.clamp(0, V - 1)].all()):
         return [Problem(d2t.file, keys.D2T, f"{d2t.file}: tensor 'd2t' maps draft ids to target ids that 't2d' "
                                             f"does not mark (d2t and t2d disagree)")]
+    return []
+
+
+def _map_values(reader: CheckpointReader, d2t: Any, t2d: Any) -> tuple[Any, Any] | None:
+    """(t2d, d2t) values, or None where they are not here to read (a header-only view, too big)."""
+    if d2t.nbytes > _MAX_MAP_BYTES or t2d.nbytes > _MAX_MAP_BYTES or not d2t.file.is_file() \
+            or d2t.file.stat().st_size == 0:  # a header-only view (a Hub repo) has no data here
+        return None
+    try:
+        return reader.get(keys.T2D), reader.get(keys.D2T)
+    except Eagle3Error:  # a header-only view (a Hub repo): the values are not here
+        return None
+
+
+def _identity_map_problems(cfg_file: Path, reader: CheckpointReader, d2t: Any, t2d: Any) -> list[Problem]:
+    """A full-vocabulary draft's d2t / t2d (SpecForge saves both whatever the vocabulary) must be the
+    identity: engines that find d2t remap with it."""
+    V = t2d.shape[0] if len(t2d.shape) == 1 else None
+    if V is None or list(d2t.shape) != [V] or t2d.dtype != "BOOL":
+        return []  # mis-shaped: reported by the schema comparison
+    values = _map_values(reader, d2t, t2d)
+    if values is None:
+        return []
+    mask, offs = values
+    if not bool(mask.all()):
+        return [Problem(t2d.file, keys.T2D, f"{t2d.file}: tensor 't2d' leaves {int((~mask).sum())} target ids "
+                                            f"unmarked but {cfg_file.name} has the full vocabulary (draft_vocab_size "
+                                            f"equals vocab_size)")]
+    if bool(offs.ne(0).any()):
+        return [Problem(d2t.file, keys.D2T, f"{d2t.file}: tensor 'd2t' is not the identity map but {cfg_file.name} "
+                                            f"has the full vocabulary (draft_vocab_size equals vocab_size)")]
     return []
 
 
@@ -203,7 +296,7 @@ def check_reader(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, cfg_
     except FormatError:  # a quantization_config eagle3 cannot lay out: detect / the commands refuse it
         return []
     out += _layer_problems(cfg_file, schema, reader.names())
-    out += _tensor_problems(cfg_file, schema, reader, typed, ignore)
+    out += _tensor_problems(cfg_file, schema, reader, typed, ignore, cfg)
     if isinstance(typed, DraftConfig):
         out += _vocab_map_problems(cfg_file, schema, reader)
     return out

@@ -157,6 +157,8 @@ ZERO_POINT_2 = "weight_zero_point_2"
 G_IDX = "weight_g_idx"
 INPUT_SCALE = "input_scale"
 OUTPUT_SCALE = "output_scale"  # Quark FP8 KV cache scale on k/v (or kv_b) projections
+K_SCALE = "k_scale"  # compressed-tensors kv-cache scheme: static key / value cache scales on
+V_SCALE = "v_scale"  # the attention module (``...self_attn.k_scale``), scalar or [1]
 QUANT_PARAMS = frozenset({WEIGHT, CT_PACKED, CT_SHAPE, SCALE, SCALE_2, SCALE_INV, ZERO_POINT, ZERO_POINT_2,
                           G_IDX, INPUT_SCALE, OUTPUT_SCALE})
 

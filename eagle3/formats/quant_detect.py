@@ -110,8 +110,8 @@ def _config_schemes(qc: dict[str, Any], cfg_file: Path, qfield: str) -> dict[str
             bits, typ = w.get("num_bits"), w.get("type")
             if bits == 4 and typ == "int" and fmt == "pack-quantized":
                 s = CT_INT4
-                out["weights"] = (f"int4 {w.get('strategy')} g{w.get('group_size')} "
-                                  f"{'sym' if w.get('symmetric', True) else 'asym'}")
+                gs = f"g{w['group_size']} " if w.get("group_size") else ""  # none for the channel strategy
+                out["weights"] = f"int4 {w.get('strategy')} {gs}{'sym' if w.get('symmetric', True) else 'asym'}"
                 out["group_size"] = w.get("group_size")
             elif bits == 8 and typ == "float":
                 s = CT_FP8

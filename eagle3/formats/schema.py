@@ -9,10 +9,15 @@ what a checkpoint may legitimately vary in:
 
 * drafts: the decoder layer's prefix (``midlayer.`` in SpecForge / EAGLE checkpoints, ``layers.0.`` in
   MLA and speculators ones; every engine loads both), the draft's own ``embed_tokens`` (SpecForge's
-  reduced-vocabulary export drops it and uses the target's) and ``t2d`` (vLLM and SGLang read ``d2t``
-  only);
+  reduced-vocabulary export drops it and uses the target's), ``t2d`` (vLLM and SGLang read ``d2t``
+  only), and a full-vocabulary draft's identity ``d2t`` / ``t2d`` (SpecForge saves them anyway);
 * targets: the MTP layers after ``num_hidden_layers`` (DeepSeek-V3 ships one; engines skip it) and a
-  K2.5 vision tower and projector left in a text-only checkpoint: named here as allowed extras.
+  K2.5 vision tower and projector left in a text-only checkpoint: named here as allowed extras;
+* quantized Linears: the optional tensors real exports add and engines load or ignore
+  (:func:`module_extras`: a static ``input_scale``; compressed-tensors INT4 ``weight_zero_point`` and
+  ``weight_g_idx``), a kv-cache scheme's ``k_scale`` / ``v_scale`` on attention modules, and
+  ``weight_shape`` in any integer width. Whether the runtime can use one (a non-zero zero point, a
+  permuting group index) is the loader's call (:mod:`eagle3.runtime.weights`), not the schema's.
 
 Families: ``kimi-k2.5`` (the wrapper: ``language_model.`` text stack + MoonViT tower + projector),
 ``deepseek-v3`` (a bare text stack, as ``convert --text-only`` writes it), ``eagle3-llama``,
@@ -26,14 +31,57 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3.formats import sizing
+from eagle3.formats import keys, sizing
 from eagle3.formats.model_config import DraftConfig, TextStackConfig
-from eagle3.formats.sizing import TensorSpec
+from eagle3.formats.sizing import LinearFormat, TensorSpec
 
 FLOAT_TAGS = frozenset({"BF16", "F16", "F32"})  # a dense tensor may be stored in any of these
+INT_TAGS = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"})
+# compressed-tensors' compressor saves weight_shape as a torch tensor of the weight's shape (int64);
+# Moonshot's export wrote int32. Engines read its two values, whatever their integer width.
+_ANY_INT_WIDTH = (keys.CT_SHAPE,)
+# Quantization methods whose checkpoints may carry a kv-cache scheme's k_scale / v_scale.
+_KV_SCALE_METHODS = ("compressed-tensors", "quark", "fp8")
 _LAYER = re.compile(r"^(?P<p>(?:language_model\.)?model\.layers\.)(?P<i>\d+)\.")
 _VISION = re.compile(r"^(?:vision_tower|mm_projector|multi_modal_projector)\.")
 _BUFFERS = re.compile(r"(?:^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An optional tensor a module may carry beside its layout: any of ``dtypes``, any of ``shapes``."""
+
+    dtypes: frozenset[str]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def accepts(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        return dtype in self.dtypes and shape in self.shapes
+
+    def describe(self) -> str:
+        tags = "/".join(sorted(self.dtypes)) if len(self.dtypes) <= 3 else \
+            ("float" if self.dtypes <= FLOAT_TAGS else "integer")
+        return " or ".join(f"{tags}{list(s)}" for s in self.shapes)
+
+
+_SCALAR = ((), (1,))  # a per-tensor scale: 0-d (Quark) or [1] (compressed-tensors)
+
+
+def module_extras(module: str, n: int, k: int, fmt: LinearFormat) -> dict[str, Extra]:
+    """The optional tensors a quantized Linear [N, K] in ``fmt`` may carry (engines load or ignore
+    them): a static activation scale, and for compressed-tensors INT4 the zero points of an
+    asymmetric scheme and the group index of an activation-ordered one."""
+    out: dict[str, Extra] = {}
+    if fmt.scheme in (sizing.DENSE, sizing.FP8_BLOCK):  # DeepSeek block FP8 quantizes activations per group
+        return out
+    out[keys.INPUT_SCALE] = Extra(FLOAT_TAGS, _SCALAR)
+    if fmt.scheme == sizing.CT_INT4:
+        scale = next(t for t in sizing.linear_tensors(module, n, k, fmt) if t.name.endswith("." + keys.SCALE))
+        groups = scale.shape[1]
+        # pack-quantized packs zero points 8 to an int32 along the rows; other formats keep the
+        # scale's shape
+        out[keys.ZERO_POINT] = Extra(INT_TAGS, ((n, groups), (-(-n // 8), groups)))
+        out[keys.G_IDX] = Extra(INT_TAGS, ((k,),))
+    return out
 
 
 @dataclass(frozen=True)
@@ -52,6 +100,9 @@ class Schema:
     # module -> (its quantized tensor names, the dense weight that may stand in for them): a Linear a
     # quantizer left in the model dtype (mixed-precision exports; the engines load either).
     dense_alternatives: dict[str, tuple[tuple[str, ...], TensorSpec]] = field(default_factory=dict)
+    # module -> (N, K, format) of every quantized Linear: what :meth:`extra` derives optional tensors from
+    quantized: dict[str, tuple[int, int, LinearFormat]] = field(default_factory=dict)
+    attention: frozenset[str] = frozenset()  # attention modules that may carry k_scale / v_scale
 
     def allowed_extra(self, name: str) -> bool:
         """Tensors engines skip: the MTP layers' extras, a vision tower and projector, rotary buffers."""
@@ -66,8 +117,18 @@ class Schema:
                 return True
         return False
 
-    def dtype_ok(self, expected: str, got: str) -> bool:
-        return got == expected or (expected in FLOAT_TAGS and got in FLOAT_TAGS)
+    def extra(self, name: str) -> Extra | None:
+        """The optional tensor ``name`` is (a per-module extra of its format), or None."""
+        module, _, param = name.rpartition(".")
+        if param in (keys.K_SCALE, keys.V_SCALE) and module in self.attention:
+            return Extra(FLOAT_TAGS, _SCALAR)
+        q = self.quantized.get(module)
+        return module_extras(module, *q).get(param) if q is not None else None
+
+    def dtype_ok(self, expected: str, got: str, name: str = "") -> bool:
+        if got == expected or (expected in FLOAT_TAGS and got in FLOAT_TAGS):
+            return True
+        return expected in INT_TAGS and got in INT_TAGS and name.rpartition(".")[2] in _ANY_INT_WIDTH
 
 
 def _draft_family(dc: DraftConfig) -> str:
@@ -79,39 +140,68 @@ def schema_for(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, where:
     """The schema of the checkpoint ``cfg`` describes. ``names`` (the tensors in its files) picks
     between the spellings a family allows (a draft's ``midlayer.`` or ``layers.0.``)."""
     specs = {t.name: t for t in sizing.config_tensors(cfg, where)}
+    quantized = _quantized_linears(cfg, where)
     if isinstance(typed, DraftConfig):
-        return _draft_schema(specs, typed, names or set())
-    alts = _dense_alternatives(cfg, where)
+        return _draft_schema(specs, typed, names or set(), quantized, _kv_scales(cfg))
+    alts = _dense_alternatives(quantized)
     mtp = typed.num_nextn_predict_layers
     prefix = "language_model.model.layers." if isinstance(cfg.get("text_config"), dict) else "model.layers."
     optional = {n for n in specs if (m := _LAYER.match(n)) and int(m.group("i")) >= typed.num_hidden_layers}
     family = "kimi-k2.5" if isinstance(cfg.get("text_config"), dict) else "deepseek-v3"
-    return Schema(family, specs, frozenset(optional), typed.num_hidden_layers, prefix, mtp, dense_alternatives=alts)
+    return Schema(family, specs, frozenset(optional), typed.num_hidden_layers, prefix, mtp, dense_alternatives=alts,
+                  quantized=quantized, attention=_attention_modules(specs) if _kv_scales(cfg) else frozenset())
 
 
-def _dense_alternatives(cfg: dict[str, Any], where: str) -> dict[str, tuple[tuple[str, ...], TensorSpec]]:
+def _kv_scales(cfg: dict[str, Any]) -> bool:
+    qc = sizing.quantization_config(cfg)
+    return qc is not None and qc.get("quant_method") in _KV_SCALE_METHODS
+
+
+def _attention_modules(specs: dict[str, TensorSpec]) -> frozenset[str]:
+    """``...self_attn`` of every layer with attention weights: where a kv-cache scheme puts its scales."""
+    tag = ".self_attn."
+    return frozenset(n[: n.index(tag) + len(tag) - 1] for n in specs if tag in n)
+
+
+def _quantized_linears(cfg: dict[str, Any], where: str) -> dict[str, tuple[int, int, LinearFormat]]:
     fmt = sizing.resolver(cfg, where)
     out = {}
     for w in sizing.logical_weights(cfg, where):
         if w.kind in ("linear", "router"):
             f = fmt(w.name, w.kind)
             if f.scheme != sizing.DENSE:
-                n, k = w.shape
-                q = tuple(t.name for t in sizing.linear_tensors(w.name, n, k, f))
-                out[w.name] = (q, TensorSpec(f"{w.name}.weight", "BF16", (n, k)))
+                out[w.name] = (w.shape[0], w.shape[1], f)
     return out
 
 
-def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]) -> Schema:
+def _dense_alternatives(quantized: dict[str, tuple[int, int, LinearFormat]]
+                        ) -> dict[str, tuple[tuple[str, ...], TensorSpec]]:
+    out = {}
+    for module, (n, k, f) in quantized.items():
+        q = tuple(t.name for t in sizing.linear_tensors(module, n, k, f))
+        out[module] = (q, TensorSpec(f"{module}.weight", "BF16", (n, k)))
+    return out
+
+
+def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str],
+                  quantized: dict[str, tuple[int, int, LinearFormat]], kv_scales: bool) -> Schema:
     # sizing names the decoder layer as the engines' canonical spelling; a checkpoint in the other one
     # (both load everywhere) is the same draft.
     here = "layers.0." if any(n.startswith("layers.0.") for n in names) else "midlayer."
     other = "midlayer." if here == "layers.0." else "layers.0."
-    specs = {(here + n[len(other):] if n.startswith(other) else n):
-             TensorSpec(here + s.name[len(other):] if s.name.startswith(other) else s.name, s.dtype, s.shape)
-             for n, s in specs.items()}
+
+    def spelled(n: str) -> str:
+        return here + n[len(other):] if n.startswith(other) else n
+    specs = {spelled(n): TensorSpec(spelled(s.name), s.dtype, s.shape) for n, s in specs.items()}
+    quantized = {spelled(m): q for m, q in quantized.items()}
     V, Vd = dc.vocab_size, dc.draft_vocab_size
     optional = {"t2d"}
+    if Vd == V:
+        # SpecForge's Eagle3 model saves both vocabulary buffers even with the full vocabulary (an
+        # identity map: d2t all 0, t2d all true); the check reads their values.
+        for t in (TensorSpec(keys.D2T, "I64", (V,)), TensorSpec(keys.T2D, "BOOL", (V,))):
+            specs[t.name] = t
+            optional.add(t.name)
     emb = TensorSpec("embed_tokens.weight", "BF16", (V, dc.hidden_size))
     specs.setdefault(emb.name, emb)
     optional.add(emb.name)
@@ -120,7 +210,7 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
     specs[inorm.name] = inorm
     optional.add(inorm.name)
     return Schema(_draft_family(dc), specs, frozenset(n for n in optional if n in specs),
-                  vocab_map=(V, Vd) if Vd != V else None)
+                  vocab_map=(V, Vd) if Vd != V else None, quantized=quantized, attention=_attention_modules(specs) if kv_scales else frozenset())
 
 
-__all__ = ["Schema", "schema_for", "FLOAT_TAGS"]
+__all__ = ["Schema", "Extra", "schema_for", "module_extras", "FLOAT_TAGS", "INT_TAGS"]

@@ -10,8 +10,8 @@ EAGLE-3 drafts) and, for each Linear, from the storage layout its quantization s
 scheme                 tensors of one Linear [N, K]
 =====================  ==========================================================================
 dense                  ``weight`` [N, K] in the model dtype
-ct-int4 (Moonshot)     ``weight_packed`` I32 [N, K/8], ``weight_scale`` [N, K/g] model dtype,
-                       ``weight_shape`` I32 [2]
+ct-int4 (Moonshot)     ``weight_packed`` I32 [N, K/8], ``weight_scale`` [N, K/g] model dtype
+                       ([N, 1] for the channel strategy), ``weight_shape`` I32 [2]
 ct-fp8                 ``weight`` F8 [N, K], ``weight_scale`` F32 ([N, 1] channel, [1] tensor)
 fp8-block (DeepSeek)   ``weight`` F8 [N, K], ``weight_scale_inv`` F32 [N/128, K/128] (ceil)
 quark-w4a8             ``weight`` I32 [N, K/8], ``weight_scale`` F32 [], ``weight_scale_2`` F32 [N]
@@ -98,7 +98,8 @@ class LinearFormat:
         if self.scheme == DENSE:
             return self.dtype.lower()
         extra = f" g{self.group_size}" if self.group_size and self.scheme != QUARK_MXFP4 else ""
-        q = f" {self.qscheme}" if self.qscheme and self.scheme in (QUARK_INT4, QUARK_FP8, CT_FP8) else ""
+        q = f" {self.qscheme}" if self.qscheme and (self.scheme in (QUARK_INT4, QUARK_FP8, CT_FP8)
+                                                     or (self.scheme == CT_INT4 and self.qscheme == "channel")) else ""
         return f"{self.scheme}{q}{extra}"
 
 
@@ -115,7 +116,8 @@ def linear_tensors(module: str, n: int, k: int, fmt: LinearFormat) -> list[Tenso
     if s == DENSE:
         return [t("weight", fmt.dtype, n, k)]
     if s == CT_INT4:
-        g = fmt.group_size or 32
+        # channel strategy: one scale per row (a single group spanning K), stored [N, 1]
+        g = k if fmt.qscheme == "channel" else fmt.group_size or 32
         return [t("weight_packed", "I32", n, _ceil(k, 8)), t("weight_scale", fmt.scale_dtype, n, _ceil(k, g)),
                 t("weight_shape", "I32", 2)]
     if s == CT_FP8:
@@ -421,7 +423,8 @@ def resolver(cfg: dict[str, Any], where: str = "config.json") -> Resolver:
             tl = [str(t) for t in g.get("targets") or ["Linear"]]
             targets = None if "Linear" in tl else _matcher(tl)
             if w.get("num_bits") == 4 and w.get("type") == "int":
-                fmts.append((targets, LinearFormat(CT_INT4, group_size=w.get("group_size") or 32,
+                channel = w.get("strategy") == "channel"  # no groups: one scale per output row
+                fmts.append((targets, LinearFormat(CT_INT4, group_size=None if channel else w.get("group_size") or 32,
                                                    qscheme=w.get("strategy"), scale_dtype=dense_fmt.dtype)))
             elif w.get("num_bits") == 8 and w.get("type") == "float":
                 bs = w.get("block_structure")

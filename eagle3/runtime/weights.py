@@ -7,7 +7,9 @@ Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit dec
 
 * bf16 / fp16 / fp32 weights;
 * compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi routed experts, W4A16):
-  ``weight_packed`` + ``weight_scale`` + ``weight_shape``;
+  ``weight_packed`` + ``weight_scale`` (groups, or [N, 1] for the channel strategy) + ``weight_shape``
+  (any integer width); all-zero ``weight_zero_point`` and an in-order ``weight_g_idx`` are accepted,
+  others refused (:meth:`WeightReader._refuse_unsupported`);
 * Quark W4A8: reorder-packed INT4 ``weight`` int32 + per-tensor ``weight_scale`` (0-d or [1]) +
   per-channel ``weight_scale_2`` [N], with dynamic per-token FP8 (default, as the config says) or
   INT8 (``act_override="int8"``) activations;
@@ -161,10 +163,7 @@ class WeightReader:
         caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
         a range across a packing boundary)."""
         n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
-        n_zp = f"{m}.{keys.ZERO_POINT}"
-        # Zero points are one small tensor per module (Quark writes all-zero ones): read whole, checked.
-        if self.has(n_zp) and bool(self.get(n_zp).any()):
-            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+        self._refuse_unsupported(m)
 
         def ok(lo: int, hi: int, total: int, step: int) -> bool:
             return lo % step == 0 and (hi % step == 0 or hi == total)
@@ -268,10 +267,8 @@ class WeightReader:
     def _decode(self, m: str) -> LinearWeight:
         n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
         n_scale = f"{m}.{keys.SCALE}"
-        n_inv, n_zp = f"{m}.{keys.SCALE_INV}", f"{m}.{keys.ZERO_POINT}"
-        # Quark's export writes all-zero zero points for symmetric schemes (int4-draft): those are fine.
-        if self.has(n_zp) and bool(self.get(n_zp).any()):
-            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+        n_inv = f"{m}.{keys.SCALE_INV}"
+        self._refuse_unsupported(m)
         if self.has(n_packed):  # compressed-tensors pack-quantized INT4
             packed, scale = self.get(n_packed), self.get(n_scale)
             shape = self.get(f"{m}.{keys.CT_SHAPE}").tolist()
@@ -301,6 +298,37 @@ class WeightReader:
                 return FP8Weight(w, self.get(n_inv).float(), block=self.quant.fp8_block or (128, 128))
             return FP8Weight(w, self.get(n_scale).float())
         raise FormatError(f"{self.path}: tensor {n_w!r} has dtype {w.dtype}, not a weight format eagle3 reads")
+
+    def _refuse_unsupported(self, m: str) -> None:
+        """Optional tensors the checkpoint schema lets through but this runtime would silently
+        misread: a non-zero zero point (the decode is symmetric) and a group index that is not in
+        column order (activation-ordered groups). Each is one small tensor per module: read whole.
+        ``input_scale`` / ``k_scale`` / ``v_scale`` are ignored on purpose: activations are quantized
+        dynamically (or not at all) and the KV cache is kept in the compute dtype, both at least as
+        precise as the static scales."""
+        n_zp, n_gidx = f"{m}.{keys.ZERO_POINT}", f"{m}.{keys.G_IDX}"
+        # Quark's export writes all-zero zero points for symmetric schemes (int4-draft): those are fine.
+        if self.has(n_zp) and not self._zero_point_is_zero(m, self.get(n_zp)):
+            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+        if self.has(n_gidx):
+            gidx = self.get(n_gidx).reshape(-1).to(torch.int64)
+            k = gidx.numel()
+            groups = self.reader.info(f"{m}.{keys.SCALE}").shape[-1] if self.has(f"{m}.{keys.SCALE}") else 1
+            in_order = torch.arange(k, dtype=torch.int64) // -(-k // max(int(groups), 1))
+            if not torch.equal(gidx, in_order):
+                raise FormatError(f"{self.path}: tensor {n_gidx!r}: activation-ordered groups (a group index not "
+                                  f"in column order) are not supported")
+
+    def _zero_point_is_zero(self, m: str, zp: torch.Tensor) -> bool:
+        """Whether every zero point is 0. compressed-tensors pack-quantized zero points are packed 8 to
+        an int32 along the rows ([ceil(N/8), groups]) with the same +8 offset as the weight codes, so
+        a zero one is stored as nibble 8, not as 0."""
+        n_shape = f"{m}.{keys.CT_SHAPE}"
+        if self.has(f"{m}.{keys.CT_PACKED}") and self.has(n_shape) and zp.dtype == torch.int32 and zp.dim() == 2:
+            n = int(self.get(n_shape).reshape(-1)[0])
+            if zp.shape[0] == -(-n // 8) and zp.shape[0] != n:
+                return not bool(codecs.ct_int4_unpack(zp.t().contiguous(), n).any())
+        return not bool(zp.any())
 
     def _quark_int4(self, m: str, w: torch.Tensor) -> Int4Weight:
         """Quark INT4, kept packed (int32 words along the input dim, Quark's nibble order)."""
