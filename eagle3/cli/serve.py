@@ -12,13 +12,17 @@ import typer
 
 from eagle3.cli.app import app
 from eagle3.cli.options import (
+    DIST_INIT_ADDR_HELP,
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
     MAX_SPEC_HELP,
+    NNODES_HELP,
+    NODE_RANK_HELP,
     NUM_SPEC_HELP,
     check_kernel_backend,
     exit_on_report,
+    node_layout,
     parse_bytes,
     parse_speculative,
 )
@@ -62,6 +66,9 @@ def serve(
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
+    nnodes: Annotated[int, typer.Option(help=NNODES_HELP)] = ENGINE.nnodes,
+    node_rank: Annotated[int, typer.Option(help=NODE_RANK_HELP)] = ENGINE.node_rank,
+    dist_init_addr: Annotated[str | None, typer.Option(help=DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
     kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
@@ -82,6 +89,9 @@ def serve(
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
 
     eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
+
+    Two nodes (run on each, R = 0 on the one that serves): eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3
+    --device cuda --tensor-parallel-size 16 --nnodes 2 --node-rank R --dist-init-addr NODE0:29500
 
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
     /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
@@ -108,12 +118,14 @@ def serve(
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
     from eagle3.serve import launcher
 
+    nodes, headless_rank = node_layout(tensor_parallel_size, nnodes, node_rank, dist_init_addr, device)
     eopts = launcher.EngineOptions(
-        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, device=device, max_model_len=max_model_len,
+        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, max_model_len=max_model_len,
         kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
-        tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
-        enforce_eager=enforce_eager)
+        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager, **nodes)
+    if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
+        raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
