@@ -104,8 +104,12 @@ def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any],
         code = _serve_steps(model, device, StepChannel())
         _quietly(lambda: store.set(_exited_key(rank), "1"))  # rank 0 waits for it before closing the store
         return code
-    except BaseException as err:  # noqa: BLE001 - rank 0 sees this rank's sockets close
+    except Exception as err:  # noqa: BLE001 - a peer is gone (or this rank failed): the group is over
         logger.error("tensor-parallel %s stopped: %s: %s", layout.name(rank), type(err).__name__, err)
+        # Stay (idle) until rank 0 ends the group or is gone (the heartbeat and parent watch exit
+        # then): exiting now would make this rank look like the one that died, while rank 0 is
+        # still finding out which did (a peer on another node shows only by its heartbeat).
+        threading.Event().wait()
         return 1
     finally:
         beat.stop()
@@ -337,7 +341,7 @@ class TPWorkers:
             self._closed = True
             if self.beat is not None:
                 self.beat.stop()
-            _stop(self.procs)
+            _stop(self.procs, grace=5.0 if self.dead is None else 0.5)  # a broken group's ranks wait to be stopped
             self.procs = []
             leave_group()
             self.store = None
