@@ -10,9 +10,12 @@ sum is in a different order than a TP=1 GEMM's, so logits differ from TP=1 by ro
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import io
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
@@ -178,6 +181,35 @@ def store_generation(addr: tuple[str, int]) -> int | None:
 _HEAD = 16384
 
 
+def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+class _StepPickler(pickle.Pickler):
+    """Pickles a tensor as its raw bytes + dtype + shape: a step's few small CPU tensors cost tens of
+    microseconds this way, against ~0.5 ms each way through torch's own tensor pickling (storages)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            return _tensor_from_bytes, (ctypes.string_at(t.data_ptr(), t.nbytes), str(t.dtype).removeprefix("torch."),
+                                        tuple(t.shape))
+        return NotImplemented
+
+
+def encode_step(obj: Any) -> bytes:
+    """A step message as bytes (:func:`decode_step` reverses it)."""
+    buf = io.BytesIO()
+    _StepPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def decode_step(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
 class StepChannel:
     """Rank 0 sends each step's inputs (any picklable object) to every other rank with a broadcast on
     the CPU gloo group, the same code for ranks on this machine and on other nodes."""
@@ -187,11 +219,9 @@ class StepChannel:
         self._head_t = torch.frombuffer(self._head, dtype=torch.uint8)  # shares self._head's memory
 
     def send(self, obj: Any) -> None:
-        import pickle
-
         import torch.distributed as dist
 
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode_step(obj)
         first = min(len(data), _HEAD - 8)
         self._head[:8] = len(data).to_bytes(8, "little")
         self._head[8:8 + first] = data[:first]
@@ -200,8 +230,6 @@ class StepChannel:
             dist.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), 0, group=_STEP_GROUP)
 
     def recv(self) -> Any:
-        import pickle
-
         import torch.distributed as dist
 
         dist.broadcast(self._head_t, 0, group=_STEP_GROUP)
@@ -212,7 +240,7 @@ class StepChannel:
             rest = bytearray(n - first)
             dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), 0, group=_STEP_GROUP)
             data += rest
-        return pickle.loads(data)
+        return decode_step(data)
 
 
 # Liveness: every rank adds 1 to its key in the rendezvous store every _HB_INTERVAL_S; a rank whose
