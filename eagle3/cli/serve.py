@@ -100,7 +100,7 @@ def serve(
 
     if plan:
         _print_serve_plan(target, draft, tensor_parallel_size, gpu, gpu_memory, memory_fraction, kv_cache_dtype,
-                          max_model_len, to_stdout=dry_run)
+                          max_model_len, to_stdout=dry_run, nnodes=nnodes)
         if dry_run and engine is None:
             return
     elif gpu is not None or gpu_memory is not None:
@@ -109,10 +109,14 @@ def serve(
     if engine is not None:
         if not isinstance(spec_k, int):
             raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
-        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=spec_k, host=host,
-                  port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
-                  kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
-                  served_model_name=served_model_name, max_model_len=max_model_len)
+        kw = dict(num_speculative_tokens=spec_k, host=host, port=8000 if port is None else port,
+                  tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                  trust_remote_code=trust_remote_code, served_model_name=served_model_name,
+                  max_model_len=max_model_len)
+        if nnodes > 1:
+            _hand_off_nodes(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr, **kw)
+        else:
+            _hand_off(engine, target, draft, dry_run=dry_run, **kw)
         return
     if dry_run:
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
@@ -145,12 +149,13 @@ def serve(
 
 
 def _print_serve_plan(target: Path, draft: Path | None, gpus: int, gpu: str | None, gpu_memory: str | None,
-                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool) -> None:
+                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool,
+                      nnodes: int = 1) -> None:
     """``--plan``: the same projection as `eagle3 plan`, for the serve command's own target, draft, GPU
     count and context length; printed first (stdout for --dry-run, else stderr before the load)."""
     kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
     with contextlib.redirect_stdout(sys.stdout if to_stdout else sys.stderr):
-        print_plan(str(target), gpus=gpus, gpu=gpu, gpu_memory=gpu_memory,
+        print_plan(str(target), gpus=gpus, gpus_per_node=max(1, gpus // max(1, nnodes)), gpu=gpu, gpu_memory=gpu_memory,
                    memory_fraction=memory_fraction, draft=None if draft is None else str(draft),
                    kv_cache_dtype=kv, reserve="4GiB", embedding="replicated", recipe=None, scope=None,
                    max_model_len=max_model_len, report=None, json_out=False)
@@ -168,6 +173,25 @@ def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, *
     typer.echo(cmd.shell())
     if not dry_run:
         raise typer.Exit(engines.run(cmd))
+
+
+def _hand_off_nodes(engine: str, target: Path, draft: Path | None, *, nnodes: int, dist_init_addr: str | None,
+                    **kwargs: Any) -> None:
+    """``--engine X --nnodes N``: print the engine's launch on every node (to run there; nothing is run
+    here: each command belongs on its own machine)."""
+    from eagle3.errors import UsageError
+    from eagle3.formats.check import require_valid_pair
+    from eagle3.serve import engines
+
+    if not dist_init_addr:
+        raise UsageError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+    require_valid_pair(target, draft)
+    for node, cmd in engines.node_commands(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr,
+                                           **kwargs):
+        for note in cmd.notes:
+            typer.echo(f"# note: {note}", err=True)
+        typer.echo(f"# node {node}:")
+        typer.echo(cmd.shell())
 
 
 def _serve_and_validate(target: Path, draft: Path | None, eopts: Any, vopts: Any, name: str, *,
