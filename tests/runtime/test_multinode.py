@@ -232,6 +232,40 @@ def test_bad_node_flags_are_one_line(flags: list[str], named: str, tiny_dir: Pat
         assert code == 2 and named in err and err.count("\n") == 1, (cmd, err)
 
 
+def test_bench_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
+    report, port = tmp_path / "bench.json", free_port()
+    flags = ["--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dtype",
+             "float32", "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--input-len", "8", "--output-len", "4",
+             "--num-prompts", "2"]
+    bench = [sys.executable, "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), *flags]
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node([*bench, "--node-rank", "1"], log1) as node1, \
+            _node([*bench, "--node-rank", "0", "--report", str(report)], log0) as node0:
+        assert _wait_exit(node0, log0, 300) == 0, log0.read_text(errors="replace")[-3000:]
+        assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]
+        assert _gone(node0.pid) and _gone(node1.pid)
+    rep = json.loads(report.read_text())
+    assert rep["tensor_parallel_size"] == 4
+    assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
+
+
+def test_bench_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
+    """torchrun starts every rank (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* from its environment):
+    rank 0 benchmarks, rank 1 runs headless and ends with it."""
+    report = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+            "--dtype", "float32", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--report",
+            str(report)]
+    log = tmp_path / "torchrun.log"
+    with _node(argv, log) as p:
+        assert _wait_exit(p, log, 300) == 0, log.read_text(errors="replace")[-3000:]
+        assert _gone(p.pid)
+    rep = json.loads(report.read_text())
+    assert rep["tensor_parallel_size"] == 2
+    assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
+
+
 def test_torchrun_environment_gives_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     from eagle3.cli.options import node_layout
     from eagle3.errors import UsageError
