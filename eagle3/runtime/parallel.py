@@ -175,10 +175,12 @@ def store_generation(addr: tuple[str, int]) -> int | None:
         return int(store.get(_GENERATION_KEY))
     except Exception:  # noqa: BLE001 - not up (yet, or any more)
         return None
-# Bytes of the first broadcast of a step message: a step's inputs (token ids, positions, block
-# tables, slot mapping, pickled) fit in it up to large batches, so a step costs one broadcast; a
-# larger message follows in a second one.
-_HEAD = 16384
+# Bytes of the first broadcast of a step message: a decode or verify step's inputs (token ids,
+# positions, block tables, slot mapping; 0.7 KB at batch 1, 3.3 KB at batch 8 with 1k-token contexts)
+# fit, so such a step costs one broadcast; a larger message (a big batch, long block tables) follows
+# in a second one of its exact size. Not larger: rank 0 sends the whole head to every other rank each
+# step (over the network, across nodes).
+_HEAD = 8192
 
 
 def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
