@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from tests.runtime.test_tensor_parallel import LOGITS_ATOL, PROMPTS, _logits, _t
 REPO = Path(__file__).resolve().parents[2]
 # Small liveness limits, so that a killed node is noticed in seconds (the defaults are for real
 # clusters: 30 s heartbeat, 300 s collective timeout).
-ENV = dict(os.environ, PYTHONPATH=str(REPO), EAGLE3_TP_HEARTBEAT_TIMEOUT="3", EAGLE3_TP_TIMEOUT="60")
+ENV = dict(os.environ, PYTHONPATH=str(REPO), EAGLE3_TP_HEARTBEAT_TIMEOUT="5", EAGLE3_TP_TIMEOUT="60")
 
 _threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -40,7 +41,7 @@ _threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 def _liveness_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     import eagle3.runtime.parallel as parallel
 
-    monkeypatch.setattr(parallel, "_HB_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(parallel, "_HB_TIMEOUT_S", 5.0)
 
 
 def _serve_argv(target: Path, rank: int, port: int, *extra: str) -> list[str]:
@@ -185,10 +186,11 @@ def test_killing_node1_fails_requests_in_flight_and_health(tiny_dir: Path, tmp_p
         t.join(120)
         assert not t.is_alive()
         errors = [json.loads(x[6:])["error"]["message"] for x in text if x.startswith("data: {\"error\"")]
-        assert len(errors) == 1 and "rank 2 (node 1)" in errors[0], text[-3:]
+        # node 1's ranks stop together: whichever of them rank 0 finds silent first is named
+        assert len(errors) == 1 and re.search(r"rank [23] \(node 1\)", errors[0]), text[-3:]
         assert "\n" not in errors[0]
         r = httpx.get(url + "/health")
-        assert r.status_code == 503 and "rank 2 (node 1)" in r.text, r.text
+        assert r.status_code == 503 and re.search(r"rank [23] \(node 1\)", r.text), r.text
         assert _gone(node1.pid)
         workers = [pid for pid in _group(node0.pid) if pid != node0.pid]
         assert workers  # node 0's own rank 1
