@@ -311,3 +311,17 @@ def test_step_channel_frames_small_and_large_messages(monkeypatch: pytest.Monkey
     assert torch.equal(got[0][1], msgs[0][1]) and got[0][3] == (1, 2)
     assert torch.equal(got[0][2].slot_mapping, meta.slot_mapping)
     assert got[1:] == msgs[1:]
+
+
+def test_a_rank_that_fails_on_its_own_is_named_with_its_error(tiny_dir: Path) -> None:
+    """A rank whose step fails by its own fault (not a peer's) reports why in the store and leaves;
+    rank 0 names it with that reason (here: logits asked for before any forward)."""
+    llm = LLM(tiny_dir / "kimi-k2.5", dtype="float32", tokenizer=None, num_blocks=8, tensor_parallel_size=2)
+    try:
+        w = llm._workers
+        w.broadcast(("logits", torch.tensor([0])))
+        w.procs[0].join(60)
+        assert w.procs[0].exitcode == 1
+        assert llm.broken is not None and "rank 1 failed: AssertionError" in llm.broken, llm.broken
+    finally:
+        llm.close()

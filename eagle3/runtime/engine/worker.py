@@ -75,7 +75,8 @@ class Layout:
         return rank // self.per_node
 
     def name(self, rank: int) -> str:
-        return f"rank {rank}" + (f" (node {self.node_of(rank)})" if self.nnodes > 1 else "")
+        # (torchrun: one rank a "node" to the engine, so no node is named)
+        return f"rank {rank}" + (f" (node {self.node_of(rank)})" if 1 < self.nnodes < self.world else "")
 
 
 def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
@@ -104,12 +105,16 @@ def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any],
         code = _serve_steps(model, device, StepChannel())
         _quietly(lambda: store.set(_exited_key(rank), "1"))  # rank 0 waits for it before closing the store
         return code
-    except Exception as err:  # noqa: BLE001 - a peer is gone (or this rank failed): the group is over
+    except Exception as err:  # noqa: BLE001 - a peer is gone, or this rank failed: the group is over
         logger.error("tensor-parallel %s stopped: %s: %s", layout.name(rank), type(err).__name__, err)
-        # Stay (idle) until rank 0 ends the group or is gone (the heartbeat and parent watch exit
-        # then): exiting now would make this rank look like the one that died, while rank 0 is
-        # still finding out which did (a peer on another node shows only by its heartbeat).
-        threading.Event().wait()
+        if _peer_error(err):
+            # Stay (idle) until rank 0 ends the group or is gone (the heartbeat and parent watch exit
+            # then): exiting now would make this rank look like the one that died, while rank 0 is
+            # still finding out which did (a peer on another node shows only by its heartbeat).
+            threading.Event().wait()
+        # This rank's own failure: say why, and leave (its closed sockets fail the others' collectives).
+        why = f"{type(err).__name__}: {err}"[:500]
+        _quietly(lambda: store.set(_failed_key(rank), why))
         return 1
     finally:
         beat.stop()
@@ -133,6 +138,18 @@ def _serve_steps(model: Any, device: torch.device, channel: StepChannel) -> int:
             elif op == "logits":
                 assert hidden is not None
                 model.compute_logits(hidden[msg[1].to(device)])
+
+
+def _peer_error(err: BaseException) -> bool:
+    """Whether a step failed because a peer did (a collective's transport error), not this rank."""
+    import torch.distributed as dist
+
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))
+
+
+def _failed_key(rank: int) -> str:
+    return f"eagle3/failed/{rank}"
 
 
 def _exited_key(rank: int) -> str:
@@ -300,7 +317,9 @@ class TPWorkers:
         if self.dead is None:
             for rank, p in enumerate(self.procs, start=1):
                 if not p.is_alive():
-                    self.dead = f"tensor-parallel worker {self.layout.name(rank)} died (exit code {p.exitcode})"
+                    why = self._failure(rank)
+                    self.dead = (f"tensor-parallel worker {self.layout.name(rank)} "
+                                 + (f"failed: {why}" if why else f"died (exit code {p.exitcode})"))
                     break
         if self.dead is not None:
             raise TPWorkerError(f"{self.dead}; the engine cannot run any more steps, restart it")
@@ -312,6 +331,21 @@ class TPWorkers:
         except Exception as err:  # a rank is gone
             raise self.collective_failed(err) from None
 
+    def _failure(self, rank: int) -> str | None:
+        """What rank ``rank`` reported when its own step failed (None: nothing)."""
+        try:
+            key = _failed_key(rank)
+            return self.store.get(key).decode() if self.store is not None and self.store.check([key]) else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _failed_rank(self) -> None:
+        """Mark the first rank (of any node) that reported a failure of its own as dead."""
+        for rank in range(1, self.world):
+            why = self._failure(rank)
+            if why is not None and self.dead is None:
+                self.dead = f"tensor-parallel {self.layout.name(rank)} failed: {why}"
+
     def collective_failed(self, err: BaseException) -> TPWorkerError:
         """The error for a step whose collective raised: a rank died (usually) or hung. Which one: a
         local process that exited, or a rank whose heartbeat stops (other nodes)."""
@@ -320,6 +354,8 @@ class TPWorkers:
         deadline = time.monotonic() + _HB_TIMEOUT_S + 4 * _HB_INTERVAL_S
         while time.monotonic() < deadline:
             try:
+                self.check()
+                self._failed_rank()
                 self.check()
             except TPWorkerError as e:
                 return e
