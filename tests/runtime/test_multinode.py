@@ -95,6 +95,7 @@ def _llm(target: Path, draft: Path | None, port: int) -> LLM:
                dist_init_addr=f"127.0.0.1:{port}")
 
 
+@pytest.mark.slow
 def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path: Path) -> None:
     """TP=4 over two nodes == TP=1 (greedy tokens; logits within rounding), plain and speculative
     with both draft architectures; each LLM closes with rejoin so that node 1 joins the next group."""
@@ -122,6 +123,7 @@ def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path
         assert _gone(node1.pid)
 
 
+@pytest.mark.slow
 def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
     from tests.validate import lmeval
 
