@@ -137,6 +137,9 @@ def init_rank(rank: int, world: int, addr: tuple[str, int], device: torch.device
                           timeout=datetime.timedelta(seconds=_TIMEOUT_S), wait_for_workers=False)
     if rank == 0:  # which group this is, for a node that joins the next one (store_generation)
         store.set(_GENERATION_KEY, str(generation))
+    # Each group's keys under a prefix of its own: torchrun's store outlives a group (serve --validate
+    # forms two), and a later group must not find an earlier one's ready reports or rendezvous keys.
+    store = dist.PrefixStore(_prefix(generation), store)
     dist.init_process_group(_dist_backend(device), store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=_TIMEOUT_S))
     global _STEP_GROUP
@@ -149,6 +152,10 @@ def init_rank(rank: int, world: int, addr: tuple[str, int], device: torch.device
 
 _STEP_GROUP: Any = None
 _GENERATION_KEY = "eagle3/generation"
+
+
+def _prefix(generation: int) -> str:
+    return f"eagle3/g{generation}/"
 
 
 def leave_group() -> None:
@@ -262,12 +269,13 @@ class Heartbeat:
     i.e. rank 0's process, which hosts it)."""
 
     def __init__(self, addr: tuple[str, int], rank: int, watch: list[int],
-                 on_lost: Callable[[int | None, str], None]) -> None:
+                 on_lost: Callable[[int | None, str], None], generation: int = 0) -> None:
         import torch.distributed as dist
 
         # A client of its own: the thread never shares a connection with the process group's.
-        self.store = dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=max(5.0, _HB_TIMEOUT_S)))
+        client = dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=max(5.0, _HB_TIMEOUT_S)))
+        self.store = dist.PrefixStore(_prefix(generation), client)
         self.rank = rank
         self.watch = watch
         self.on_lost = on_lost

@@ -260,7 +260,7 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
     ranks without a server until node 0 ends them. Returns the exit status."""
     import torch
 
-    from eagle3.runtime.engine.worker import Layout, run_node, worker_main
+    from eagle3.runtime.engine.worker import Layout, run_node, run_torchrun_rank
     from eagle3.runtime.kernels import resolve_backend_name
     from eagle3.runtime.parallel import parse_addr
 
@@ -270,8 +270,7 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
     load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device)}
     layout = Layout(config.tensor_parallel_size, config.nnodes, parse_addr(str(config.dist_init_addr)))
     if torchrun_rank is not None:  # this process is the rank (torchrun started it)
-        return worker_main(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)),
-                           torch.get_num_threads(), 0)
+        return run_torchrun_rank(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     return run_node(layout, config.node_rank, str(target), load_kw, device)
 

@@ -270,6 +270,26 @@ def test_bench_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
     assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
 
 
+@pytest.mark.slow
+def test_serve_validate_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
+    """serve --validate forms two groups (speculative, then baseline): torchrun's rank 1 joins both."""
+    from tests.validate import lmeval
+
+    data = next((d for d in (lmeval.GSM8K_DIR, REPO.parents[1] / "shared" / "data" / "gsm8k")
+                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+            "--dtype", "float32", "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", "--concurrency", "4",
+            "--dataset", str(data), "--report", str(report)]
+    log = tmp_path / "torchrun.log"
+    with _node(argv, log) as p:
+        assert _wait_exit(p, log, 400) == 0, log.read_text(errors="replace")[-3000:]
+        assert _gone(p.pid)
+    rep = json.loads(report.read_text())
+    assert rep["passed"] and rep["lossless"]["passed"] and rep["server"]["tensor_parallel_size"] == 2
+
+
 def test_torchrun_environment_gives_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     from eagle3.cli.options import node_layout
     from eagle3.errors import UsageError

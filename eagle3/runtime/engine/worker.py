@@ -90,7 +90,7 @@ def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any],
     try:
         device = rank_device(torch.device(load_kw.pop("device")), local_rank)
         store = init_rank(rank, layout.world, layout.addr, device, generation)
-        beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why)).start()
+        beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why), generation).start()
         if parent is not None:
             _watch_parent(rank, parent)
         model = load_target(target, device=device, tp=TPGroup(rank, layout.world), **load_kw)
@@ -284,7 +284,7 @@ class TPWorkers:
         if self._rdv_error is not None:
             self.close()
             raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {self._rdv_error}")
-        self.beat = Heartbeat(self.layout.addr, 0, list(range(1, self.world)), self._lost).start()
+        self.beat = Heartbeat(self.layout.addr, 0, list(range(1, self.world)), self._lost, self.generation).start()
 
     def _lost(self, rank: int | None, why: str) -> None:
         if self.dead is None:
@@ -415,6 +415,20 @@ def run_node(layout: Layout, node_rank: int, target: str, load_kw: dict[str, Any
             return 130
         if not all(c == EXIT_REJOIN for c in codes):
             return 0 if all(c == 0 for c in codes) else 1
+        generation += 1
+        if not _await_generation(layout.addr, generation):
+            return 0
+
+
+def run_torchrun_rank(rank: int, layout: Layout, target: str, load_kw: dict[str, Any]) -> int:
+    """A rank torchrun started (not rank 0): this process is the rank; again when rank 0 says another
+    group follows (serve --validate's baseline run). Returns the exit status."""
+    generation = 0
+    while True:
+        code = worker_main(rank, layout, target, dict(load_kw), max(1, torch.get_num_threads()), 0,
+                           generation=generation)
+        if code != EXIT_REJOIN:
+            return code
         generation += 1
         if not _await_generation(layout.addr, generation):
             return 0
