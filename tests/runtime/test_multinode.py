@@ -201,6 +201,27 @@ def test_killing_node1_fails_requests_in_flight_and_health(tiny_dir: Path, tmp_p
         assert _gone(node0.pid)
 
 
+def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp_path: Path) -> None:
+    """No step runs, so no collective fails: the heartbeat alone turns /health to 503, naming node 1."""
+    import httpx
+
+    target, port = tiny_dir / "kimi-k2.5", free_port()
+    argv0, ready = _serving_node0(target, port, tmp_path)
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
+        url = _wait_ready(ready, node0, log0)
+        assert httpx.get(url + "/health").status_code == 200
+        os.killpg(node1.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(url + "/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.status_code == 503 and re.search(r"rank [23] \(node 1\) stopped answering", r.text), r.text
+        assert _gone(node1.pid)
+        node0.send_signal(signal.SIGINT)
+        _wait_exit(node0, log0)
+        assert _gone(node0.pid)
+
+
 def test_killing_node0_ends_node1(tiny_dir: Path, tmp_path: Path) -> None:
     target, port = tiny_dir / "kimi-k2.5", free_port()
     argv0, ready = _serving_node0(target, port, tmp_path)
