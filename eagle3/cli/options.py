@@ -74,3 +74,43 @@ def exit_on_report(report: dict, lines: list[str]) -> None:
         typer.echo(line)
     if not report["passed"]:
         raise typer.Exit(1)
+
+
+NNODES_HELP = ("Nodes the tensor-parallel ranks span (--tensor-parallel-size / --nnodes on each); node 0 serves, "
+               "the others run their ranks headless and exit when node 0 ends.")
+NODE_RANK_HELP = "This node's index in 0..--nnodes - 1."
+DIST_INIT_ADDR_HELP = ("HOST:PORT of node 0 where every rank meets (rank 0 hosts the rendezvous store); "
+                       "needed with --nnodes > 1.")
+
+
+def node_layout(tensor_parallel_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None,
+                device: str) -> tuple[dict[str, object], int | None]:
+    """The EngineConfig fields of the rank layout, from the flags or, under torchrun, from its
+    environment (every process a rank: RANK 0 serves); and the torchrun rank of a process that
+    runs headless (None: this process is node ``node_rank``'s serving or supervising process).
+    A bad combination is one line naming the flag (exit 2)."""
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.config import EngineConfig
+    from eagle3.runtime.parallel import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env["world"] > 1:
+        if tensor_parallel_size not in (1, env["world"]):
+            raise UsageError(f"--tensor-parallel-size {tensor_parallel_size}: torchrun started "
+                             f"WORLD_SIZE={env['world']} ranks (leave the flag out or give the same number)")
+        if nnodes != 1 or dist_init_addr is not None:
+            raise UsageError("--nnodes / --node-rank / --dist-init-addr: under torchrun the layout comes from its "
+                             "environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        if device.startswith("cuda"):
+            device = f"cuda:{env['local_rank']}"  # one GPU per process, as torchrun assigns them
+        # One rank per process: each is a "node" of one rank to the engine (nothing spawned).
+        fields = {"tensor_parallel_size": env["world"], "nnodes": env["world"], "node_rank": env["rank"],
+                  "dist_init_addr": env["addr"], "device": device}
+        EngineConfig(**fields)  # checked (one line) before anything loads
+        return fields, (env["rank"] if env["rank"] > 0 else None)
+    if node_rank != 0 and nnodes == 1:
+        raise UsageError(f"--node-rank {node_rank} goes with --nnodes > 1")
+    fields = {"tensor_parallel_size": tensor_parallel_size, "nnodes": nnodes, "node_rank": node_rank,
+              "dist_init_addr": dist_init_addr, "device": device}
+    EngineConfig(**fields)
+    return fields, None

@@ -16,6 +16,7 @@ def plan(
     target: Annotated[str, typer.Argument(help="Target checkpoint directory, its config.json, or a Hub repo id (weights optional).")],
     gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
     gpu: Annotated[str | None, typer.Option(help="h100|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per machine: more --gpus than that span several nodes (serve --nnodes).")] = 8,
     gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
     draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory, config.json or repo id (replicated).")] = None,
@@ -34,13 +35,15 @@ def plan(
     (for a Hub repo id: its config and headers, read without downloading the weights).
 
     Example: eagle3 plan ./Kimi-K2.5 --gpus 8 --gpu mi325x --recipe w4a8
+
+    Two nodes: eagle3 plan ./Kimi-K2.5 --gpus 16 --gpu h100
     """
-    print_plan(target, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction, draft=draft,
+    print_plan(target, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction, draft=draft,
                 kv_cache_dtype=kv_cache_dtype, reserve=reserve, embedding=embedding, recipe=recipe, scope=scope,
                 max_model_len=max_model_len, report=report, json_out=json_out)
 
 
-def print_plan(target: str, *, gpus: int, gpu: str | None, gpu_memory: str | None, memory_fraction: float,
+def print_plan(target: str, *, gpus: int, gpu: str | None, gpus_per_node: int = 8, gpu_memory: str | None, memory_fraction: float,
                 draft: str | None, kv_cache_dtype: str, reserve: str, embedding: str, recipe: str | None,
                 scope: str | None, max_model_len: int | None, report: Path | None, json_out: bool) -> None:
     """`eagle3 plan` and `eagle3 serve --dry-run --plan`: one accounting (eagle3.runtime.plan)."""
@@ -61,7 +64,8 @@ def print_plan(target: str, *, gpus: int, gpu: str | None, gpu_memory: str | Non
     p = plan_mod.plan(
         model, gpus=gpus, gpu=gpu, gpu_memory=mem,
         memory_fraction=memory_fraction, draft=dmodel, kv_cache_dtype=kv_cache_dtype,
-        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, max_model_len=max_model_len)
+        reserve=parse_bytes(reserve, "--reserve"), embedding=embedding, max_model_len=max_model_len,
+        gpus_per_node=gpus_per_node)
     if report is not None:
         report.write_text(json.dumps(p.to_json(), indent=2) + "\n")
     if json_out:

@@ -12,15 +12,19 @@ import typer
 
 from eagle3.cli.app import app
 from eagle3.cli.options import (
+    DIST_INIT_ADDR_HELP,
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
     MAX_SPEC_HELP,
+    NNODES_HELP,
+    NODE_RANK_HELP,
     NUM_SPEC_HELP,
     TREE_NODES_HELP,
     TREE_TOPK_HELP,
     check_kernel_backend,
     exit_on_report,
+    node_layout,
     parse_bytes,
     parse_speculative,
 )
@@ -66,6 +70,9 @@ def serve(
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
+    nnodes: Annotated[int, typer.Option(help=NNODES_HELP)] = ENGINE.nnodes,
+    node_rank: Annotated[int, typer.Option(help=NODE_RANK_HELP)] = ENGINE.node_rank,
+    dist_init_addr: Annotated[str | None, typer.Option(help=DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
     kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
@@ -87,6 +94,9 @@ def serve(
 
     eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
 
+    Two nodes (run on each, R = 0 on the one that serves): eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3
+    --device cuda --tensor-parallel-size 16 --nnodes 2 --node-rank R --dist-init-addr NODE0:29500
+
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
     /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
     """
@@ -95,7 +105,7 @@ def serve(
     spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if plan:
         _print_serve_plan(target, draft, tensor_parallel_size, gpu, gpu_memory, memory_fraction, kv_cache_dtype,
-                          max_model_len, to_stdout=dry_run)
+                          max_model_len, to_stdout=dry_run, nnodes=nnodes)
         if dry_run and engine is None:
             return
     elif gpu is not None or gpu_memory is not None:
@@ -106,22 +116,29 @@ def serve(
                              "(not passed on to --engine)")
         if not isinstance(spec_k, int):
             raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
-        _hand_off(engine, target, draft, dry_run=dry_run, num_speculative_tokens=spec_k, host=host,
-                  port=8000 if port is None else port, tensor_parallel_size=tensor_parallel_size,
-                  kv_cache_dtype=kv_cache_dtype, quantization=quantization, trust_remote_code=trust_remote_code,
-                  served_model_name=served_model_name, max_model_len=max_model_len)
+        kw = dict(num_speculative_tokens=spec_k, host=host, port=8000 if port is None else port,
+                  tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                  trust_remote_code=trust_remote_code, served_model_name=served_model_name,
+                  max_model_len=max_model_len)
+        if nnodes > 1:
+            _hand_off_nodes(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr, **kw)
+        else:
+            _hand_off(engine, target, draft, dry_run=dry_run, **kw)
         return
     if dry_run:
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
     from eagle3.serve import launcher
 
+    nodes, headless_rank = node_layout(tensor_parallel_size, nnodes, node_rank, dist_init_addr, device)
     eopts = launcher.EngineOptions(
-        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, device=device, max_model_len=max_model_len,
+        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, max_model_len=max_model_len,
         kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
-        tensor_parallel_size=tensor_parallel_size, backend=check_kernel_backend(kernel_backend),
-        enforce_eager=enforce_eager, speculative_eagle_topk=speculative_eagle_topk,
-        speculative_num_draft_tokens=speculative_num_draft_tokens)
+        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
+        speculative_eagle_topk=speculative_eagle_topk, speculative_num_draft_tokens=speculative_num_draft_tokens,
+        **nodes)
+    if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
+        raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
@@ -141,12 +158,13 @@ def serve(
 
 
 def _print_serve_plan(target: Path, draft: Path | None, gpus: int, gpu: str | None, gpu_memory: str | None,
-                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool) -> None:
+                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool,
+                      nnodes: int = 1) -> None:
     """``--plan``: the same projection as `eagle3 plan`, for the serve command's own target, draft, GPU
     count and context length; printed first (stdout for --dry-run, else stderr before the load)."""
     kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
     with contextlib.redirect_stdout(sys.stdout if to_stdout else sys.stderr):
-        print_plan(str(target), gpus=gpus, gpu=gpu, gpu_memory=gpu_memory,
+        print_plan(str(target), gpus=gpus, gpus_per_node=max(1, gpus // max(1, nnodes)), gpu=gpu, gpu_memory=gpu_memory,
                    memory_fraction=memory_fraction, draft=None if draft is None else str(draft),
                    kv_cache_dtype=kv, reserve="4GiB", embedding="replicated", recipe=None, scope=None,
                    max_model_len=max_model_len, report=None, json_out=False)
@@ -164,6 +182,25 @@ def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, *
     typer.echo(cmd.shell())
     if not dry_run:
         raise typer.Exit(engines.run(cmd))
+
+
+def _hand_off_nodes(engine: str, target: Path, draft: Path | None, *, nnodes: int, dist_init_addr: str | None,
+                    **kwargs: Any) -> None:
+    """``--engine X --nnodes N``: print the engine's launch on every node (to run there; nothing is run
+    here: each command belongs on its own machine)."""
+    from eagle3.errors import UsageError
+    from eagle3.formats.check import require_valid_pair
+    from eagle3.serve import engines
+
+    if not dist_init_addr:
+        raise UsageError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+    require_valid_pair(target, draft)
+    for node, cmd in engines.node_commands(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr,
+                                           **kwargs):
+        for note in cmd.notes:
+            typer.echo(f"# note: {note}", err=True)
+        typer.echo(f"# node {node}:")
+        typer.echo(cmd.shell())
 
 
 def _serve_and_validate(target: Path, draft: Path | None, eopts: Any, vopts: Any, name: str, *,

@@ -9,15 +9,19 @@ import typer
 
 from eagle3.cli.app import app
 from eagle3.cli.options import (
+    DIST_INIT_ADDR_HELP,
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
     MAX_SPEC_HELP,
+    NNODES_HELP,
+    NODE_RANK_HELP,
     NUM_SPEC_HELP,
     TREE_NODES_HELP,
     TREE_TOPK_HELP,
     check_kernel_backend,
     exit_on_report,
+    node_layout,
     parse_speculative,
 )
 
@@ -87,6 +91,9 @@ def bench(
     dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = ENGINE.dtype,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = ENGINE.trust_remote_code,
     tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = ENGINE.tensor_parallel_size,
+    nnodes: Annotated[int, typer.Option(help="With TARGET: " + NNODES_HELP)] = ENGINE.nnodes,
+    node_rank: Annotated[int, typer.Option(help="With TARGET: " + NODE_RANK_HELP)] = ENGINE.node_rank,
+    dist_init_addr: Annotated[str | None, typer.Option(help="With TARGET: " + DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
     kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = ENGINE.backend,
     enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
 ) -> None:
@@ -134,12 +141,15 @@ def bench(
     if target is not None:
         from eagle3.serve import launcher
 
+        nodes, headless_rank = node_layout(tensor_parallel_size, nnodes, node_rank, dist_init_addr, device)
         eopts = launcher.EngineOptions(num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype,
-                                       device=device,
-                                       trust_remote_code=trust_remote_code, tensor_parallel_size=tensor_parallel_size,
+                                       trust_remote_code=trust_remote_code,
                                        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
                                        speculative_eagle_topk=speculative_eagle_topk,
-                                       speculative_num_draft_tokens=speculative_num_draft_tokens)
+                                       speculative_num_draft_tokens=speculative_num_draft_tokens, **nodes)
+        if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 benchmarks
+            raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
+        tensor_parallel_size = eopts.tensor_parallel_size
         llm = launcher.build_llm(target, draft, eopts)
         try:
             api = launcher.build_app(llm, target.resolve().name, root=str(target))

@@ -317,6 +317,8 @@ class MemoryPlan:
     full_length_sequences: int
     fits: bool
     why: str
+    gpus_per_node: int  # GPUs a machine holds: the ranks span ceil(gpus / gpus_per_node) nodes
+    nodes: int
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -365,10 +367,13 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
          memory_fraction: float = 0.9, draft: str | Path | Model | None = None, kv_cache_dtype: str = "bf16",
          reserve: int = DEFAULT_RESERVE, embedding: str = "replicated", recipe: str | None = None,
          scope: str | None = None, max_model_len: int | None = None,
-         draft_reader: Any | None = None, draft_name: str | None = None) -> MemoryPlan:
+         draft_reader: Any | None = None, draft_name: str | None = None, gpus_per_node: int = 8) -> MemoryPlan:
     """The memory plan of ``target`` (+ ``draft``) on ``gpus`` devices (one rank each). ``target``
     and ``draft`` may be :class:`Model` objects from :func:`load_model` (a repo's header-only view;
-    then ``recipe``/``scope`` are not used)."""
+    then ``recipe``/``scope`` are not used). ``gpus_per_node``: GPUs per machine (8 on H100 / H200 /
+    MI3xx servers); more GPUs than that span several nodes (``eagle3 serve --nnodes``)."""
+    if gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
     name, mem = check_options(gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, memory_fraction=memory_fraction,
                               kv_cache_dtype=kv_cache_dtype, embedding=embedding)
     m = target if isinstance(target, Model) else load_model(target, "TARGET", recipe, scope)
@@ -411,7 +416,8 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
         weights_per_rank=weights, max_weights_per_rank=max(weights), kv_cache_dtype=kv_cache_dtype,
         kv_bytes_per_token=kv_t + kv_d, kv_bytes_per_token_target=kv_t, kv_bytes_per_token_draft=kv_d,
         kv_cache_bytes=max(kv_mem, 0), kv_tokens=kv_tokens, max_model_len=mml,
-        full_length_sequences=kv_tokens // mml if mml else 0, fits=fits, why=why)
+        full_length_sequences=kv_tokens // mml if mml else 0, fits=fits, why=why,
+        gpus_per_node=min(gpus_per_node, gpus), nodes=-(-gpus // gpus_per_node))
 
 
 def _gb(n: int) -> str:
@@ -431,6 +437,9 @@ def summary_lines(p: MemoryPlan) -> list[str]:
         lines.append(f"draft       {p.draft}  ({p.draft_source}), {_gb(p.draft_bytes)} replicated")
     lines.append(f"devices     {p.gpus} x {p.gpu}, {_gb(p.gpu_memory)} each; fraction {p.memory_fraction:g} "
                  f"-> {_gb(p.usable_memory)} usable")
+    if p.nodes > 1:
+        lines.append(f"nodes       {p.nodes} x {p.gpus_per_node} GPUs: eagle3 serve TARGET --tensor-parallel-size {p.gpus} "
+                     f"--nnodes {p.nodes} --node-rank 0..{p.nodes - 1} --dist-init-addr NODE0:PORT")
     lines.append("weights per rank (fullest rank):")
     r = max(range(p.gpus), key=lambda i: p.weights_per_rank[i])
     for key, label, place in CATEGORIES:

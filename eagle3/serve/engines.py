@@ -14,6 +14,11 @@ The flags are the ones each engine documents for EAGLE-3:
   docs/eagle3_speculative_decoding.md); ATOM's HTTP port flag is ``--server-port`` (``--port`` is
   its internal engine port) and it has no ``--quantization`` flag (it reads config.json).
 
+Across nodes (:func:`node_commands`, ``serve --engine X --nnodes N``): SGLang runs the same launch on
+every node with ``--nnodes N --node-rank R --dist-init-addr HOST:PORT`` (node 0 serves HTTP); vLLM
+joins the nodes into a Ray cluster first (``ray start --head`` on node 0, ``ray start --address`` on
+the others) and then runs ``vllm serve ... --distributed-executor-backend ray`` on node 0 alone.
+
 ``--quantization`` is passed to vLLM / SGLang when the target's config names a method they know
 (compressed-tensors, quark, fp8), which makes a mismatch an error at load instead of a silent
 fallback. Remote code is only allowed with ``trust_remote_code=True``.
@@ -144,6 +149,30 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
     elif Path(target).is_dir() and any(Path(target).glob("*.py")):
         notes.append("the target ships Python code; engines that need it require --trust-remote-code")
     return LaunchCommand(engine, argv, notes)
+
+
+def node_commands(engine: str, target: str | Path, draft: str | Path | None = None, *, nnodes: int,
+                  dist_init_addr: str, **kwargs: object) -> list[tuple[int, LaunchCommand]]:
+    """The engine's multi-node launch for ``nnodes`` machines: (node rank, command) in the order they
+    are run (nothing is run). ``dist_init_addr``: node 0's ``HOST:PORT`` (SGLang's
+    ``--dist-init-addr``; for vLLM the Ray head's address)."""
+    if engine not in ("vllm", "sglang"):
+        raise UsageError(f"--engine {engine} --nnodes {nnodes}: multi-node launch commands are known for sglang and "
+                         "vllm only")
+    host, sep, port = dist_init_addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--dist-init-addr must be HOST:PORT, got {dist_init_addr!r}")
+    base = build_command(engine, target, draft, **kwargs)  # type: ignore[arg-type]
+    if engine == "sglang":
+        return [(r, LaunchCommand(engine, [*base.argv, "--nnodes", str(nnodes), "--node-rank", str(r),
+                                           "--dist-init-addr", dist_init_addr], list(base.notes) if r == 0 else []))
+                for r in range(nnodes)]
+    head = [(0, LaunchCommand("ray", ["ray", "start", "--head", "--port", port]))]
+    workers = [(r, LaunchCommand("ray", ["ray", "start", "--address", dist_init_addr, "--block"]))
+               for r in range(1, nnodes)]
+    serve = LaunchCommand(engine, [*base.argv, "--distributed-executor-backend", "ray"],
+                          [*base.notes, "vllm serve runs on node 0 once every node has joined the Ray cluster"])
+    return [*head, *workers, (0, serve)]
 
 
 def executable_argv(cmd: LaunchCommand) -> list[str]:

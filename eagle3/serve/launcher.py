@@ -239,7 +239,9 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
                 run = validate.evaluate(url, prep, vopts, label)
             meta.update(engine_info(llm))  # auto: the k it chose over the run
         finally:
-            close_llm(llm)  # its tensor-parallel workers, before the next run forms its own group
+            # its tensor-parallel workers, before the next run forms its own group (other nodes
+            # start their ranks again for it: rejoin)
+            close_llm(llm, rejoin=with_draft and baseline and eopts.nnodes > 1)
             del app, llm
             gc.collect()
             _empty_device_cache(eopts.device)
@@ -250,10 +252,30 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
     return validate.finish(run, base, prep, vopts, meta)
 
 
-def close_llm(llm: Any) -> None:
+def close_llm(llm: Any, rejoin: bool = False) -> None:
     close = getattr(llm, "close", None)
     if callable(close):
-        close()
+        close(rejoin=True) if rejoin else close()
+
+
+def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) -> int:
+    """A node other than node 0 (or a torchrun rank other than 0): run this node's tensor-parallel
+    ranks without a server until node 0 ends them. Returns the exit status."""
+    import torch
+
+    from eagle3.runtime.engine.worker import Layout, run_node, run_torchrun_rank
+    from eagle3.runtime.kernels import resolve_backend_name
+    from eagle3.runtime.parallel import parse_addr
+
+    if not Path(target).is_dir():
+        raise UsageError(f"{target}: not a checkpoint directory")
+    device = torch.device(config.device)
+    load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device)}
+    layout = Layout(config.tensor_parallel_size, config.nnodes, parse_addr(str(config.dist_init_addr)))
+    if torchrun_rank is not None:  # this process is the rank (torchrun started it)
+        return run_torchrun_rank(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)))
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return run_node(layout, config.node_rank, str(target), load_kw, device)
 
 
 def _empty_device_cache(device: str) -> None:

@@ -253,3 +253,21 @@ def test_plan_accepts_a_repo_id(tiny_dir: Path, tmp_path: Path, monkeypatch: pyt
     assert remote["target"] == "moonshotai/Kimi-K2.5" and remote["source"] == remote["draft_source"] == "headers"
     local = P.plan(tiny_dir / "kimi-k2.5", gpus=2, gpu_memory=2**30, draft=tiny_dir / "kimi-k2.5-eagle3")
     assert remote["per_rank"] == local.per_rank and remote["kv_tokens"] == local.kv_tokens
+
+
+def test_kimi_int4_on_two_nodes_of_eight_h100(capsys: pytest.CaptureFixture[str]) -> None:
+    """The published INT4 checkpoint does not fit eight H100s but fits sixteen (two nodes of eight):
+    `plan --gpus 16` and `serve --dry-run --plan --tensor-parallel-size 16 --nnodes 2` say so."""
+    eight = P.plan(KIMI, gpus=8, gpu="h100")
+    sixteen = P.plan(KIMI, gpus=16, gpu="h100")
+    assert not eight.fits and eight.nodes == 1
+    assert sixteen.fits and sixteen.nodes == 2 and sixteen.gpus_per_node == 8
+    assert sixteen.max_weights_per_rank < 0.55 * eight.max_weights_per_rank  # experts and heads halve
+    code, out, _ = _main(capsys, "plan", str(KIMI), "--gpus", "16", "--gpu", "h100")
+    assert code == 0
+    assert ("nodes       2 x 8 GPUs: eagle3 serve TARGET --tensor-parallel-size 16 --nnodes 2 --node-rank 0..1 "
+            "--dist-init-addr NODE0:PORT") in out
+    assert "fits        yes" in out
+    code, served, _ = _main(capsys, "serve", str(KIMI), "--dry-run", "--plan", "--tensor-parallel-size", "16",
+                            "--nnodes", "2", "--gpu", "h100")
+    assert code == 0 and served == out

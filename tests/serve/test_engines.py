@@ -102,3 +102,37 @@ def test_executes_with_this_python(tiny_dir: Path, monkeypatch: pytest.MonkeyPat
     assert r.exit_code == 0, r.output
     assert calls[0][:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert shlex.split(r.stdout.strip().splitlines()[-1])[0] == "python3"
+
+
+def test_two_node_commands(tiny_dir: Path) -> None:
+    """`--engine sglang|vllm --nnodes 2`: each engine's launch on each of the two nodes, printed."""
+    t, d = tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3"
+    common = [str(t), "--draft", str(d), "--tensor-parallel-size", "16", "--nnodes", "2", "--dist-init-addr",
+              "10.0.0.1:29500", "--dry-run"]
+    r = runner.invoke(app, ["serve", *common, "--engine", "sglang"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "# node 0:" and lines[2] == "# node 1:"
+    for node, line in ((0, lines[1]), (1, lines[3])):
+        argv = shlex.split(line)
+        assert _flag(argv, "--tp") == "16" and _flag(argv, "--nnodes") == "2"
+        assert _flag(argv, "--node-rank") == str(node) and _flag(argv, "--dist-init-addr") == "10.0.0.1:29500"
+        assert _flag(argv, "--speculative-draft-model-path") == str(d)
+    r = runner.invoke(app, ["serve", *common, "--engine", "vllm"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[:4] == ["# node 0:", "ray start --head --port 29500", "# node 1:",
+                         "ray start --address 10.0.0.1:29500 --block"]
+    assert lines[4] == "# node 0:"
+    argv = shlex.split(lines[5])
+    assert argv[:3] == ["vllm", "serve", str(t)] and _flag(argv, "--tensor-parallel-size") == "16"
+    assert _flag(argv, "--distributed-executor-backend") == "ray"
+
+
+def test_two_node_commands_need_the_address(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--engine", "sglang", "--tensor-parallel-size", "16",
+                       "--nnodes", "2", "--dry-run"], capsys)
+    assert code == 2 and "--dist-init-addr" in err
+    code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--engine", "atom", "--tensor-parallel-size", "16",
+                       "--nnodes", "2", "--dist-init-addr", "h:1", "--dry-run"], capsys)
+    assert code == 2 and "sglang and vllm only" in err

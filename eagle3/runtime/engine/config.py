@@ -40,6 +40,12 @@ class EngineConfig:
     device: Any = "cpu"  # str or torch.device; rank r of a tensor-parallel group uses index + r
     backend: str = "auto"  # kernel backend: auto | torch | triton | aiter (kernels.resolve_backend_name)
     tensor_parallel_size: int = 1  # ranks running the target (this process + N-1 workers, engine/worker.py)
+    # Across nodes: tensor_parallel_size ranks over nnodes machines (tensor_parallel_size / nnodes each);
+    # this process is node node_rank's; every rank meets at dist_init_addr "HOST:PORT" (node 0's
+    # address: rank 0 hosts the rendezvous store there). One node: a free loopback port by default.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for the uniform steps
     tokenizer: Any = "auto"  # "auto" (the target directory's), a path, a tokenizer object, or None
     trust_remote_code: bool = False
@@ -66,6 +72,7 @@ class EngineConfig:
             raise UsageError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise UsageError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        self._check_nodes()
         if self.block_size < 1:
             raise UsageError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -76,6 +83,23 @@ class EngineConfig:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
+
+    def _check_nodes(self) -> None:
+        """The multi-node fields; each message names the CLI flag too."""
+        n, r, tp = self.nnodes, self.node_rank, self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"nnodes (--nnodes) must be an integer >= 1, got {n!r}")
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+            raise UsageError(f"node_rank (--node-rank) must be in 0..{n - 1} for nnodes={n}, got {r!r}")
+        if tp % n:
+            raise UsageError(f"tensor_parallel_size (--tensor-parallel-size) {tp} does not split over nnodes={n} "
+                             "(the same number of ranks on every node)")
+        if n > 1 and not self.dist_init_addr:
+            raise UsageError(f"nnodes={n} needs dist_init_addr (--dist-init-addr HOST:PORT, node 0's address)")
+        if self.dist_init_addr:
+            host, sep, port = str(self.dist_init_addr).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"dist_init_addr (--dist-init-addr) must be HOST:PORT, got {self.dist_init_addr!r}")
 
     def _check_speculative(self) -> None:
         k, m = self.num_speculative_tokens, self.max_speculative_tokens

@@ -198,13 +198,19 @@ class LLM:
         if self.tensor_parallel_size == 1:
             return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
         from eagle3.runtime.engine.worker import TPTarget, TPWorkers
-        from eagle3.runtime.parallel import TPGroup
+        from eagle3.runtime.parallel import TPGroup, parse_addr
 
-        world = self.tensor_parallel_size
-        if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + world:
-            raise UsageError(f"tensor_parallel_size={world} needs {world} GPUs from {self.device}; "
-                             f"{torch.cuda.device_count()} visible")
-        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend}, self.device)
+        world, cfg = self.tensor_parallel_size, self.config
+        if cfg.node_rank != 0:
+            raise UsageError(f"node_rank={cfg.node_rank}: only node 0 runs the engine (the others run their ranks "
+                             "headless: eagle3 serve --node-rank)")
+        local = world // cfg.nnodes
+        if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + local:
+            raise UsageError(f"tensor_parallel_size={world} over {cfg.nnodes} node(s) needs {local} GPUs from "
+                             f"{self.device} on each; {torch.cuda.device_count()} visible")
+        addr = parse_addr(cfg.dist_init_addr) if cfg.dist_init_addr else None
+        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend}, self.device,
+                            nnodes=cfg.nnodes, addr=addr)
         # The driver loads its shard while the workers start and join the group; the workers' own
         # loads overlap the driver's draft and tokenizer loads, waited for in __init__ (_join_workers).
         try:
@@ -229,10 +235,15 @@ class LLM:
             self.close()
             raise
 
-    def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size 1). Also at exit."""
+    def close(self, rejoin: bool = False) -> None:
+        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size 1). Also at exit.
+        ``rejoin``: another LLM forms a group at the same address next (other nodes start again)."""
         if self._workers is not None:
-            self._finalizer()
+            if rejoin and self._finalizer.alive:
+                self._finalizer.detach()
+                self._workers.close(rejoin=True)
+            else:
+                self._finalizer()
 
     @property
     def broken(self) -> str | None:

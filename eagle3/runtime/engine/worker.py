@@ -1,12 +1,19 @@
-"""The processes of a tensor-parallel group: rank 0 is the driver (this process: it holds rank 0's
-shard and runs the engine: scheduler, sampling, the draft), ranks 1..N-1 are worker processes
-spawned with ``torch.multiprocessing`` (spawn), each running :func:`worker_main`.
+"""The processes of a tensor-parallel group, on one node or several: rank 0 is the driver (the
+serving process of node 0: it holds rank 0's shard and runs the engine: scheduler, sampling, the
+draft); every other rank runs :func:`worker_main`. Each node's serving process spawns its own
+ranks with ``torch.multiprocessing`` (spawn): node 0's driver ranks 1..L-1 (:class:`TPWorkers`),
+another node's headless ``eagle3 serve --node-rank R`` all L of its ranks (:func:`run_node`);
+under torchrun every rank is a process torchrun started.
 
 Rank 0 keeps the step's outputs (aux hidden states, gathered logits) where the engine and the
 draft need them: nothing large crosses a process boundary, only the step's small inputs (token
-ids, positions, block tables, slot mapping), which go to each worker over a pipe (pickled, a few
-KB a step). A pipe rather than a shared-memory ring because its end-of-file tells a worker that
-the driver died (no orphans), and a dead worker shows as a broken pipe on the driver's side.
+ids, positions, block tables, slot mapping, metadata), which rank 0 broadcasts on a CPU gloo group
+(:class:`~eagle3.runtime.parallel.StepChannel`): torch.distributed itself, so the same code serves
+one node and many. Liveness: a dead rank's closed sockets fail the step's collectives at once, a
+rank that hangs or a node that vanishes fails them at the collective timeout, and every rank's
+heartbeat in the rendezvous store (:class:`~eagle3.runtime.parallel.Heartbeat`) names which rank
+stopped; the workers watch rank 0's heartbeat and their parent process and exit when either goes
+(no orphans).
 
 This module imports the loader (a worker loads its own shard); nothing below the engine imports
 this module.
@@ -17,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -28,73 +35,159 @@ import torch
 from eagle3.errors import Eagle3Error, UsageError
 from eagle3.runtime.interfaces import allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.loader import load_target
-from eagle3.runtime.parallel import TPGroup, free_port, init_rank, rank_device
+from eagle3.runtime.parallel import (
+    Heartbeat,
+    StepChannel,
+    TPGroup,
+    free_port,
+    init_rank,
+    leave_group,
+    rank_device,
+    ready_key,
+)
 
 logger = logging.getLogger("eagle3.runtime")
 
 _READY_TIMEOUT_S = float(os.environ.get("EAGLE3_TP_LOAD_TIMEOUT", "3600"))
+# A worker's exit status after rank 0's ("exit", rejoin=True): another group follows on the same
+# address (serve --validate's baseline run), so a headless node starts its ranks again.
+EXIT_REJOIN = 75
 
 
 class TPWorkerError(Eagle3Error):
     """A tensor-parallel worker died or failed: the engine cannot run steps any more."""
 
 
-def worker_main(rank: int, world: int, port: int, target: str, load_kw: dict[str, Any], conn: Any,
-                 num_threads: int) -> None:
-    """A worker rank: load this rank's shard, then run the driver's steps until the pipe closes."""
-    # Ctrl-C reaches the whole process group; the driver decides what stops (it closes the pipe).
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the ranks run: ``world`` ranks over ``nnodes`` nodes (``world // nnodes`` a node, node
+    ``n`` holding ranks ``n * per_node ...``), meeting at ``addr``."""
+
+    world: int
+    nnodes: int
+    addr: tuple[str, int]
+
+    @property
+    def per_node(self) -> int:
+        return self.world // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def name(self, rank: int) -> str:
+        # (torchrun: one rank a "node" to the engine, so no node is named)
+        return f"rank {rank}" + (f" (node {self.node_of(rank)})" if 1 < self.nnodes < self.world else "")
+
+
+def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
+                local_rank: int, parent: int | None = None, generation: int = 0) -> int:
+    """A worker rank: join the group, load this rank's shard, then run rank 0's steps until its
+    ("exit",) or its loss. Returns the exit status (0, or :data:`EXIT_REJOIN`, or 1 on a failure)."""
+    # Ctrl-C reaches the whole process group; rank 0 decides what stops (it broadcasts "exit").
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
+    store = None
     try:
-        device = rank_device(torch.device(load_kw.pop("device")), rank)
-        init_rank(rank, world, port, device)
-        model = load_target(target, device=device, tp=TPGroup(rank, world), **load_kw)
-        conn.send(("ready", None))
-    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
-        _send_quietly(conn, ("error", f"{type(err).__name__}: {err}"))
-        return
+        device = rank_device(torch.device(load_kw.pop("device")), local_rank)
+        store = init_rank(rank, layout.world, layout.addr, device, generation)
+        beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why), generation).start()
+        if parent is not None:
+            _watch_parent(rank, parent)
+        model = load_target(target, device=device, tp=TPGroup(rank, layout.world), **load_kw)
+        store.set(ready_key(rank), "ok")
+    except BaseException as err:  # noqa: BLE001 - reported to rank 0, which raises it
+        msg = f"{type(err).__name__}: {err}"
+        logger.error("tensor-parallel %s failed to start: %s", layout.name(rank), msg)
+        if store is not None:
+            _quietly(lambda: store.set(ready_key(rank), f"error: {msg}"))
+        return 1
+    try:
+        code = _serve_steps(model, device, StepChannel())
+        _quietly(lambda: store.set(_exited_key(rank), "1"))  # rank 0 waits for it before closing the store
+        return code
+    except Exception as err:  # noqa: BLE001 - a peer is gone, or this rank failed: the group is over
+        logger.error("tensor-parallel %s stopped: %s: %s", layout.name(rank), type(err).__name__, err)
+        if _peer_error(err):
+            # Stay (idle) until rank 0 ends the group or is gone (the heartbeat and parent watch exit
+            # then): exiting now would make this rank look like the one that died, while rank 0 is
+            # still finding out which did (a peer on another node shows only by its heartbeat).
+            threading.Event().wait()
+        # This rank's own failure: say why, and leave (its closed sockets fail the others' collectives).
+        why = f"{type(err).__name__}: {err}"[:500]
+        _quietly(lambda: store.set(_failed_key(rank), why))
+        return 1
+    finally:
+        beat.stop()
+        leave_group()
+
+
+def _serve_steps(model: Any, device: torch.device, channel: StepChannel) -> int:
     kv: list[torch.Tensor] = []
     hidden: torch.Tensor | None = None
+    with torch.inference_mode():
+        while True:
+            msg = channel.recv()
+            op = msg[0]
+            if op == "exit":
+                return EXIT_REJOIN if msg[1] else 0
+            if op == "kv":
+                kv = allocate_kv_cache(model.kv_cache_spec(), model.num_layers, msg[1], msg[2], device)
+            elif op == "forward":
+                input_ids, meta, aux_ids = msg[1:]
+                hidden, _ = model.forward(input_ids.to(device), _meta_to(meta, device), kv, aux_ids)
+            elif op == "logits":
+                assert hidden is not None
+                model.compute_logits(hidden[msg[1].to(device)])
+            elif op == "compact":  # a draft tree's accepted path (interfaces.compact_tree_kv)
+                compact_tree_kv(kv, *msg[1:])
+
+
+def _peer_error(err: BaseException) -> bool:
+    """Whether a step failed because a peer did (a collective's transport error), not this rank."""
+    import torch.distributed as dist
+
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "timed out"))
+
+
+def _failed_key(rank: int) -> str:
+    return f"eagle3/failed/{rank}"
+
+
+def _exited_key(rank: int) -> str:
+    return f"eagle3/exited/{rank}"
+
+
+def _lost_driver(rank: int, why: str) -> None:
+    """A worker whose rank 0 is gone ends: nothing it could do would be seen. (After a moment: rank 0
+    that stops the group on purpose closes its store just after its ("exit",), which the main thread
+    then ends on.)"""
+    time.sleep(2.0)
+    logger.error("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, why)
+    os._exit(1)
+
+
+def _watch_parent(rank: int, parent: int) -> None:
+    """A spawned rank exits when the process that spawned it is gone (killed outright included)."""
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        logger.error("tensor-parallel rank %d: its parent process %d is gone; exiting", rank, parent)
+        os._exit(1)
+
+    threading.Thread(target=run, name="eagle3-parent-watch", daemon=True).start()
+
+
+def _quietly(fn: Any) -> None:
     try:
-        with torch.inference_mode():
-            while True:
-                try:
-                    msg = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    return  # the driver is gone
-                op = msg[0]
-                if op == "exit":
-                    return
-                if op == "kv":
-                    kv = allocate_kv_cache(model.kv_cache_spec(), model.num_layers, msg[1], msg[2], device)
-                elif op == "forward":
-                    input_ids, meta, aux_ids = msg[1:]
-                    hidden, _ = model.forward(input_ids.to(device), _meta_to(meta, device), kv, aux_ids)
-                elif op == "logits":
-                    assert hidden is not None
-                    model.compute_logits(hidden[msg[1].to(device)])
-                elif op == "compact":  # a draft tree's accepted path (interfaces.compact_tree_kv)
-                    compact_tree_kv(kv, *msg[1:])
-    except BaseException as err:  # noqa: BLE001 - the driver sees this rank's sockets close
-        logger.error("tensor-parallel rank %d failed: %s: %s", rank, type(err).__name__, err)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
-def _send_quietly(conn: Any, msg: Any, raw: bool = False) -> None:
-    try:
-        if raw:
-            conn.send_bytes(pickle.dumps(msg))
-        else:
-            conn.send(msg)
+        fn()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _spawned_worker(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
+                    local_rank: int, parent: int, generation: int) -> None:
+    sys.exit(worker_main(rank, layout, target, load_kw, num_threads, local_rank, parent, generation))
 
 
 def _meta_to(meta: Any, device: torch.device) -> Any:
@@ -104,33 +197,61 @@ def _meta_to(meta: Any, device: torch.device) -> Any:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-class TPWorkers:
-    """The driver's handle on ranks 1..N-1: spawn, broadcast the step inputs, watch and stop them."""
+def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw: dict[str, Any],
+           device: torch.device, generation: int) -> list[Any]:
+    """Start ``ranks`` as spawned processes of this one (local ranks from ``first_local``)."""
+    import torch.multiprocessing as mp
 
-    def __init__(self, world: int, target: str, load_kw: dict[str, Any], device: torch.device) -> None:
+    ctx = mp.get_context("spawn")
+    threads = max(1, torch.get_num_threads())
+    procs = []
+    for i, rank in enumerate(ranks):
+        kw = dict(load_kw, device=str(device))
+        p = ctx.Process(target=_spawned_worker, args=(rank, layout, str(target), kw, threads, first_local + i,
+                                                      os.getpid(), generation), name=f"eagle3-tp-rank{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _stop(procs: list[Any], grace: float = 5.0) -> None:
+    """Wait for ``procs`` to end (they were told to), then terminate, then kill."""
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+_GENERATION = 0  # groups this process formed so far (run_node counts the same way)
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..N-1 (its own node's, spawned here, and other nodes'): broadcast
+    the step inputs, watch every rank, stop them."""
+
+    def __init__(self, world: int, target: str, load_kw: dict[str, Any], device: torch.device,
+                 nnodes: int = 1, addr: tuple[str, int] | None = None) -> None:
         import torch.distributed as dist
-        import torch.multiprocessing as mp
 
         if dist.is_available() and dist.is_initialized():
             raise UsageError("a tensor-parallel LLM is already running in this process; close() it first "
                              "(one torch.distributed group per process)")
+        self.layout = Layout(world, nnodes, addr or ("127.0.0.1", free_port()))
         self.world = world
-        self.port = free_port()
-        ctx = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
         self.dead: str | None = None
         self._lock = threading.Lock()
-        threads = max(1, torch.get_num_threads())
-        for rank in range(1, world):
-            parent, child = ctx.Pipe()
-            kw = dict(load_kw, device=str(device))
-            p = ctx.Process(target=worker_main, args=(rank, world, self.port, str(target), kw, child, threads),
-                            name=f"eagle3-tp-rank{rank}", daemon=True)
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        self.store: Any = None
+        self.beat: Heartbeat | None = None
+        self.channel = StepChannel()
+        global _GENERATION
+        self.generation = _GENERATION
+        _GENERATION += 1
+        self.procs: list[Any] = _spawn(range(1, self.layout.per_node), 1, self.layout, target, load_kw, device,
+                                       self.generation)
 
     def start_driver_rank(self, device: torch.device) -> torch.device:
         """Join the group in a background thread, so that the driver loads its shard while the workers
@@ -144,7 +265,7 @@ class TPWorkers:
 
         def run() -> None:
             try:
-                init_rank(0, self.world, self.port, dev)
+                self.store = init_rank(0, self.world, self.layout.addr, dev, self.generation)
             except BaseException as err:  # noqa: BLE001 - re-raised by join_driver_rank
                 self._rdv_error = err
 
@@ -153,82 +274,94 @@ class TPWorkers:
         return dev
 
     def join_driver_rank(self) -> None:
-        """Wait for :meth:`start_driver_rank`'s rendezvous; a worker that exits meanwhile fails it at
-        once instead of after the rendezvous timeout."""
+        """Wait for :meth:`start_driver_rank`'s rendezvous; a local worker that exits meanwhile fails it
+        at once instead of after the rendezvous timeout. Then start watching every rank's heartbeat."""
         while self._rdv.is_alive():
             self._rdv.join(0.2)
             for rank, p in enumerate(self.procs, start=1):
                 if self._rdv.is_alive() and not p.is_alive():
-                    err = self._worker_error(rank)
                     self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited before joining the group: {err}")
+                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited before joining the group "
+                                        f"(exit code {p.exitcode})")
         if self._rdv_error is not None:
             self.close()
             raise TPWorkerError(f"tensor-parallel group of {self.world} ranks did not form: {self._rdv_error}")
+        self.beat = Heartbeat(self.layout.addr, 0, list(range(1, self.world)), self._lost, self.generation).start()
 
-    def _worker_error(self, rank: int) -> str:
-        """What a worker that exited reported (or its exit code)."""
-        p, c = self.procs[rank - 1], self.conns[rank - 1]
-        try:
-            if c.poll(0):
-                kind, info = c.recv()
-                if kind == "error":
-                    return str(info)
-        except (EOFError, OSError):
-            pass
-        return f"exit code {p.exitcode}"
+    def _lost(self, rank: int | None, why: str) -> None:
+        if self.dead is None:
+            self.dead = f"tensor-parallel {self.layout.name(rank or 0)} stopped answering ({why})"
 
     def wait_ready(self) -> None:
+        """Wait until every rank reports its shard loaded (in the store: ranks on other nodes too)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        for rank, (p, c) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
-            while not c.poll(0.2):
-                if not p.is_alive():
+        for rank in range(1, self.world):
+            key = ready_key(rank)
+            while not self.store.check([key]):
+                time.sleep(0.1)
+                try:
+                    self.check()
+                except TPWorkerError as err:
                     self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} exited while loading "
-                                        f"(exit code {p.exitcode})")
+                    raise TPWorkerError(f"{err} while loading") from None
                 if time.monotonic() > deadline:
                     self.close()
-                    raise TPWorkerError(f"tensor-parallel worker rank {rank} did not load in {_READY_TIMEOUT_S:.0f} s")
-            try:
-                kind, info = c.recv()
-            except (EOFError, OSError):
-                kind, info = "error", f"exited (exit code {p.exitcode})"
-            if kind != "ready":
+                    raise TPWorkerError(f"tensor-parallel {self.layout.name(rank)} did not load in "
+                                        f"{_READY_TIMEOUT_S:.0f} s")
+            info = self.store.get(key).decode()
+            if info != "ok":
                 self.close()
-                raise TPWorkerError(f"tensor-parallel worker rank {rank} failed to load: {info}")
+                raise TPWorkerError(f"tensor-parallel {self.layout.name(rank)} failed to load: "
+                                    f"{info.removeprefix('error: ')}")
 
     def check(self) -> None:
-        """Raise if a worker is gone (then for good: the group cannot run without it)."""
+        """Raise if a rank is gone (then for good: the group cannot run without it)."""
         if self.dead is None:
             for rank, p in enumerate(self.procs, start=1):
                 if not p.is_alive():
-                    self.dead = f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
+                    why = self._failure(rank)
+                    self.dead = (f"tensor-parallel worker {self.layout.name(rank)} "
+                                 + (f"failed: {why}" if why else f"died (exit code {p.exitcode})"))
                     break
         if self.dead is not None:
             raise TPWorkerError(f"{self.dead}; the engine cannot run any more steps, restart it")
 
     def broadcast(self, msg: tuple[Any, ...]) -> None:
         self.check()
-        # Plain pickle, by value: Connection.send's pickler would move each tensor to shared memory
-        # and pass a file descriptor (torch.multiprocessing's reducers), far more than a few KB cost.
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, c in enumerate(self.conns, start=1):
-            try:
-                c.send_bytes(data)
-            except (BrokenPipeError, EOFError, OSError) as err:
-                self.dead = f"tensor-parallel worker rank {rank} is gone ({type(err).__name__})"
-                self.check()
+        try:
+            self.channel.send(msg)
+        except Exception as err:  # a rank is gone
+            raise self.collective_failed(err) from None
+
+    def _failure(self, rank: int) -> str | None:
+        """What rank ``rank`` reported when its own step failed (None: nothing)."""
+        try:
+            key = _failed_key(rank)
+            return self.store.get(key).decode() if self.store is not None and self.store.check([key]) else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _failed_rank(self) -> None:
+        """Mark the first rank (of any node) that reported a failure of its own as dead."""
+        for rank in range(1, self.world):
+            why = self._failure(rank)
+            if why is not None and self.dead is None:
+                self.dead = f"tensor-parallel {self.layout.name(rank)} failed: {why}"
 
     def collective_failed(self, err: BaseException) -> TPWorkerError:
-        """The error for a step whose collective raised: a worker died (usually) or hung."""
-        for _ in range(20):  # the dead process is reaped a moment after its sockets close
-            if any(not p.is_alive() for p in self.procs):
-                break
+        """The error for a step whose collective raised: a rank died (usually) or hung. Which one: a
+        local process that exited, or a rank whose heartbeat stops (other nodes)."""
+        from eagle3.runtime.parallel import _HB_INTERVAL_S, _HB_TIMEOUT_S
+
+        deadline = time.monotonic() + _HB_TIMEOUT_S + 4 * _HB_INTERVAL_S
+        while time.monotonic() < deadline:
+            try:
+                self.check()
+                self._failed_rank()
+                self.check()
+            except TPWorkerError as e:
+                return e
             time.sleep(0.05)
-        try:
-            self.check()
-        except TPWorkerError as e:
-            return e
         self.dead = f"a tensor-parallel collective failed ({type(err).__name__}: {err})"
         return TPWorkerError(f"{self.dead}; the engine cannot run any more steps, restart it")
 
@@ -236,30 +369,94 @@ class TPWorkers:
     def alive(self) -> bool:
         return self.dead is None and all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
-        """Stop every worker (politely, then by signal) and leave the process group."""
-        import torch.distributed as dist
-
+    def close(self, rejoin: bool = False) -> None:
+        """Stop every rank (rank 0's ("exit",); the local ones by signal if they do not stop) and
+        leave the process group. ``rejoin``: another group follows at the same address."""
         with self._lock:
-            for c in self.conns:
-                _send_quietly(c, ("exit",), raw=True)
-            for p in self.procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            for c in self.conns:
-                c.close()
-            self.conns = []
+            if self.store is not None and self.dead is None and not getattr(self, "_closed", False):
+                _quietly(lambda: self.channel.send(("exit", rejoin)))
+                self._wait_exited()
+            self._closed = True
+            if self.beat is not None:
+                self.beat.stop()
+            _stop(self.procs, grace=5.0 if self.dead is None else 0.5)  # a broken group's ranks wait to be stopped
             self.procs = []
-            if dist.is_available() and dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
+            leave_group()
+            self.store = None
+            self.beat = None
+
+
+    def _wait_exited(self, timeout: float = 10.0) -> None:
+        """Wait (a while) until every rank has taken the ("exit",), so none mistakes the store's
+        end for rank 0's death."""
+        deadline = time.monotonic() + timeout
+        keys = [_exited_key(r) for r in range(1, self.world)]
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check(keys):
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.05)
+
+
+def run_node(layout: Layout, node_rank: int, target: str, load_kw: dict[str, Any], device: torch.device) -> int:
+    """A node other than node 0 (``eagle3 serve --node-rank R``): run this node's ranks headless until
+    rank 0 ends them; again when rank 0 says another group follows. Returns the exit status."""
+    per = layout.per_node
+    ranks = range(node_rank * per, (node_rank + 1) * per)
+    generation = 0
+    while True:
+        procs = _spawn(ranks, 0, layout, target, load_kw, device, generation)
+        logger.warning("eagle3: node %d: tensor-parallel ranks %d-%d joining %s:%d", node_rank, ranks[0],
+                       ranks[-1], *layout.addr)
+        try:
+            codes = _wait_all(procs)
+        except KeyboardInterrupt:
+            _stop(procs, grace=0)
+            return 130
+        if not all(c == EXIT_REJOIN for c in codes):
+            return 0 if all(c == 0 for c in codes) else 1
+        generation += 1
+        if not _await_generation(layout.addr, generation):
+            return 0
+
+
+def run_torchrun_rank(rank: int, layout: Layout, target: str, load_kw: dict[str, Any]) -> int:
+    """A rank torchrun started (not rank 0): this process is the rank; again when rank 0 says another
+    group follows (serve --validate's baseline run). Returns the exit status."""
+    generation = 0
+    while True:
+        code = worker_main(rank, layout, target, dict(load_kw), max(1, torch.get_num_threads()), 0,
+                           generation=generation)
+        if code != EXIT_REJOIN:
+            return code
+        generation += 1
+        if not _await_generation(layout.addr, generation):
+            return 0
+
+
+def _await_generation(addr: tuple[str, int], generation: int, timeout: float = 600.0) -> bool:
+    """Wait until rank 0's store at ``addr`` serves ``generation`` (the previous group's store may
+    still be up a moment); False if it never comes."""
+    from eagle3.runtime.parallel import store_generation
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store_generation(addr) == generation:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _wait_all(procs: list[Any]) -> list[int]:
+    """Wait for every process; once one fails, the others are stopped (a group cannot run without it)."""
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0, EXIT_REJOIN) for p in procs):
+            _stop(procs, grace=10)
+            break
+        time.sleep(0.2)
+    return [int(p.exitcode) for p in procs]
 
 
 class TPTarget:

@@ -1,0 +1,370 @@
+"""Tensor parallelism across nodes, on one machine: two "nodes" on loopback, each its own ``eagle3
+serve`` process tree (``--nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:PORT``, gloo), TP=4 with
+two ranks a node. Node 0 serves (or, in the first test, is this test process's LLM, so that its
+logits can be compared); node 1 runs its ranks headless and exits when node 0 ends.
+
+Every node is started in a session of its own, and its whole process group is killed at the end of
+each test whatever happens (no orphans, even on a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.runtime.engine.llm import LLM
+from eagle3.runtime.parallel import free_port
+from tests.runtime.model_kit import single_thread
+from tests.runtime.test_tensor_parallel import LOGITS_ATOL, PROMPTS, _logits, _tokens
+
+REPO = Path(__file__).resolve().parents[2]
+# Small liveness limits, so that a killed node is noticed in seconds (the defaults are for real
+# clusters: 30 s heartbeat, 300 s collective timeout).
+ENV = dict(os.environ, PYTHONPATH=str(REPO), EAGLE3_TP_HEARTBEAT_TIMEOUT="5", EAGLE3_TP_TIMEOUT="60")
+
+_threads = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(autouse=True)
+def _liveness_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eagle3.runtime.parallel as parallel
+
+    monkeypatch.setattr(parallel, "_HB_TIMEOUT_S", 5.0)
+
+
+def _serve_argv(target: Path, rank: int, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eagle3.cli", "serve", str(target), "--tensor-parallel-size", "4", "--nnodes", "2",
+            "--node-rank", str(rank), "--dist-init-addr", f"127.0.0.1:{port}", "--dtype", "float32", *extra]
+
+
+@contextlib.contextmanager
+def _node(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """One "node": a process tree in a session of its own, killed whole on the way out."""
+    with log.open("wb") as out:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    try:
+        yield p
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().split(")")[-1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def _gone(pgid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _group(pgid)
+
+
+def _wait_exit(p: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> int:
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node did not exit: {log.read_text(errors='replace')[-3000:]}")
+
+
+def _llm(target: Path, draft: Path | None, port: int) -> LLM:
+    return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=4, nnodes=2,
+               dist_init_addr=f"127.0.0.1:{port}")
+
+
+@pytest.mark.slow
+def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path: Path) -> None:
+    """TP=4 over two nodes == TP=1 (greedy tokens; logits within rounding), plain and speculative
+    with both draft architectures; each LLM closes with rejoin so that node 1 joins the next group."""
+    target = tiny_dir / "kimi-k2.5"
+    one = LLM(target, dtype="float32", tokenizer=None, num_blocks=64)
+    ref, ref_logits = _tokens(one), _logits(one, PROMPTS[3])
+    del one
+    port = free_port()
+    log = tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port), log) as node1:
+        runs = [None, tiny_dir / "kimi-k2.5-eagle3", tiny_dir / "kimi-k2.6-eagle3.1-mla"]
+        for i, draft in enumerate(runs):
+            llm = _llm(target, draft, port)
+            try:
+                assert _tokens(llm) == ref, draft
+                if draft is None:
+                    diff = (_logits(llm, PROMPTS[3]) - ref_logits).abs().max().item()
+                    assert diff <= LOGITS_ATOL, diff
+                    assert llm.target.model.lm_head.out_features == llm.target.model.vocab_size // 4
+                else:
+                    assert llm.stats.num_drafts > 0
+            finally:
+                llm.close(rejoin=i < len(runs) - 1)
+        assert _wait_exit(node1, log) == 0, log.read_text(errors="replace")[-3000:]
+        assert _gone(node1.pid)
+
+
+@pytest.mark.slow
+def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
+    from tests.validate import lmeval
+
+    data = next((d for d in (lmeval.GSM8K_DIR, REPO.parents[1] / "shared" / "data" / "gsm8k")
+                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    report = tmp_path / "report.json"
+    port = free_port()
+    flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "4", "--max-tokens",
+             "16", "--concurrency", "4", "--dataset", str(data)]
+    target = tiny_dir / "kimi-k2.5"
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port, *flags), log1) as node1, \
+            _node(_serve_argv(target, 0, port, *flags, "--report", str(report)), log0) as node0:
+        assert _wait_exit(node0, log0, 600) == 0, log0.read_text(errors="replace")[-3000:]
+        out = log0.read_text(errors="replace")
+        assert "result: PASS" in out, out[-3000:]
+        rep = json.loads(report.read_text())
+        assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 4
+        assert rep["server"]["tensor_parallel_size"] == 4
+        assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]  # both runs' groups
+        assert _gone(node0.pid) and _gone(node1.pid)
+
+
+def _serving_node0(target: Path, port: int, tmp_path: Path) -> tuple[list[str], Path]:
+    ready = tmp_path / "ready.json"
+    return _serve_argv(target, 0, port, "--port", "0", "--ready-file", str(ready), "--log-level", "warning"), ready
+
+
+def _wait_ready(ready: Path, p: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"node 0 did not start: {log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+    return str(json.loads(ready.read_text())["url"])
+
+
+def test_killing_node1_fails_requests_in_flight_and_health(tiny_dir: Path, tmp_path: Path) -> None:
+    import httpx
+
+    target, port = tiny_dir / "kimi-k2.5", free_port()
+    argv0, ready = _serving_node0(target, port, tmp_path)
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
+        url = _wait_ready(ready, node0, log0)
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"model": "kimi-k2.5", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        text: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    text.append(line)
+                    started.set()
+            started.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert started.wait(120)
+        os.killpg(node1.pid, signal.SIGKILL)  # the whole node: its headless process and both its ranks
+        t.join(120)
+        assert not t.is_alive()
+        errors = [json.loads(x[6:])["error"]["message"] for x in text if x.startswith("data: {\"error\"")]
+        # node 1's ranks stop together: whichever of them rank 0 finds silent first is named
+        assert len(errors) == 1 and re.search(r"rank [23] \(node 1\)", errors[0]), text[-3:]
+        assert "\n" not in errors[0]
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and re.search(r"rank [23] \(node 1\)", r.text), r.text
+        assert _gone(node1.pid)
+        workers = [pid for pid in _group(node0.pid) if pid != node0.pid]
+        assert workers  # node 0's own rank 1
+        node0.send_signal(signal.SIGINT)
+        _wait_exit(node0, log0)
+        assert _gone(node0.pid)
+
+
+def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp_path: Path) -> None:
+    """No step runs, so no collective fails: the heartbeat alone turns /health to 503, naming node 1."""
+    import httpx
+
+    target, port = tiny_dir / "kimi-k2.5", free_port()
+    argv0, ready = _serving_node0(target, port, tmp_path)
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
+        url = _wait_ready(ready, node0, log0)
+        assert httpx.get(url + "/health").status_code == 200
+        os.killpg(node1.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(url + "/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.status_code == 503 and re.search(r"rank [23] \(node 1\) stopped answering", r.text), r.text
+        assert _gone(node1.pid)
+        node0.send_signal(signal.SIGINT)
+        _wait_exit(node0, log0)
+        assert _gone(node0.pid)
+
+
+def test_killing_node0_ends_node1(tiny_dir: Path, tmp_path: Path) -> None:
+    target, port = tiny_dir / "kimi-k2.5", free_port()
+    argv0, ready = _serving_node0(target, port, tmp_path)
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
+        _wait_ready(ready, node0, log0)
+        assert len(_group(node1.pid)) >= 3  # the headless process and its two ranks
+        os.killpg(node0.pid, signal.SIGKILL)
+        assert _wait_exit(node1, log1) != 0  # its ranks lost rank 0
+        assert _gone(node1.pid) and _gone(node0.pid)
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return int(e.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--tensor-parallel-size", "4", "--nnodes", "2"], "--dist-init-addr"),
+    (["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"], "--node-rank"),
+    (["--tensor-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "--tensor-parallel-size"),
+    (["--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", "nohostport"], "--dist-init-addr"),
+    (["--tensor-parallel-size", "4", "--nnodes", "0"], "--nnodes"),
+    (["--node-rank", "1"], "--node-rank"),
+])
+def test_bad_node_flags_are_one_line(flags: list[str], named: str, tiny_dir: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in (["serve"], ["bench"]):
+        code, err = _main([*cmd, str(tiny_dir / "kimi-k2.5"), *flags], capsys)
+        assert code == 2 and named in err and err.count("\n") == 1, (cmd, err)
+
+
+def test_bench_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
+    report, port = tmp_path / "bench.json", free_port()
+    flags = ["--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dtype",
+             "float32", "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--input-len", "8", "--output-len", "4",
+             "--num-prompts", "2"]
+    bench = [sys.executable, "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), *flags]
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    with _node([*bench, "--node-rank", "1"], log1) as node1, \
+            _node([*bench, "--node-rank", "0", "--report", str(report)], log0) as node0:
+        assert _wait_exit(node0, log0, 300) == 0, log0.read_text(errors="replace")[-3000:]
+        assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]
+        assert _gone(node0.pid) and _gone(node1.pid)
+    rep = json.loads(report.read_text())
+    assert rep["tensor_parallel_size"] == 4
+    assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
+
+
+def test_bench_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
+    """torchrun starts every rank (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* from its environment):
+    rank 0 benchmarks, rank 1 runs headless and ends with it."""
+    report = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+            "--dtype", "float32", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--report",
+            str(report)]
+    log = tmp_path / "torchrun.log"
+    with _node(argv, log) as p:
+        assert _wait_exit(p, log, 300) == 0, log.read_text(errors="replace")[-3000:]
+        assert _gone(p.pid)
+    rep = json.loads(report.read_text())
+    assert rep["tensor_parallel_size"] == 2
+    assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
+
+
+@pytest.mark.slow
+def test_serve_validate_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
+    """serve --validate forms two groups (speculative, then baseline): torchrun's rank 1 joins both."""
+    from tests.validate import lmeval
+
+    data = next((d for d in (lmeval.GSM8K_DIR, REPO.parents[1] / "shared" / "data" / "gsm8k")
+                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+            "--dtype", "float32", "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", "--concurrency", "4",
+            "--dataset", str(data), "--report", str(report)]
+    log = tmp_path / "torchrun.log"
+    with _node(argv, log) as p:
+        assert _wait_exit(p, log, 400) == 0, log.read_text(errors="replace")[-3000:]
+        assert _gone(p.pid)
+    rep = json.loads(report.read_text())
+    assert rep["passed"] and rep["lossless"]["passed"] and rep["server"]["tensor_parallel_size"] == 2
+
+
+def test_torchrun_environment_gives_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eagle3.cli.options import node_layout
+    from eagle3.errors import UsageError
+
+    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    fields, headless = node_layout(1, 1, 0, None, "cuda")
+    assert fields == {"tensor_parallel_size": 4, "nnodes": 4, "node_rank": 3, "dist_init_addr": "10.0.0.1:29500",
+                      "device": "cuda:1"}
+    assert headless == 3
+    monkeypatch.setenv("RANK", "0")
+    assert node_layout(4, 1, 0, None, "cpu")[1] is None  # rank 0 serves
+    with pytest.raises(UsageError, match="--tensor-parallel-size 8"):
+        node_layout(8, 1, 0, None, "cpu")
+
+
+def test_step_channel_frames_small_and_large_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What rank 0 sends is what a rank receives: one broadcast for a step's inputs, a second for
+    whatever does not fit the first (the broadcasts replayed from a recording, no processes)."""
+    import torch.distributed as dist
+
+    from eagle3.runtime import parallel
+    from eagle3.runtime.engine.model_runner import build_attn_metadata
+
+    wire: list[bytes] = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: wire.append(bytes(t.tolist())))
+    meta = build_attn_metadata([[0, 1], [2]], [0, 3], [20, 5], 16)
+    msgs = [("forward", torch.arange(25), meta, (1, 2)), ("big", bytes(range(256)) * 200), ("exit", False)]
+    sender = parallel.StepChannel()
+    for m in msgs:
+        sender.send(m)
+    assert len(wire) == 4  # one broadcast each, two for the big one
+
+    def replay(t: torch.Tensor, src: int, group: object = None) -> None:
+        t.copy_(torch.tensor(list(wire.pop(0)), dtype=torch.uint8))
+
+    monkeypatch.setattr(dist, "broadcast", replay)
+    receiver = parallel.StepChannel()
+    got = [receiver.recv() for _ in msgs]
+    assert torch.equal(got[0][1], msgs[0][1]) and got[0][3] == (1, 2)
+    assert torch.equal(got[0][2].slot_mapping, meta.slot_mapping)
+    assert got[1:] == msgs[1:]
+
+
+def test_a_rank_that_fails_on_its_own_is_named_with_its_error(tiny_dir: Path) -> None:
+    """A rank whose step fails by its own fault (not a peer's) reports why in the store and leaves;
+    rank 0 names it with that reason (here: logits asked for before any forward)."""
+    llm = LLM(tiny_dir / "kimi-k2.5", dtype="float32", tokenizer=None, num_blocks=8, tensor_parallel_size=2)
+    try:
+        w = llm._workers
+        w.broadcast(("logits", torch.tensor([0])))
+        w.procs[0].join(60)
+        assert w.procs[0].exitcode == 1
+        assert llm.broken is not None and "rank 1 failed: AssertionError" in llm.broken, llm.broken
+    finally:
+        llm.close()
