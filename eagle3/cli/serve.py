@@ -77,6 +77,7 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
     kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
+    attention_backend: Annotated[str | None, typer.Option(help="--engine sglang: its --attention-backend (draft trees over MLA: triton (default) or fa3, at --page-size 1).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
     gpu: Annotated[str | None, typer.Option(help="--plan: h100|h200|mi300x|mi325x|mi355x.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="--plan: memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
@@ -91,6 +92,8 @@ def serve(
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
 
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
+
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --engine sglang --speculative-eagle-topk 4 --dry-run
 
     eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
 
@@ -111,20 +114,20 @@ def serve(
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
     if engine is not None:
-        if speculative_eagle_topk != 1 or speculative_num_draft_tokens is not None:
-            raise UsageError("--speculative-eagle-topk / --speculative-num-draft-tokens are the bundled runtime's "
-                             "(not passed on to --engine)")
         if not isinstance(spec_k, int):
             raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
         kw = dict(num_speculative_tokens=spec_k, host=host, port=8000 if port is None else port,
                   tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                   trust_remote_code=trust_remote_code, served_model_name=served_model_name,
-                  max_model_len=max_model_len)
+                  max_model_len=max_model_len, speculative_eagle_topk=speculative_eagle_topk,
+                  speculative_num_draft_tokens=speculative_num_draft_tokens, attention_backend=attention_backend)
         if nnodes > 1:
             _hand_off_nodes(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr, **kw)
         else:
             _hand_off(engine, target, draft, dry_run=dry_run, **kw)
         return
+    if attention_backend is not None:
+        raise UsageError("--attention-backend goes with --engine sglang")
     if dry_run:
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
     from eagle3.serve import launcher

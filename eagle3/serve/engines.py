@@ -19,6 +19,14 @@ every node with ``--nnodes N --node-rank R --dist-init-addr HOST:PORT`` (node 0 
 joins the nodes into a Ray cluster first (``ray start --head`` on node 0, ``ray start --address`` on
 the others) and then runs ``vllm serve ... --distributed-executor-backend ray`` on node 0 alone.
 
+Draft trees (``--speculative-eagle-topk K > 1``, docs/trees.md "Engines") over an MLA target such as
+Kimi-K2.5: only SGLang takes them, with its FA3 or Triton attention backend at page size 1 (its
+docs/advanced_features/attention_backend.md, MLA table, "Spec topk>1"; FlashInfer MLA, FlashMLA,
+Cutlass MLA and TRTLLM MLA refuse topk > 1, and neither FA3 nor Triton MLA has an FP8 KV cache).
+vLLM's tree drafting needs its TREE_ATTN backend (vllm/v1/attention/backends/tree_attn.py, a K/V
+paged cache: multi-head attention only) and takes a static ``speculative_token_tree``, so trees are
+refused there; ATOM documents EAGLE-3 as a chain only (``--num-speculative-tokens``), refused too.
+
 ``--quantization`` is passed to vLLM / SGLang when the target's config names a method they know
 (compressed-tensors, quark, fp8), which makes a mismatch an error at load instead of a silent
 fallback. Remote code is only allowed with ``trust_remote_code=True``.
@@ -48,6 +56,10 @@ _KV_DTYPES = {
     "fp8_e5m2": {"vllm": "fp8_e5m2", "sglang": "fp8_e5m2", "atom": None},
 }
 _KNOWN_QUANT = ("compressed-tensors", "quark", "fp8")
+# SGLang MLA attention backends that verify trees (topk > 1), at page size 1 only; the others refuse it.
+SGLANG_TREE_MLA_BACKENDS = ("triton", "fa3")
+_SGLANG_CHAIN_ONLY_MLA = ("flashinfer", "flashmla", "cutlass_mla", "trtllm_mla")
+MAX_TREE_NODES = 64  # the bundled runtime's default cap, kept so both engines build the same tree
 
 
 @dataclass
@@ -75,12 +87,84 @@ def _quant_method(target: Path) -> str | None:
     return str(method) if method else None
 
 
+def _is_mla(target: str) -> bool:
+    """Whether the target uses MLA (``kv_lora_rank`` or a DeepSeek architecture in its config). An
+    unreadable config counts as MLA: this project's targets are Kimi-K2.5 (MLA), and refusing a tree
+    the engine might take is safer than printing one it will reject after a long load."""
+    from eagle3.formats.detect import load_config, text_config
+
+    try:
+        cfg = load_config(Path(target))
+        tc = text_config(cfg)
+    except Exception:
+        return True
+    archs = [str(a) for a in (cfg.get("architectures") or []) + (tc.get("architectures") or [])]
+    return tc.get("kv_lora_rank") is not None or any("Deepseek" in a for a in archs)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """An EAGLE-2 draft tree in SGLang's knobs: ``topk`` children per expanded node, ``steps`` deep,
+    ``draft_tokens`` nodes verified per step (the root included)."""
+
+    topk: int
+    steps: int
+    draft_tokens: int
+
+
+def tree_shape(topk: int, steps: int, draft_tokens: int | None) -> TreeShape | None:
+    """The tree asked for, checked; None for the chain (topk 1)."""
+    if topk < 1:
+        raise UsageError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+    if topk == 1:
+        if draft_tokens is not None and draft_tokens != steps + 1:
+            raise UsageError(f"--speculative-num-draft-tokens goes with --speculative-eagle-topk > 1 (a chain "
+                             f"verifies --num-speculative-tokens + 1 = {steps + 1} tokens)")
+        return None
+    most = topk * steps + 1  # every drafted node plus the root
+    n = min(most, MAX_TREE_NODES) if draft_tokens is None else draft_tokens
+    if not 2 <= n <= most:
+        raise UsageError(f"--speculative-num-draft-tokens must be in 2..{most} (topk * steps + 1) for "
+                         f"--speculative-eagle-topk {topk} and {steps} steps, got {n}")
+    return TreeShape(topk, steps, n)
+
+
+def _refuse_tree(engine: str, target: str, tree: TreeShape, kv_cache_dtype: str,
+                 attention_backend: str | None) -> None:
+    """Raise (one line) when ``engine`` cannot verify ``tree`` over this target."""
+    mla = _is_mla(target)
+    what = f"--engine {engine}: draft trees (--speculative-eagle-topk {tree.topk})"
+    if engine == "vllm":
+        if mla:
+            raise UsageError(f"{what} need vLLM's tree attention backend (TREE_ATTN, multi-head attention only); "
+                             "it has no MLA tree backend and the target is MLA: use --engine sglang or the "
+                             "bundled runtime")
+        raise UsageError(f"{what}: vLLM takes only a static speculative_token_tree, not a dynamic topk tree; "
+                         "use --engine sglang or the bundled runtime")
+    if engine == "atom":
+        raise UsageError(f"{what} are not supported by ATOM as far as documented (its EAGLE-3 takes "
+                         "--num-speculative-tokens, a chain): use --engine sglang or the bundled runtime")
+    if not mla:
+        return
+    if attention_backend is not None and attention_backend not in SGLANG_TREE_MLA_BACKENDS:
+        why = "refuses topk > 1" if attention_backend in _SGLANG_CHAIN_ONLY_MLA else "is not one that takes topk > 1"
+        raise UsageError(f"{what} over an MLA target: SGLang's {attention_backend} attention backend {why}; "
+                         f"use --attention-backend {' or '.join(SGLANG_TREE_MLA_BACKENDS)}")
+    if kv_cache_dtype not in ("auto", "bf16"):
+        raise UsageError(f"{what} over an MLA target: SGLang's tree-capable MLA backends "
+                         f"({', '.join(SGLANG_TREE_MLA_BACKENDS)}) have no FP8 KV cache; drop --kv-cache-dtype "
+                         f"{kv_cache_dtype}")
+
+
 def build_command(engine: str, target: str | Path, draft: str | Path | None = None, *,
                   num_speculative_tokens: int = 3, host: str = "127.0.0.1", port: int = 8000,
                   tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
                   trust_remote_code: bool = False, served_model_name: str | None = None,
-                  max_model_len: int | None = None) -> LaunchCommand:
-    """The engine's launch command for ``target`` (+ ``draft``); nothing is run."""
+                  max_model_len: int | None = None, speculative_eagle_topk: int = 1,
+                  speculative_num_draft_tokens: int | None = None,
+                  attention_backend: str | None = None) -> LaunchCommand:
+    """The engine's launch command for ``target`` (+ ``draft``); nothing is run. A draft tree
+    (``speculative_eagle_topk > 1``) the engine cannot verify over this target is refused (UsageError)."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if kv_cache_dtype not in _KV_DTYPES:
@@ -89,7 +173,14 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
         raise UsageError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
     if tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if attention_backend is not None and engine != "sglang":
+        raise UsageError("--attention-backend goes with --engine sglang")
     target, draft = str(target), (None if draft is None else str(draft))
+    tree = tree_shape(speculative_eagle_topk, num_speculative_tokens, speculative_num_draft_tokens)
+    if tree is not None and draft is None:
+        raise UsageError("--speculative-eagle-topk > 1 needs --draft")
+    if tree is not None:
+        _refuse_tree(engine, target, tree, kv_cache_dtype, attention_backend)
     notes: list[str] = []
     quant = quantization
     if quant is None and Path(target).is_dir():
@@ -122,9 +213,11 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
         if served_model_name:
             argv += ["--served-model-name", served_model_name]
         if draft is not None:
+            topk, n = (1, k + 1) if tree is None else (tree.topk, tree.draft_tokens)
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-                     "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-                     "--speculative-num-draft-tokens", str(k + 1)]
+                     "--speculative-num-steps", str(k), "--speculative-eagle-topk", str(topk),
+                     "--speculative-num-draft-tokens", str(n)]
+        argv += _sglang_attention(tree, attention_backend, _is_mla(target) if tree is not None else False)
         if kv:
             argv += ["--kv-cache-dtype", kv]
         if quant:
@@ -173,6 +266,14 @@ def node_commands(engine: str, target: str | Path, draft: str | Path | None = No
     serve = LaunchCommand(engine, [*base.argv, "--distributed-executor-backend", "ray"],
                           [*base.notes, "vllm serve runs on node 0 once every node has joined the Ray cluster"])
     return [*head, *workers, (0, serve)]
+
+
+def _sglang_attention(tree: TreeShape | None, backend: str | None, mla: bool) -> list[str]:
+    """SGLang's attention flags: a tree over MLA needs a tree-capable backend at page size 1 (Triton
+    by default: it runs on NVIDIA and AMD GPUs; fa3 is Hopper only); otherwise only what was asked."""
+    if tree is not None and mla:
+        return ["--attention-backend", backend or "triton", "--page-size", "1"]
+    return [] if backend is None else ["--attention-backend", backend]
 
 
 def executable_argv(cmd: LaunchCommand) -> list[str]:

@@ -3,7 +3,11 @@
 Names follow vLLM's with the ``eagle3:`` prefix, so that scrapers written for vLLM work after a
 prefix change and ``eagle3 validate`` / ``eagle3 bench`` read both. The speculative counters are
 vLLM's exactly (``spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``,
-``..._num_accepted_tokens_per_pos{position}``); the acceptance rate, mean acceptance length and the
+``..._num_accepted_tokens_per_pos{position}``; with draft trees ``position`` i counts the verifies
+whose accepted path reached depth i + 1, so it is the per-depth counter). ``spec_decode_shape`` is an
+info gauge (value 1) whose labels give the speculation shape: ``topk``, ``num_steps``,
+``num_draft_tokens`` (the chain: 1, k, k + 1; absent under ``num_speculative_tokens="auto"``). The
+acceptance rate, mean acceptance length and the
 accepted-count histogram are derived from them by the reader (see
 :mod:`eagle3.validate.metrics_client`).
 
@@ -37,7 +41,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """The server's instruments. Thread-safe (prometheus-client locks each value)."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int, adaptive: bool = False) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int, adaptive: bool = False,
+                 shape: tuple[int, int, int] | None = None) -> None:
         disable_created_metrics()  # no "<name>_created" series (process-wide; vLLM does the same)
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -75,8 +80,14 @@ class ServerMetrics:
             self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
             self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
             per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                              "Drafts whose token at this position was accepted.", ("position",))
+                              "Drafts whose token at this position (trees: depth position + 1) was accepted.",
+                              ("position",))
             self.spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
+        if shape is not None and num_speculative_tokens:
+            info = Gauge(PREFIX + "spec_decode_shape", "Speculation shape in the labels (value 1): topk "
+                         "(1: a chain), num_steps (draft depth), num_draft_tokens (verified per step, root "
+                         "included).", labels + ["topk", "num_steps", "num_draft_tokens"], registry=r)
+            info.labels(model_name, *(str(x) for x in shape)).set(1)
         self._last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [0] * num_speculative_tokens)
         # num_speculative_tokens="auto": engine steps by the draft length they chose (0 = plain step).
         self.chosen_k: Any = None
@@ -144,6 +155,7 @@ class ServerMetrics:
 
 
 def metrics_for(model_name: str, llm: Any) -> ServerMetrics:
-    """The instruments for serving ``llm``: its k (auto: the ceiling) and, under auto, the chosen-k
-    histogram."""
-    return ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0), getattr(llm, "policy", None) is not None)
+    """The instruments for serving ``llm``: its k (auto: the ceiling), under auto the chosen-k
+    histogram, else its speculation shape (chain or tree)."""
+    return ServerMetrics(model_name, int(getattr(llm, "k", 0) or 0), getattr(llm, "policy", None) is not None,
+                         getattr(llm, "spec_shape", None))

@@ -12,6 +12,9 @@ Understood formats (all scraped before and after a run; the run's numbers are th
 - eagle3 with ``num_speculative_tokens="auto"`` also exports the histogram
   ``eagle3:spec_decode_chosen_k`` (engine steps by the draft length chosen, buckets ``le`` = 0..max);
   its delta is reported as ``chosen_k_histogram`` (steps that chose k = 0, 1, ...).
+- eagle3 also exports the info gauge ``eagle3:spec_decode_shape{topk, num_steps, num_draft_tokens}``;
+  it is reported as ``shape`` (draft trees: topk > 1; the per-position counters then count the
+  verifies accepting each depth).
 - SGLang (``sglang:``): only the gauges ``spec_accept_length`` / ``spec_accept_rate`` exist; they
   are reported as read after the run (a server-side window, not this run's delta).
 
@@ -134,6 +137,20 @@ def parse_chosen_k(text: str) -> list[float] | None:
     return [v - (cum[i - 1][1] if i else 0.0) for i, (_, v) in enumerate(cum)]
 
 
+SHAPE = "eagle3:spec_decode_shape"
+
+
+def parse_shape(text: str) -> dict[str, int] | None:
+    """The speculation shape ``{"topk", "num_steps", "num_draft_tokens"}`` from the info gauge, or None."""
+    for labels, v in _samples(text).get(SHAPE, []):
+        if v:
+            try:
+                return {key: int(labels[key]) for key in ("topk", "num_steps", "num_draft_tokens")}
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
 def scrape(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> str | None:
     """``GET <root>/metrics`` as text, or None when the server has no such endpoint."""
     import httpx
@@ -160,5 +177,8 @@ def spec_delta(before: str | None, after: str | None) -> dict[str, Any] | None:
         if chosen is not None:
             old = (parse_chosen_k(before) if before is not None else None) or [0.0] * len(chosen)
             out["chosen_k_histogram"] = [a - b for a, b in zip(chosen, old + [0.0] * len(chosen), strict=False)]
+        shape = parse_shape(after)
+        if shape is not None:
+            out["shape"] = shape
         return out
     return parse_sglang_gauges(after)

@@ -207,6 +207,26 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def speculative_lines(spec: dict[str, Any] | None) -> list[str]:
+    """The summary's acceptance lines; a tree's shape and its per-depth acceptance (the per-position
+    counters count, for trees, the verifies whose accepted path reached each depth)."""
+    if not spec:
+        return ["  speculative: no counters on the server's /metrics"]
+    pp = "/".join(_fmt(x) for x in spec.get("per_position_acceptance") or [])
+    dist = "/".join(_fmt(100 * x if x is not None else None, ".1f") for x in spec.get("accepted_distribution") or [])
+    lines = [f"  acceptance rate {_fmt(spec.get('acceptance_rate'), '.4f')}  mean accept length "
+             f"{_fmt(spec.get('mean_acceptance_length'))}  per position {pp or '-'}  "
+             f"accepted 0..k {dist or '-'} %  [{spec.get('source')}]"]
+    shape = spec.get("shape") or {}
+    if shape.get("topk", 1) > 1:
+        lines.append(f"  tree topk {shape['topk']}, {shape['num_steps']} steps, {shape['num_draft_tokens']} "
+                     f"tokens verified: depth>=1..{shape['num_steps']} accepted {pp or '-'} of verifies")
+    if spec.get("chosen_k_histogram"):
+        lines.append(f"  chosen k (auto) 0..{len(spec['chosen_k_histogram']) - 1}: "
+                     + "/".join(f"{n:g}" for n in spec["chosen_k_histogram"]) + " steps")
+    return lines
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     acc = report["accuracy"]
     lines = [f"GSM8K {report['num_fewshot']}-shot, {report['n_samples']} questions, server "
@@ -214,18 +234,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for name in ("strict-match", "flexible-extract"):
         a = acc[name]
         lines.append(f"  exact_match {name:17s} {_fmt(a['exact_match'], '.4f')} ± {_fmt(a['stderr'], '.4f')}")
-    spec = report.get("speculative")
-    if spec:
-        pp = "/".join(_fmt(x) for x in spec.get("per_position_acceptance") or [])
-        dist = "/".join(_fmt(100 * x if x is not None else None, ".1f") for x in spec.get("accepted_distribution") or [])
-        lines.append(f"  acceptance rate {_fmt(spec.get('acceptance_rate'), '.4f')}  mean accept length "
-                     f"{_fmt(spec.get('mean_acceptance_length'))}  per position {pp or '-'}  "
-                     f"accepted 0..k {dist or '-'} %  [{spec.get('source')}]")
-        if spec.get("chosen_k_histogram"):
-            lines.append(f"  chosen k (auto) 0..{len(spec['chosen_k_histogram']) - 1}: "
-                         + "/".join(f"{n:g}" for n in spec["chosen_k_histogram"]) + " steps")
-    else:
-        lines.append("  speculative: no counters on the server's /metrics")
+    lines += speculative_lines(report.get("speculative"))
     lat, thr = report["latency"], report["throughput"]
     lines.append(f"  TTFT ms mean/p50/p99 {_fmt(lat['ttft_ms']['mean'])}/{_fmt(lat['ttft_ms']['median'])}/"
                  f"{_fmt(lat['ttft_ms']['p99'])}  TPOT ms {_fmt(lat['tpot_ms']['mean'])}/"

@@ -148,7 +148,7 @@ def test_served_tree_engine_answers_like_plain_greedy(pair: Path, plain: list[li
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--speculative-eagle-topk", "0"], "speculative_eagle_topk must be an integer >= 1"),
-    (["--speculative-eagle-topk", "2", "--engine", "vllm", "--dry-run"], "bundled runtime's"),
+    (["--speculative-eagle-topk", "2", "--engine", "vllm", "--dry-run"], "no MLA tree backend"),
 ])
 def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> None:
     import subprocess
@@ -200,3 +200,47 @@ def test_bench_cli_runs_trees(pair: Path, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     got = json.loads(report.read_text())
     assert got["speculative_eagle_topk"] == 2 and got["speculative_num_draft_tokens"] == 7
+
+
+def test_tree_observability(pair: Path, plain: list[list[int]]) -> None:
+    """The tree shape and the per-depth acceptance in stats_line(), /metrics and the validation
+    report's speculative section (the chain's per-position counter is the tree's per-depth one)."""
+    from eagle3.runtime.engine.llm import LLM
+    from eagle3.serve.metrics import metrics_for
+    from eagle3.validate import metrics_client
+    from eagle3.validate.report import speculative_lines
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=8, **ENGINE)
+    metrics = metrics_for("tiny", llm)
+    before = metrics.render().decode()
+    assert [o.token_ids for o in llm.generate(_prompts()[:2], GREEDY)] == plain[:2]
+    metrics.observe_engine(llm)
+    stats = llm.stats
+    # the accepted path has one node per depth: summed over depths, the counter is the accepted tokens
+    assert stats.num_drafts > 0 and len(stats.accepted_per_pos) == 3
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    line = llm.stats_line()
+    assert "tree K/S/N: 2/3/8" in line and "depth>=1/2/3: " in line
+    assert llm.spec_shape == (2, 3, 8)
+
+    after = metrics.render().decode()
+    assert 'eagle3:spec_decode_shape{model_name="tiny",num_draft_tokens="8",num_steps="3",topk="2"} 1.0' in after
+    delta = metrics_client.spec_delta(before, after)
+    assert delta is not None and delta["shape"] == {"topk": 2, "num_steps": 3, "num_draft_tokens": 8}
+    assert delta["accepted_per_pos"] == [float(x) for x in stats.accepted_per_pos]
+    assert delta["mean_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)
+    lines = speculative_lines(delta)
+    assert any(x.strip().startswith("tree topk 2, 3 steps, 8 tokens verified: depth>=1..3") for x in lines)
+
+
+def test_chain_shape_metric(pair: Path) -> None:
+    from eagle3.runtime.engine.llm import LLM
+    from eagle3.serve.metrics import metrics_for
+    from eagle3.validate import metrics_client
+
+    llm = LLM(pair / TARGET, pair / DRAFT, num_speculative_tokens=3, **ENGINE)
+    assert llm.spec_shape == (1, 3, 4) and "tree" not in llm.stats_line()
+    text = metrics_for("tiny", llm).render().decode()
+    assert metrics_client.parse_shape(text) == {"topk": 1, "num_steps": 3, "num_draft_tokens": 4}
+    assert LLM(pair / TARGET, None, **ENGINE).spec_shape is None

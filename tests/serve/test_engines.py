@@ -136,3 +136,68 @@ def test_two_node_commands_need_the_address(tiny_dir: Path, capsys: pytest.Captu
     code, err = _main(["serve", str(tiny_dir / "kimi-k2.5"), "--engine", "atom", "--tensor-parallel-size", "16",
                        "--nnodes", "2", "--dist-init-addr", "h:1", "--dry-run"], capsys)
     assert code == 2 and "sglang and vllm only" in err
+
+
+# --- draft trees (--speculative-eagle-topk > 1) over the MLA target --------------------------------
+
+
+def _refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one-line refusal (exit 2) of a --dry-run."""
+    code, err = _main(["serve", *args, "--dry-run"], capsys)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_sglang_tree_over_mla(tiny_dir: Path) -> None:
+    t, d = tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3"
+    argv = _dry(str(t), "--draft", str(d), "--engine", "sglang", "--speculative-eagle-topk", "4",
+                "--num-speculative-tokens", "5", "--speculative-num-draft-tokens", "16")
+    assert _flag(argv, "--speculative-eagle-topk") == "4" and _flag(argv, "--speculative-num-steps") == "5"
+    assert _flag(argv, "--speculative-num-draft-tokens") == "16"
+    # MLA + topk > 1: a tree-capable backend (Triton by default) at page size 1
+    assert _flag(argv, "--attention-backend") == "triton" and _flag(argv, "--page-size") == "1"
+    fa3 = _dry(str(t), "--draft", str(d), "--engine", "sglang", "--speculative-eagle-topk", "2",
+               "--attention-backend", "fa3")
+    assert _flag(fa3, "--attention-backend") == "fa3" and _flag(fa3, "--page-size") == "1"
+    # the default tree size is the bundled runtime's: min(K * steps + 1, 64)
+    assert _flag(fa3, "--speculative-num-draft-tokens") == "7"
+
+
+def test_sglang_chain_unchanged(tiny_dir: Path) -> None:
+    argv = _dry(str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--engine", "sglang")
+    assert _flag(argv, "--speculative-eagle-topk") == "1" and "--attention-backend" not in argv
+    assert "--page-size" not in argv
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--engine", "vllm"], "no MLA tree backend"),
+    (["--engine", "atom"], "not supported by ATOM as far as documented"),
+    (["--engine", "sglang", "--attention-backend", "flashinfer"], "flashinfer attention backend refuses topk > 1"),
+    (["--engine", "sglang", "--attention-backend", "flashmla"], "flashmla attention backend refuses topk > 1"),
+    (["--engine", "sglang", "--attention-backend", "cutlass_mla"], "refuses topk > 1"),
+    (["--engine", "sglang", "--kv-cache-dtype", "fp8"], "no FP8 KV cache"),
+    (["--engine", "sglang", "--speculative-num-draft-tokens", "8", "--num-speculative-tokens", "3",
+      "--speculative-eagle-topk", "2"], "must be in 2..7"),
+])
+def test_tree_refusals(tiny_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    topk = [] if "--speculative-eagle-topk" in extra else ["--speculative-eagle-topk", "2"]
+    err = _refused([str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), *topk, *extra], capsys)
+    assert message in err
+
+
+def test_tree_flag_misuse(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t, d = str(tiny_dir / "kimi-k2.5"), str(tiny_dir / "kimi-k2.5-eagle3")
+    assert "needs --draft" in _refused([t, "--engine", "sglang", "--speculative-eagle-topk", "2"], capsys)
+    assert "goes with --speculative-eagle-topk > 1" in _refused(
+        [t, "--draft", d, "--engine", "sglang", "--speculative-num-draft-tokens", "8"], capsys)
+    assert "goes with --engine sglang" in _refused(
+        [t, "--draft", d, "--engine", "vllm", "--attention-backend", "triton"], capsys)
+
+
+def test_vllm_tree_refused_for_mha_target_too(tmp_path: Path) -> None:
+    """A multi-head-attention target: vLLM's trees are static (speculative_token_tree), not topk trees."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(engines.UsageError, match="static speculative_token_tree"):
+        engines.build_command("vllm", tmp_path, tmp_path / "draft", speculative_eagle_topk=2)
+    argv = engines.build_command("sglang", tmp_path, tmp_path / "draft", speculative_eagle_topk=2).argv
+    assert "--page-size" not in argv  # the MLA-only constraint is not applied to MHA

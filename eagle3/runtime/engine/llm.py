@@ -546,10 +546,23 @@ class LLM:
 
     def stats_line(self) -> str:
         """The acceptance line; with ``num_speculative_tokens="auto"`` also the share of steps that
-        chose each k (acceptance counts only the steps that drafted)."""
+        chose each k (acceptance counts only the steps that drafted); with draft trees also the
+        tree shape (topk K, S steps, N tokens verified) and the share of verifies accepting each
+        depth (the acceptance rate counts N - 1 drafted tokens per verify: avg toks/fwd compares)."""
+        if self.tree is not None:
+            k, n = self.tree
+            return f"{self.stats.line()}  tree K/S/N: {k}/{self.k}/{n}  {self.stats.depth_line()}"
         if self.policy is None:
             return self.stats.line()
         return f"{self.stats.line()}  {self.policy.histogram_line()}"
+
+    @property
+    def spec_shape(self) -> tuple[int, int, int] | None:
+        """(topk, steps, tokens verified per step with the root) when speculating with a fixed shape:
+        a chain is (1, k, k + 1); None without a draft or with ``num_speculative_tokens="auto"``."""
+        if self.draft is None or self.policy is not None or not self.k:
+            return None
+        return (1, self.k, self.k + 1) if self.tree is None else (self.tree[0], self.k, self.tree[1])
 
     @property
     def stats(self) -> SpecStats:

@@ -83,6 +83,15 @@ class SpecStats:
         return (f"acceptance: {100 * self.acceptance_rate:.2f}%  avg toks/fwd: {self.mean_acceptance_length:.2f}"
                 f"  dist {'/'.join(str(i) for i in range(k + 1))}: {dist}%")
 
+    def depth_line(self) -> str:
+        """``depth>=1/2/3: 91.00/86.00/77.00%``: the share of verifies whose accepted path reached
+        each depth. With draft trees ``accepted_per_pos[i]`` counts exactly that (the accepted
+        path is a chain of i + 1 nodes, one per depth), so the chain's per-position counter is
+        the tree's per-depth counter."""
+        k = self.num_speculative_tokens
+        rates = "/".join(f"{100 * f:.2f}" for f in self.per_position_acceptance)
+        return f"depth>={'/'.join(str(d) for d in range(1, k + 1))}: {rates}%"
+
     def as_dict(self) -> dict[str, object]:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
