@@ -368,3 +368,20 @@ def test_a_rank_that_fails_on_its_own_is_named_with_its_error(tiny_dir: Path) ->
         assert llm.broken is not None and "rank 1 failed: AssertionError" in llm.broken, llm.broken
     finally:
         llm.close()
+
+
+def test_group_generations_count_per_rendezvous_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other nodes count the groups at node 0's address from 0 (run_node); rank 0 must count the
+    # same way even when this process formed groups at other addresses before (a pytest worker, a
+    # notebook): a count per process made node 0 wait under another key prefix than node 1's.
+    from eagle3.runtime.engine import worker
+
+    monkeypatch.setattr(worker, "_spawn", lambda *a, **k: [])
+    monkeypatch.setattr(worker, "_GENERATIONS", {})
+
+    def generation(addr: tuple[str, int], nnodes: int = 2) -> int:
+        return worker.TPWorkers(4, "t", {}, torch.device("cpu"), nnodes=nnodes, addr=addr).generation
+
+    assert generation(("127.0.0.1", 1111), nnodes=1) == 0  # an earlier single-node group
+    assert generation(("10.0.0.1", 29500)) == 0  # the first group at node 0's address
+    assert generation(("10.0.0.1", 29500)) == 1  # serve --validate's baseline group: node 1 rejoins as 1

@@ -226,7 +226,10 @@ def _stop(procs: list[Any], grace: float = 5.0) -> None:
             p.join()
 
 
-_GENERATION = 0  # groups this process formed so far (run_node counts the same way)
+# Groups this process formed so far at each rendezvous address: the other nodes count the groups at
+# an address the same way (run_node, run_torchrun_rank: 0 first, +1 per rejoin), so a count per
+# process would not match theirs once an earlier group at another address existed here.
+_GENERATIONS: dict[tuple[str, int], int] = {}
 
 
 class TPWorkers:
@@ -247,9 +250,8 @@ class TPWorkers:
         self.store: Any = None
         self.beat: Heartbeat | None = None
         self.channel = StepChannel()
-        global _GENERATION
-        self.generation = _GENERATION
-        _GENERATION += 1
+        self.generation = _GENERATIONS.get(self.layout.addr, 0)
+        _GENERATIONS[self.layout.addr] = self.generation + 1
         self.procs: list[Any] = _spawn(range(1, self.layout.per_node), 1, self.layout, target, load_kw, device,
                                        self.generation)
 

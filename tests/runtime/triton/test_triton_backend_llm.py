@@ -94,10 +94,17 @@ CASES = [  # (draft, k, engine kwargs)
 def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path, draft: str,
                                                 k: int, kw: dict) -> None:
     target_llm, expected = plain
-    if target_llm.target.kv_cache_spec().dtype == torch.float32 and draft != "kimi-k2.5-eagle3":
+    tree = "speculative_eagle_topk" in kw
+    fp32 = target_llm.target.kv_cache_spec().dtype == torch.float32
+    if tree and not fp32:
+        # A tree's nodes sit at other cache positions than the same tokens in a chain, so their rows
+        # sum the keys in another order: equal to plain greedy up to rounding, not bit for bit. In
+        # bf16 a near-tie can then pick the other token on some CPUs; fp32 makes the tokens stable.
+        pytest.skip("draft trees are compared in fp32")
+    if fp32 and not tree and draft != "kimi-k2.5-eagle3":
         # interpreter time: every Linear and MoE runs Triton programs now; fp32 keeps the Llama-draft
-        # case, bf16 (the models' dtype) runs them all
-        pytest.skip("fp32 runs the llama-draft case only")
+        # chain and the trees, bf16 (the models' dtype) runs the chains
+        pytest.skip("fp32 runs the llama-draft chain and the trees only")
     kw = {"num_blocks": 32, "block_size": 4, **kw}
     llm = LLM(target_llm.target, tiny_dir / draft, num_speculative_tokens=k, tokenizer=None, **kw)
     outs = llm.generate(PROMPTS, GREEDY)
