@@ -21,19 +21,19 @@ import sys
 import time
 from typing import Any
 
-_SPEC = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
          "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
 
 
 def spec_counters(metrics: list[Any]) -> dict[str, Any]:
     """vLLM's spec-decode counters from ``LLM.get_metrics()`` (summed over label sets)."""
-    out: dict[str, Any] = {v: 0 for v in _SPEC.values()}
+    out: dict[str, Any] = {v: 0 for v in SPEC_COUNTERS.values()}
     per_pos: list[int] = []
     for m in metrics:
-        if m.name in _SPEC:
-            out[_SPEC[m.name]] += int(m.value)
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
         elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = list(m.values)
+            vals = [int(v) for v in m.values]
             per_pos = [a + b for a, b in zip(per_pos + [0] * (len(vals) - len(per_pos)), vals, strict=False)] \
                 if per_pos else vals
     out["accepted_per_pos"] = per_pos

@@ -21,27 +21,13 @@ import sys
 import time
 from typing import Any
 
-_SPEC = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-         "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-
-
-def spec_counters(metrics: list[Any]) -> dict[str, Any]:
-    """vLLM's spec-decode counters from ``LLM.get_metrics()`` (summed over label sets)."""
-    out: dict[str, Any] = {v: 0 for v in _SPEC.values()}
-    per_pos: list[int] = []
-    for m in metrics:
-        if m.name in _SPEC:
-            out[_SPEC[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = [int(v) for v in m.values]
-            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(vals) - len(per_pos)), vals, strict=False)] \
-                if per_pos else vals
-    out["accepted_per_pos"] = per_pos
-    return out
+# The counters are read as acceptance_peer's driver reads them (this directory is sys.path[0] when the
+# driver runs as a script in vLLM's environment).
+from acceptance_peer_vllm import SPEC_COUNTERS, spec_counters  # noqa: E402
 
 
 def _minus(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    out = {k: now[k] - before[k] for k in _SPEC.values()}
+    out = {k: now[k] - before[k] for k in SPEC_COUNTERS.values()}
     b = before["accepted_per_pos"] + [0] * len(now["accepted_per_pos"])
     out["accepted_per_pos"] = [x - y for x, y in zip(now["accepted_per_pos"], b, strict=False)]
     return out

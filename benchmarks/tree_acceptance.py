@@ -24,14 +24,9 @@ from pathlib import Path
 
 import torch
 
-EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
-            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
-            "apples left.\n#### 19\n\n")
-QUESTIONS = ("Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
-             "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
-             "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change "
-             "does she get?",
-             "Lisa bakes 36 cookies and packs them into boxes of 4. How many boxes does she fill?")
+# the trained pair's GSM8K-style questions (eagle3.testing.trained.QUESTIONS), and one more
+EXTRA_QUESTIONS = ("Lisa bakes 36 cookies and packs them into boxes of 4. How many boxes does she fill?",)
+NUM_QUESTIONS = 4
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -45,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("draft", type=Path)
     ap.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 3, 4), (2, 3, 8), (4, 3, 16)])
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--prompts", type=int, default=len(QUESTIONS))
+    ap.add_argument("--prompts", type=int, default=NUM_QUESTIONS)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sampled decoding (seeded per prompt; 'lossless' then only means 'not checked')")
     args = ap.parse_args(argv)
@@ -55,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.runtime.loader import load_draft, load_target
     from eagle3.runtime.sampling import SamplingParams
     from eagle3.runtime.spec.tree_driver import tree_generate
-    from eagle3.testing import tiny
+    from eagle3.testing import tiny, trained
 
     torch.set_num_threads(1)
     target = load_target(args.target, dtype=torch.float32)
     draft = load_draft(args.draft, target)
     tok = tiny.build_tokenizer()
-    prompts = [tok.encode(f"{EXEMPLAR}Question: {q}\nAnswer:").ids for q in QUESTIONS[: args.prompts]]
+    questions = (*trained.QUESTIONS, *EXTRA_QUESTIONS)[: args.prompts]
+    prompts = [tok.encode(trained.gsm8k_style_prompt(q)).ids for q in questions]
     blocks = -(-(max(len(p) for p in prompts) + args.max_tokens + 2 * max(k * s + n for k, s, n in args.shapes)) // 16)
 
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

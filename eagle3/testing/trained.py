@@ -61,6 +61,22 @@ DRAFTS: dict[str, str] = {
 DRAFT_FILES = ("config.json", "model.safetensors")
 
 
+# GSM8K-style prompts of our own for the trained pair's tests and benchmarks: one worked exemplar in
+# lm-eval's format, then a new question (what the target was trained to continue).
+EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
+            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
+            "apples left.\n#### 19\n\n")
+QUESTIONS = ("Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
+             "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
+             "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change "
+             "does she get?")
+
+
+def gsm8k_style_prompt(question: str) -> str:
+    """The exemplar, then ``question`` in lm-eval's GSM8K format."""
+    return f"{EXEMPLAR}Question: {question}\nAnswer:"
+
+
 def text_config() -> dict[str, Any]:
     """The K2.5 ``text_config`` (``model_type kimi_k2``) with the trained model's dimensions."""
     c = tiny_configs.text_config(tiny_configs.ROPE_SCALING_K25, tiny_configs.IGNORE_K25, tiny_vocab.EOS_ID)

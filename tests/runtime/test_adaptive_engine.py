@@ -19,13 +19,7 @@ from tests.runtime.model_kit import single_thread
 
 TARGET = trained.NAME
 DRAFT = "kimi-k2.5-trained-eagle3.1-mla"
-EXEMPLAR = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples "
-            "does Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 "
-            "apples left.\n#### 19\n\n")
-QUESTIONS = ("Tom reads 12 pages every day. How many pages does he read in 3 weeks?",
-             "A farmer has 45 cows. He sells a third of them and buys 8 more. How many cows does he have now?",
-             "A shop sells pencils for $2 each. Anna buys 7 pencils and pays with a $20 bill. How much change "
-             "does she get?")
+EXEMPLAR, QUESTIONS = trained.EXEMPLAR, trained.QUESTIONS
 MAX_TOKENS = 48
 K = 3
 ENGINE = {"num_blocks": 96, "max_num_seqs": 4, "tokenizer": None}
@@ -60,7 +54,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _prompts() -> list[list[int]]:
     tok = tiny.build_tokenizer()
-    return [tok.encode(f"{EXEMPLAR}Question: {q}\nAnswer:").ids for q in QUESTIONS]
+    return [tok.encode(trained.gsm8k_style_prompt(q)).ids for q in QUESTIONS]
 
 
 def _params() -> Any:

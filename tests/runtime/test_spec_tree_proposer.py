@@ -114,12 +114,9 @@ def trained_pair(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _gsm8k_prompt() -> list[int]:
-    from eagle3.testing import tiny
+    from eagle3.testing import tiny, trained
 
-    text = ("Question: Sam has 4 bags with 6 apples in each bag. He gives 5 apples to Tara. How many apples does "
-            "Sam have left?\nAnswer: Sam has 4 * 6 = <<4*6=24>>24 apples.\nHe has 24 - 5 = <<24-5=19>>19 apples "
-            "left.\n#### 19\n\nQuestion: Tom reads 12 pages every day. How many pages does he read in 3 weeks?\n"
-            "Answer:")
+    text = trained.gsm8k_style_prompt(trained.QUESTIONS[0])
     return tiny.build_tokenizer().encode(text).ids
 
 
