@@ -10,6 +10,7 @@ each test whatever happens (no orphans, even on a failure).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -147,9 +148,23 @@ def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None
         assert _gone(node0.pid) and _gone(node1.pid)
 
 
-def _serving_node0(target: Path, port: int, tmp_path: Path) -> tuple[list[str], Path]:
-    ready = tmp_path / "ready.json"
-    return _serve_argv(target, 0, port, "--port", "0", "--ready-file", str(ready), "--log-level", "warning"), ready
+@dataclasses.dataclass
+class _Nodes:
+    node0: subprocess.Popen[bytes]
+    node1: subprocess.Popen[bytes]
+    url: str
+    log0: Path
+    log1: Path
+
+
+@contextlib.contextmanager
+def _two_nodes(tiny_dir: Path, tmp_path: Path) -> Iterator[_Nodes]:
+    """Node 1 headless, then node 0 serving HTTP (tiny target, TP=4), once node 0 is ready."""
+    target, port = tiny_dir / "kimi-k2.5", free_port()
+    ready, log0, log1 = tmp_path / "ready.json", tmp_path / "node0.log", tmp_path / "node1.log"
+    argv0 = _serve_argv(target, 0, port, "--port", "0", "--ready-file", str(ready), "--log-level", "warning")
+    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
+        yield _Nodes(node0, node1, _wait_ready(ready, node0, log0), log0, log1)
 
 
 def _wait_ready(ready: Path, p: subprocess.Popen[bytes], log: Path) -> str:
@@ -164,11 +179,8 @@ def _wait_ready(ready: Path, p: subprocess.Popen[bytes], log: Path) -> str:
 def test_killing_node1_fails_requests_in_flight_and_health(tiny_dir: Path, tmp_path: Path) -> None:
     import httpx
 
-    target, port = tiny_dir / "kimi-k2.5", free_port()
-    argv0, ready = _serving_node0(target, port, tmp_path)
-    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
-    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
-        url = _wait_ready(ready, node0, log0)
+    with _two_nodes(tiny_dir, tmp_path) as n:
+        node0, node1, url, log0 = n.node0, n.node1, n.url, n.log0
         assert httpx.get(url + "/health").status_code == 200
         body = {"model": "kimi-k2.5", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
         text: list[str] = []
@@ -205,11 +217,8 @@ def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp
     """No step runs, so no collective fails: the heartbeat alone turns /health to 503, naming node 1."""
     import httpx
 
-    target, port = tiny_dir / "kimi-k2.5", free_port()
-    argv0, ready = _serving_node0(target, port, tmp_path)
-    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
-    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
-        url = _wait_ready(ready, node0, log0)
+    with _two_nodes(tiny_dir, tmp_path) as n:
+        node0, node1, url, log0 = n.node0, n.node1, n.url, n.log0
         assert httpx.get(url + "/health").status_code == 200
         os.killpg(node1.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
@@ -223,11 +232,8 @@ def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp
 
 
 def test_killing_node0_ends_node1(tiny_dir: Path, tmp_path: Path) -> None:
-    target, port = tiny_dir / "kimi-k2.5", free_port()
-    argv0, ready = _serving_node0(target, port, tmp_path)
-    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
-    with _node(_serve_argv(target, 1, port), log1) as node1, _node(argv0, log0) as node0:
-        _wait_ready(ready, node0, log0)
+    with _two_nodes(tiny_dir, tmp_path) as n:
+        node0, node1, log1 = n.node0, n.node1, n.log1
         assert len(_group(node1.pid)) >= 3  # the headless process and its two ranks
         os.killpg(node0.pid, signal.SIGKILL)
         assert _wait_exit(node1, log1) != 0  # its ranks lost rank 0
