@@ -221,7 +221,11 @@ def decode_step(data: bytes) -> Any:
 
 class StepChannel:
     """Rank 0 sends each step's inputs (any picklable object) to every other rank with a broadcast on
-    the CPU gloo group, the same code for ranks on this machine and on other nodes."""
+    the CPU gloo group, the same code for ranks on this machine and on other nodes.
+
+    Not ``dist.broadcast_object_list`` (deliberately): it always broadcasts twice (the size, then the
+    payload) and pickles tensors through torch's storage reducers; a step's inputs fit one fixed 8 KiB
+    broadcast with the size in its header, and :func:`encode_step` writes tensors as raw bytes."""
 
     def __init__(self) -> None:
         self._head = bytearray(_HEAD)
