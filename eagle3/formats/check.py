@@ -152,10 +152,11 @@ def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
 
 
 def _extra_of(schema: Schema, tensors: dict[str, Any], name: str) -> Extra | None:
-    """The optional extra ``name`` is, unless its module is stored dense (a dense Linear carries none)."""
+    """The optional extra ``name`` is, unless it is a format extra of a module stored dense (a dense
+    Linear carries none; a kv-cache scale does not depend on the weight format)."""
     e = schema.extra(name)
-    if e is None:
-        return None
+    if e is None or schema.kv_extra(name) is not None:
+        return e
     w = tensors.get(name.rpartition(".")[0] + ".weight")
     return None if w is not None and w.dtype in FLOAT_TAGS else e
 

@@ -15,7 +15,9 @@ what a checkpoint may legitimately vary in:
   K2.5 vision tower and projector left in a text-only checkpoint: named here as allowed extras;
 * quantized Linears: the optional tensors real exports add and engines load or ignore
   (:func:`module_extras`: a static ``input_scale``; compressed-tensors INT4 ``weight_zero_point`` and
-  ``weight_g_idx``), a kv-cache scheme's ``k_scale`` / ``v_scale`` on attention modules, and
+  ``weight_g_idx``; a Quark W4A8 export's all-zero ``weight_zero_point_2``), a kv-cache scheme's
+  ``k_scale`` / ``v_scale`` on attention modules or, for Quark, an ``output_scale`` on each Linear
+  its ``kv_cache_quant_config`` names (dense or not), and
   ``weight_shape`` in any integer width. Whether the runtime can use one (a non-zero zero point, a
   permuting group index) is the loader's call (:mod:`eagle3.runtime.weights`), not the schema's.
 
@@ -27,6 +29,7 @@ Quark W4A8 / MXFP4 / INT4 / FP8) is read from ``quantization_config`` (:func:`si
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +74,10 @@ def module_extras(module: str, n: int, k: int, fmt: LinearFormat) -> dict[str, E
     them): a static activation scale, and for compressed-tensors INT4 the zero points of an
     asymmetric scheme and the group index of an activation-ordered one."""
     out: dict[str, Extra] = {}
+    if fmt.scheme == sizing.QUARK_W4A8 and not fmt.zero_point:
+        # the INT4 stage's zero points, all 0 (symmetric): Quark's importer wants them and
+        # ``quantize --quark-zero-points`` writes them; vLLM / SGLang / ATOM ignore them
+        out[keys.ZERO_POINT_2] = Extra(frozenset({"I32"}), ((-(-n // 8),),))
     if fmt.scheme in (sizing.DENSE, sizing.FP8_BLOCK):  # DeepSeek block FP8 quantizes activations per group
         return out
     out[keys.INPUT_SCALE] = Extra(FLOAT_TAGS, _SCALAR)
@@ -103,6 +110,9 @@ class Schema:
     # module -> (N, K, format) of every quantized Linear: what :meth:`extra` derives optional tensors from
     quantized: dict[str, tuple[int, int, LinearFormat]] = field(default_factory=dict)
     attention: frozenset[str] = frozenset()  # attention modules that may carry k_scale / v_scale
+    # Linears a Quark kv-cache scheme (``kv_cache_quant_config``) names: each may carry a static FP8
+    # ``output_scale`` (0-d), whatever its weight format (Kimi's k/v live in a dense kv_b_proj)
+    kv_outputs: frozenset[str] = frozenset()
 
     def allowed_extra(self, name: str) -> bool:
         """Tensors engines skip: the MTP layers' extras, a vision tower and projector, rotary buffers."""
@@ -117,11 +127,21 @@ class Schema:
                 return True
         return False
 
-    def extra(self, name: str) -> Extra | None:
-        """The optional tensor ``name`` is (a per-module extra of its format), or None."""
+    def kv_extra(self, name: str) -> Extra | None:
+        """The kv-cache scale ``name`` is (on an attention module or a Linear whose output is cached),
+        or None. These do not depend on the module's weight format."""
         module, _, param = name.rpartition(".")
-        if param in (keys.K_SCALE, keys.V_SCALE) and module in self.attention:
+        if (param in (keys.K_SCALE, keys.V_SCALE) and module in self.attention) or \
+                (param == keys.OUTPUT_SCALE and module in self.kv_outputs):
             return Extra(FLOAT_TAGS, _SCALAR)
+        return None
+
+    def extra(self, name: str) -> Extra | None:
+        """The optional tensor ``name`` is (a kv-cache scale, or a per-module extra of its format), or None."""
+        kv = self.kv_extra(name)
+        if kv is not None:
+            return kv
+        module, _, param = name.rpartition(".")
         q = self.quantized.get(module)
         return module_extras(module, *q).get(param) if q is not None else None
 
@@ -141,15 +161,29 @@ def schema_for(cfg: dict[str, Any], typed: TextStackConfig | DraftConfig, where:
     between the spellings a family allows (a draft's ``midlayer.`` or ``layers.0.``)."""
     specs = {t.name: t for t in sizing.config_tensors(cfg, where)}
     quantized = _quantized_linears(cfg, where)
+    kv_outputs = _kv_output_modules(cfg, where)
     if isinstance(typed, DraftConfig):
-        return _draft_schema(specs, typed, names or set(), quantized, _kv_scales(cfg))
+        return _draft_schema(specs, typed, names or set(), quantized, _kv_scales(cfg), kv_outputs)
     alts = _dense_alternatives(quantized)
     mtp = typed.num_nextn_predict_layers
     prefix = "language_model.model.layers." if isinstance(cfg.get("text_config"), dict) else "model.layers."
     optional = {n for n in specs if (m := _LAYER.match(n)) and int(m.group("i")) >= typed.num_hidden_layers}
     family = "kimi-k2.5" if isinstance(cfg.get("text_config"), dict) else "deepseek-v3"
     return Schema(family, specs, frozenset(optional), typed.num_hidden_layers, prefix, mtp, dense_alternatives=alts,
-                  quantized=quantized, attention=_attention_modules(specs) if _kv_scales(cfg) else frozenset())
+                  quantized=quantized, attention=_attention_modules(specs) if _kv_scales(cfg) else frozenset(),
+                  kv_outputs=kv_outputs)
+
+
+def _kv_output_modules(cfg: dict[str, Any], where: str) -> frozenset[str]:
+    """The Linears whose output a Quark kv-cache scheme quantizes: ``kv_cache_quant_config``'s keys
+    (``*k_proj``, ``*v_proj``, ``*kv_b_proj``...) matched as Quark and vLLM match layer patterns
+    (fnmatch with ``*``, else a substring)."""
+    qc = sizing.quantization_config(cfg)
+    pats = list((qc or {}).get("kv_cache_quant_config") or {}) if qc and qc.get("quant_method") == "quark" else []
+    if not pats:
+        return frozenset()
+    return frozenset(w.name for w in sizing.logical_weights(cfg, where) if w.kind == "linear"
+                     and any(fnmatch.fnmatchcase(w.name, p) if "*" in p else p in w.name for p in map(str, pats)))
 
 
 def _kv_scales(cfg: dict[str, Any]) -> bool:
@@ -184,7 +218,8 @@ def _dense_alternatives(quantized: dict[str, tuple[int, int, LinearFormat]]
 
 
 def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str],
-                  quantized: dict[str, tuple[int, int, LinearFormat]], kv_scales: bool) -> Schema:
+                  quantized: dict[str, tuple[int, int, LinearFormat]], kv_scales: bool,
+                  kv_outputs: frozenset[str]) -> Schema:
     # sizing names the decoder layer as the engines' canonical spelling; a checkpoint in the other one
     # (both load everywhere) is the same draft.
     here = "layers.0." if any(n.startswith("layers.0.") for n in names) else "midlayer."
@@ -194,6 +229,7 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
         return here + n[len(other):] if n.startswith(other) else n
     specs = {spelled(n): TensorSpec(spelled(s.name), s.dtype, s.shape) for n, s in specs.items()}
     quantized = {spelled(m): q for m, q in quantized.items()}
+    kv_outputs = frozenset(spelled(m) for m in kv_outputs)
     V, Vd = dc.vocab_size, dc.draft_vocab_size
     optional = {"t2d"}
     if Vd == V:
@@ -210,7 +246,8 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
     specs[inorm.name] = inorm
     optional.add(inorm.name)
     return Schema(_draft_family(dc), specs, frozenset(n for n in optional if n in specs),
-                  vocab_map=(V, Vd) if Vd != V else None, quantized=quantized, attention=_attention_modules(specs) if kv_scales else frozenset())
+                  vocab_map=(V, Vd) if Vd != V else None, quantized=quantized,
+                  attention=_attention_modules(specs) if kv_scales else frozenset(), kv_outputs=kv_outputs)
 
 
 __all__ = ["Schema", "Extra", "schema_for", "module_extras", "FLOAT_TAGS", "INT_TAGS"]

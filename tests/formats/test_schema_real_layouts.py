@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3.checkpoint import CheckpointReader
 from eagle3.cli import main
 from eagle3.errors import FormatError
 from eagle3.formats.check import check_checkpoint
@@ -338,3 +339,100 @@ def test_static_fp8_draft_input_scales(tiny_dir: Path, tmp_path: Path, shape: tu
         _accepted(d, tmp_path, args)
     else:
         _refused(d, tmp_path, "input_scale", args)
+
+
+# --- 6. Quark exports: W4A8's INT4-stage zero points, a kv-cache scheme's output_scale ---------
+
+KV_B = "language_model.model.layers.3.self_attn.kv_b_proj"
+
+
+@pytest.fixture(scope="module")
+def w4a8_zp(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target quantized W4A8 with ``--quark-zero-points`` (``weight_zero_point_2`` on every
+    quantized expert): eagle3's own output, which every command must take back."""
+    out = tmp_path_factory.mktemp("w4a8zp") / "w4a8zp"
+    code, err = _cli("quantize", str(tiny_dir / "kimi-k2.5"), str(out), "--recipe", "w4a8", "--workers", "1",
+                     "--quark-zero-points", "--quiet")
+    assert code == 0, err
+    return out
+
+
+def _quark_kv_config(cfg: dict[str, Any]) -> None:
+    """What Quark's export records for an FP8 KV cache on an MLA model: a per-tensor static FP8
+    ``output_tensors`` spec under ``kv_cache_quant_config`` for the projection that makes k and v."""
+    qc = cfg["quantization_config"]  # Quark's export writes it at the top of the K2.5 wrapper's config
+    spec = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True,
+            "observer_cls": "PerTensorMinMaxObserver"}
+    qc["kv_cache_quant_config"] = {"*kv_b_proj": {"input_tensors": None, "weight": None, "output_tensors": spec}}
+
+
+def _output_scales(t: Tensors) -> None:
+    for k in [k for k in t if k.endswith("self_attn.kv_b_proj.weight")]:
+        t[k.removesuffix("weight") + "output_scale"] = torch.tensor(0.02, dtype=torch.bfloat16)  # 0-d, as Quark
+
+
+def test_quark_w4a8_zero_points_pass_every_command_and_load(w4a8_zp: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    names = [n for n in CheckpointReader(w4a8_zp).names() if n.endswith(".weight_zero_point_2")]
+    assert names
+    assert [str(p) for p in check_checkpoint(w4a8_zp)] == []
+    assert _cli("inspect", str(w4a8_zp), "--strict") == (0, [])
+    assert _cli("verify", str(w4a8_zp)) == (0, [])
+    plain = tmp_path / "plain"
+    assert _cli("quantize", str(tiny_dir / "kimi-k2.5"), str(plain), "--recipe", "w4a8", "--workers", "1",
+                "--quiet") == (0, [])
+    module = names[0].removesuffix(".weight_zero_point_2")
+    got = WeightReader(w4a8_zp, target_spec(w4a8_zp).quant, torch.float32, torch.device("cpu")).linear(module)[0]
+    ref = WeightReader(plain, target_spec(plain).quant, torch.float32, torch.device("cpu")).linear(module)[0]
+    assert torch.equal(dequantize(got, torch.float32), dequantize(ref, torch.float32))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                                 torch.zeros(1, dtype=torch.float32)])
+def test_quark_w4a8_zero_points_of_wrong_shape_or_dtype_are_refused(w4a8_zp: Path, tmp_path: Path,
+                                                                     bad: torch.Tensor) -> None:
+    d = _copy(w4a8_zp, tmp_path / "zp-bad")
+    name = next(n for n in CheckpointReader(d).names() if n.endswith(".weight_zero_point_2"))
+    _edit(d, lambda t: t.__setitem__(name, bad) if name in t else None)
+    code, err = _cli("inspect", str(d), "--strict")
+    assert code == 2 and len(err) == 1 and name in err[0], err
+
+
+def test_quark_zero_point_2_beside_a_non_w4a8_format_is_unexpected(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir / "kimi-k2.5", tmp_path / "ct-zp2")
+    _edit(d, lambda t: t.__setitem__(EXPERT + ".weight_zero_point_2", torch.zeros(2, dtype=torch.int32)),
+          first_shard_only=True)
+    _refused(d, tmp_path, EXPERT + ".weight_zero_point_2", TEXT_ONLY)
+
+
+def test_quark_kv_cache_output_scale_is_accepted_on_a_dense_kv_b_proj_and_loads(w4a8_zp: Path, tmp_path: Path) -> None:
+    d = _copy(w4a8_zp, tmp_path / "kv")
+    _edit_config(d, _quark_kv_config)
+    _edit(d, _output_scales)
+    assert KV_B + ".output_scale" in CheckpointReader(d)
+    assert [str(p) for p in check_checkpoint(d)] == []
+    assert _cli("inspect", str(d), "--strict") == (0, [])
+    # the runtime keeps the KV cache in the compute dtype: the static scale is not read, the weights are
+    wr = WeightReader(d, target_spec(d).quant, torch.float32, torch.device("cpu"))
+    ref = WeightReader(w4a8_zp, target_spec(w4a8_zp).quant, torch.float32, torch.device("cpu"))
+    assert torch.equal(dequantize(wr.linear(KV_B)[0], torch.float32), dequantize(ref.linear(KV_B)[0], torch.float32))
+
+
+@pytest.mark.parametrize("name,bad", [
+    (KV_B + ".output_scale", torch.ones(4)),  # not a per-tensor scale
+    ("language_model.model.layers.3.self_attn.q_b_proj.output_scale", torch.tensor(0.5)),  # not a kv-cache Linear
+])
+def test_quark_output_scale_of_wrong_shape_or_place_is_refused(w4a8_zp: Path, tmp_path: Path, name: str,
+                                                               bad: torch.Tensor) -> None:
+    d = _copy(w4a8_zp, tmp_path / "kv-bad")
+    _edit_config(d, _quark_kv_config)
+    _edit(d, _output_scales)
+    _edit(d, lambda t: t.__setitem__(name, bad), first_shard_only=True)
+    code, err = _cli("inspect", str(d), "--strict")
+    assert code == 2 and len(err) == 1 and name in err[0], err
+
+
+def test_output_scale_without_a_kv_cache_scheme_is_unexpected(w4a8_zp: Path, tmp_path: Path) -> None:
+    d = _copy(w4a8_zp, tmp_path / "kv-none")
+    _edit(d, _output_scales)
+    code, err = _cli("inspect", str(d), "--strict")
+    assert code == 2 and len(err) == 1 and "output_scale" in err[0], err
