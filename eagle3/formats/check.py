@@ -28,10 +28,10 @@ from typing import Any
 
 from eagle3.checkpoint import CheckpointReader, read_json
 from eagle3.errors import Eagle3Error, FormatError
-from eagle3.formats import keys
+from eagle3.formats import keys, sizing
 from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.model_config import DraftConfig, TextStackConfig, parse_config
-from eagle3.formats.schema import FLOAT_TAGS, Extra, Schema, schema_for
+from eagle3.formats.schema import FLOAT_TAGS, Extra, Schema, schema_for, stored_format
 
 _MAX_SHOWN = 3  # names listed in one problem line
 _MAX_HINT_SCHEMAS = 4  # schemas rebuilt with one config field changed, per check, to name a culprit field
@@ -141,10 +141,14 @@ def _resolve_dense(schema: Schema, got: dict[str, Any]) -> dict[str, Any]:
     """The schema's tensors with each quantized Linear the files hold dense (a float weight of the
     logical shape and none of the layout's other tensors) expected dense."""
     tensors = dict(schema.tensors)
-    for qnames, dense in schema.dense_alternatives.values():
+
+    def dtype_of(name: str) -> str | None:
+        info = got.get(name)
+        return None if info is None else info.dtype
+    for module, (qnames, dense) in schema.dense_alternatives.items():
         w = got.get(dense.name)
-        if (w is not None and w.dtype in FLOAT_TAGS and tuple(w.shape) == dense.shape
-                and not any(n in got for n in qnames if n != dense.name)):
+        if (w is not None and tuple(w.shape) == dense.shape
+                and stored_format(module, schema.quantized[module][2], dtype_of).scheme == sizing.DENSE):
             for n in qnames:
                 tensors.pop(n, None)
             tensors[dense.name] = dense

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,21 @@ def module_extras(module: str, n: int, k: int, fmt: LinearFormat) -> dict[str, E
         out[keys.ZERO_POINT] = Extra(INT_TAGS, ((n, groups), (-(-n // 8), groups)))
         out[keys.G_IDX] = Extra(INT_TAGS, ((k,),))
     return out
+
+
+def stored_format(module: str, fmt: LinearFormat, dtype_of: Callable[[str], str | None]) -> LinearFormat:
+    """The layout ``module`` is stored in: ``fmt`` (what its config says), or dense when a quantizer
+    left it in the model dtype (mixed-precision exports; every engine loads either): a float
+    ``weight`` and none of ``fmt``'s other tensors. ``dtype_of(name)``: a tensor's safetensors dtype
+    tag, None when the checkpoint lacks it. The checker (:mod:`eagle3.formats.check`) and the
+    runtime's loader (:mod:`eagle3.runtime.weights`) both decide by this."""
+    if fmt.scheme == sizing.DENSE:
+        return fmt
+    w = dtype_of(f"{module}.{keys.WEIGHT}")
+    others = [n for n in sizing.linear_param_names(fmt) if n != keys.WEIGHT]
+    if w in FLOAT_TAGS and not any(dtype_of(f"{module}.{n}") is not None for n in others):
+        return LinearFormat(sizing.DENSE, dtype=w)
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -250,4 +266,4 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
                   attention=_attention_modules(specs) if kv_scales else frozenset(), kv_outputs=kv_outputs)
 
 
-__all__ = ["Schema", "Extra", "schema_for", "module_extras", "FLOAT_TAGS", "INT_TAGS"]
+__all__ = ["Schema", "Extra", "schema_for", "module_extras", "stored_format", "FLOAT_TAGS", "INT_TAGS"]

@@ -155,6 +155,12 @@ def linear_tensors(module: str, n: int, k: int, fmt: LinearFormat) -> list[Tenso
     raise ValueError(f"unknown scheme {s!r}")
 
 
+def linear_param_names(fmt: LinearFormat) -> tuple[str, ...]:
+    """The parameter names (``weight_packed``, ``weight_scale``...) a Linear has in ``fmt``; they do
+    not depend on its shape."""
+    return tuple(t.name.rpartition(".")[2] for t in linear_tensors("m", 8, 8, fmt))
+
+
 # ---------------------------------------------------------------------------------------------
 # Logical weights of the architectures (dense shapes; kind says what a quantizer may touch)
 # ---------------------------------------------------------------------------------------------

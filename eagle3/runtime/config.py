@@ -132,8 +132,8 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """What the runtime needs from ``quantization_config``; *which* modules are quantized and
-    how their bits are packed is read from each module's tensors by the loader.
+    """What the runtime needs from ``quantization_config`` beyond the weights' layouts (those come
+    from :func:`eagle3.formats.sizing.resolver`, as the schema's do, in ``runtime/weights.py``).
 
     ``act``: dynamic activation quantization in front of every quantized Linear (None =
     weight-only). Quark records W4A8 inputs as ``fp8_e4m3 per_tensor dynamic``; the runtime
@@ -144,9 +144,7 @@ class QuantSpec:
     method: str | None = None  # compressed-tensors | quark | fp8 | None
     act: ActQuant = None
     layer_act: tuple[tuple[str, ActQuant], ...] = ()
-    pack_method: str = "reorder"  # Quark INT4 nibble order
-    int4_per_group: bool = False  # Quark per_group INT4 is stored transposed ([K, N/8])
-    fp8_block: tuple[int, int] | None = None
+    pack_method: str = "reorder"  # Quark INT4 nibble order (the export's, not the layout's: same sizes)
 
     @staticmethod
     def from_config(qc: dict[str, Any] | None, where: str) -> QuantSpec:
@@ -166,16 +164,12 @@ class QuantSpec:
             for pat, lc in (qc.get("layer_quant_config") or {}).items():
                 if isinstance(lc, dict):
                     layer.append((str(pat), _quark_act(lc.get("input_tensors"), where)))
-            w = glob.get("weight")
-            per_group = isinstance(w, dict) and w.get("dtype") in ("int4", "uint4") and w.get("qscheme") == "per_group"
             pack = ((qc.get("export") or {}).get("pack_method")) or "reorder"
-            return QuantSpec(method=method, act=act, layer_act=tuple(layer), pack_method=str(pack),
-                             int4_per_group=per_group)
+            return QuantSpec(method=method, act=act, layer_act=tuple(layer), pack_method=str(pack))
         if method == "fp8":
-            blk = qc.get("weight_block_size")
             # DeepSeek FP8: activations are quantized per 1x128 group by the engines; the reference
-            # runs them in the compute dtype (weight-only emulation), documented in loader.py.
-            return QuantSpec(method=method, fp8_block=tuple(int(b) for b in blk) if blk else None)
+            # runs them in the compute dtype (weight-only emulation), documented in runtime/weights.py.
+            return QuantSpec(method=method)
         raise FormatError(f"{where}: quantization_config.quant_method {method!r} is not supported "
                           f"(compressed-tensors, quark, fp8)")
 

@@ -2,8 +2,10 @@
 the whole weight, or the part a tensor-parallel layer holds (its rows or input columns, read straight
 from the bytes where the format allows, layers/linear.py ``Shard``).
 
-Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit decode goes through
-``eagle3.formats.codecs``):
+Which layout each Linear is in comes from the checkpoint's config through the same resolver the
+schema is built from (:func:`eagle3.formats.sizing.resolver`, :func:`eagle3.formats.schema.stored_format`),
+never from probing its tensors: a tensor that is not what the config says is one error naming it.
+Formats read (every bit decode goes through ``eagle3.formats.codecs``):
 
 * bf16 / fp16 / fp32 weights;
 * compressed-tensors ``pack-quantized`` INT4 (Moonshot Kimi routed experts, W4A16):
@@ -16,9 +18,9 @@ Formats read (``eagle3.formats.detect`` identifies the checkpoint; every bit dec
 * Quark INT4 per-channel (or per-group, stored transposed) ``weight`` + ``weight_scale``;
 * Quark MXFP4: uint8 E2M1 ``weight`` + uint8 E8M0 ``weight_scale``, dynamic MXFP4 activations
   when ``input_tensors`` says so;
-* FP8 E4M3: DeepSeek 128x128 ``weight_scale_inv`` blocks, or per-channel / per-tensor
-  ``weight_scale`` (Quark ptpc_fp8 drafts, with dynamic per-token FP8 activations when the
-  config asks for them).
+* FP8 E4M3: DeepSeek 128x128 ``weight_scale_inv`` blocks, compressed-tensors block / per-channel /
+  per-tensor ``weight_scale``, or Quark per-channel / per-tensor ``weight_scale`` (ptpc_fp8
+  drafts, with dynamic per-token FP8 activations when the config asks for them).
 
 The Kimi-K2.5 wrapper's ``vision_tower.*`` / ``mm_projector.*`` tensors are never read.
 
@@ -47,7 +49,9 @@ import torch
 
 from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
-from eagle3.formats import codecs, keys
+from eagle3.formats import codecs, detect, keys, sizing
+from eagle3.formats.schema import stored_format
+from eagle3.formats.sizing import LinearFormat
 from eagle3.runtime.config import QuantSpec
 from eagle3.runtime.kernels.base import (
     ActQuant,
@@ -63,6 +67,13 @@ from eagle3.runtime.layers.norm import RMSNorm
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+# The dtype of ``weight`` in each layout that stores one (compressed-tensors INT4 stores
+# ``weight_packed`` instead).
+_STORED: dict[str, tuple[torch.dtype, ...]] = {
+    sizing.DENSE: _FLOATS, sizing.QUARK_INT4: (torch.int32,), sizing.QUARK_W4A8: (torch.int32,),
+    sizing.QUARK_MXFP4: (torch.uint8,), sizing.FP8_BLOCK: _FP8, sizing.CT_FP8: _FP8, sizing.QUARK_FP8: _FP8,
+}
 
 
 class WeightReader:
@@ -80,6 +91,9 @@ class WeightReader:
         self.device = device
         self.act_override = act_override
         self.used: dict[str, int] = {}  # tensor -> bytes read of it (a shard's rows only, when sliced)
+        # module -> the layout its config gives it: the same resolver the schema, `plan` and
+        # `quantize` derive from (eagle3.formats.sizing), so the loader reads what the checker checked
+        self._layout = sizing.resolver(detect.load_config(self.path), str(detect.checkpoint_dir(self.path) / "config.json"))
 
     def has(self, name: str) -> bool:
         return name in self.reader
@@ -109,19 +123,24 @@ class WeightReader:
         module.load(t.to(self.device), self.dtype)
 
     def linear(self, module: str) -> tuple[LinearWeight, ActQuant]:
-        """Decode ``<module>.*`` (format told by the tensors present) -> (weight, activation quant)."""
+        """Decode ``<module>.*`` in the layout the config gives it (:meth:`format_of`) -> (weight,
+        activation quant)."""
         w = self._decode(module)
         bias_name = f"{module}.bias"
         if self.has(bias_name):
             w.bias = self.get(bias_name)
+        return w, self._act(module, w)
+
+    def _act(self, module: str, w: LinearWeight) -> ActQuant:
+        """The activation quantization in front of ``module`` (None: the compute dtype)."""
         if isinstance(w, DenseWeight):
-            return w, None
+            return None
+        if isinstance(w, FP8Weight) and w.block is not None:
+            return None  # weight-only emulation of block FP8 (module docstring)
         act = self.quant.act_for(module)
         if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
             act = self.act_override
-        if isinstance(w, FP8Weight) and w.block is not None:
-            act = None  # weight-only emulation of DeepSeek block FP8 (module docstring)
-        return w, act
+        return act
 
     def load_linear(self, layer: Linear, module: str) -> None:
         """Load the part of ``module`` that ``layer`` holds (:attr:`Linear.shard`: whole, or a
@@ -159,11 +178,27 @@ class WeightReader:
                      cols: tuple[int, int] | None, keep_bias: bool) -> tuple[LinearWeight, ActQuant] | None:
         """Rows (output features) or input columns of module ``m``, read straight from
         the shard's bytes (:meth:`CheckpointReader.get_rows`): packed words and scale groups are
-        cut on their boundaries. None when the format or the range does not allow it (then the
-        caller reads the whole tensor and slices: Quark's transposed per-group INT4, zero points,
-        a range across a packing boundary)."""
-        n_packed, n_w, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
+        cut on their boundaries. None when the layout or the range does not allow it (then the
+        caller reads the whole tensor and slices, or raises the whole decode's error: Quark's
+        transposed per-group INT4 off a word boundary, a range across a packing boundary, a tensor
+        that is not what the config says)."""
         self._refuse_unsupported(m)
+        fmt = self.format_of(m)
+        w = self._read_part(m, fmt, rows, cols)
+        if w is None:
+            return None
+        bias_name = f"{m}.bias"
+        if self.has(bias_name):
+            if rows is not None:
+                w.bias = self.get_part(bias_name, rows)
+            elif keep_bias:  # row parallel: the bias is added once, on one rank
+                w.bias = self.get(bias_name)
+        return w, self._act(m, w)
+
+    def _read_part(self, m: str, fmt: LinearFormat, rows: tuple[int, int] | None,
+                   cols: tuple[int, int] | None) -> LinearWeight | None:
+        n_w, n_scale = f"{m}.{keys.WEIGHT}", f"{m}.{keys.SCALE}"
+        s = fmt.scheme
 
         def ok(lo: int, hi: int, total: int, step: int) -> bool:
             return lo % step == 0 and (hi % step == 0 or hi == total)
@@ -171,8 +206,9 @@ class WeightReader:
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 
-        w: LinearWeight
-        if self.has(n_packed):
+        if s == sizing.CT_INT4:
+            if not (self.has(f"{m}.{keys.CT_PACKED}") and self.has(n_scale) and self.has(f"{m}.{keys.CT_SHAPE}")):
+                return None
             n, k = (int(x) for x in self.get(f"{m}.{keys.CT_SHAPE}").tolist())
             sk = self.reader.info(n_scale).shape
             if len(sk) != 2 or not sk[1] or k % sk[1]:
@@ -181,123 +217,125 @@ class WeightReader:
             r, c = rows or (0, n), cols or (0, k)
             if not (ok(*c, k, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
                 return None
-            packed = self.get_part(n_packed, r, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+            packed = self.get_part(f"{m}.{keys.CT_PACKED}", r, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
             scale = self.get_part(n_scale, r, (c[0] // g, c[1] // g) if cols else None)
-            w = Int4Weight(packed, scale, group_size=g, packing="ct", in_features=c[1] - c[0])
-        elif self.has(n_w):
-            info = self.reader.info(n_w)
-            if len(info.shape) != 2:
-                return None
-            dt = info.torch_dtype
-            n = info.shape[0]
-            if dt in _FLOATS:
-                k = info.shape[1]
-                w = DenseWeight(self.get_part(n_w, rows, cols))
-            elif dt == torch.int32 and self.quant.int4_per_group:
-                # Quark per-group INT4, stored transposed: weight [K, N/8], scale [K/G, N]. The part's
-                # output rows are stored columns (whole words of 8), its input columns stored rows.
-                k, n = info.shape[0], info.shape[1] * 8
-                sk = self.reader.info(n_scale).shape
-                if len(sk) != 2 or not sk[0] or k % sk[0]:
-                    return None
-                g = k // sk[0]
-                r, c = rows or (0, n), cols or (0, k)
-                if not (ok(*r, n, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
-                    return None
-                stored = self.get_part(n_w, c, (r[0] // 8, cdiv(r[1], 8)) if rows else None)
-                st_scale = self.get_part(n_scale, (c[0] // g, c[1] // g), r if rows else None)
-                reorder = self.quant.pack_method == "reorder"
-                codes = codecs.quark_int4_unpack(stored, reorder=reorder)[:, : r[1] - r[0]].t().contiguous()
-                w = Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), st_scale.float().t().contiguous(),
-                               group_size=g, packing="quark" if reorder else "quark_order", in_features=c[1] - c[0])
-            elif dt == torch.int32:  # Quark INT4 per-channel / W4A8: words along the input dim
-                k = info.shape[1] * 8
-                c = cols or (0, k)
-                if not ok(*c, k, 8):
-                    return None
-                words = self.get_part(n_w, rows, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
-                # The scales as _quark_int4 reads them (a stride-0 stand-in for the words: no memory).
-                full = self._quark_int4(m, torch.zeros((), dtype=torch.int32).expand(n, info.shape[1]))
-                r = rows or (0, n)
-                scale = full.scale[r[0]: r[1]]
-                w = Int4Weight(words, scale, None, tensor_scale=full.tensor_scale, packing=full.packing,
-                               in_features=c[1] - c[0])
-            elif dt == torch.uint8:  # MXFP4
-                k = info.shape[1] * 2
-                c = cols or (0, k)
-                if not ok(*c, k, 32):
-                    return None
-                w = MXFP4Weight(self.get_part(n_w, rows, (c[0] // 2, c[1] // 2) if cols else None),
-                                self.get_part(n_scale, rows, (c[0] // 32, c[1] // 32) if cols else None))
-            elif dt in _FP8:
-                k = info.shape[1]
-                r, c = rows or (0, n), cols or (0, k)
-                n_inv = f"{m}.{keys.SCALE_INV}"
-                if self.has(n_inv):
-                    bn, bk = self.quant.fp8_block or (128, 128)
-                    if not (ok(*r, n, bn) and ok(*c, k, bk)):
-                        return None
-                    scale = self.get_part(n_inv, (r[0] // bn, cdiv(r[1], bn)),
-                                          (c[0] // bk, cdiv(c[1], bk)) if cols else None).float()
-                    w = FP8Weight(self.get_part(n_w, rows, cols), scale, block=(bn, bk))
-                else:
-                    s = self.get(n_scale).float()
-                    if s.dim() >= 1 and s.shape[0] == n and n > 1:
-                        s = s[r[0]: r[1]]
-                    w = FP8Weight(self.get_part(n_w, rows, cols), s)
-            else:
-                return None
-        else:
+            return Int4Weight(packed, scale, group_size=g, packing="ct", in_features=c[1] - c[0])
+        if not self.has(n_w):
             return None
-        bias_name = f"{m}.bias"
-        if self.has(bias_name):
-            if rows is not None:
-                w.bias = self.get_part(bias_name, rows)
-            elif keep_bias:  # row parallel: the bias is added once, on one rank
-                w.bias = self.get(bias_name)
-        if isinstance(w, DenseWeight):
-            return w, None
-        act = self.quant.act_for(m)
-        if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
-            act = self.act_override
-        if isinstance(w, FP8Weight) and w.block is not None:
-            act = None
-        return w, act
+        info = self.reader.info(n_w)
+        dt = info.torch_dtype
+        if len(info.shape) != 2 or dt not in _STORED[s]:
+            return None
+        if s == sizing.DENSE:
+            return DenseWeight(self.get_part(n_w, rows, cols))
+        if s == sizing.QUARK_INT4 and fmt.qscheme == "per_group":
+            # Stored transposed: weight [K, N/8], scale [K/G, N]. The part's output rows are stored
+            # columns (whole words of 8), its input columns stored rows.
+            k, n = info.shape[0], info.shape[1] * 8
+            sk = self.reader.info(n_scale).shape
+            if len(sk) != 2 or not sk[0] or k % sk[0]:
+                return None
+            g = k // sk[0]
+            r, c = rows or (0, n), cols or (0, k)
+            if not (ok(*r, n, 8) and c[0] % g == 0 and (c[1] - c[0]) % g == 0):
+                return None
+            stored = self.get_part(n_w, c, (r[0] // 8, cdiv(r[1], 8)) if rows else None)
+            st_scale = self.get_part(n_scale, (c[0] // g, c[1] // g), r if rows else None)
+            reorder = self.quant.pack_method == "reorder"
+            codes = codecs.quark_int4_unpack(stored, reorder=reorder)[:, : r[1] - r[0]].t().contiguous()
+            return Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), st_scale.float().t().contiguous(),
+                              group_size=g, packing="quark" if reorder else "quark_order", in_features=c[1] - c[0])
+        if s in (sizing.QUARK_INT4, sizing.QUARK_W4A8):  # words along the input dim
+            n, k = info.shape[0], info.shape[1] * 8
+            c = cols or (0, k)
+            if not ok(*c, k, 8):
+                return None
+            words = self.get_part(n_w, rows, (c[0] // 8, cdiv(c[1], 8)) if cols else None)
+            # The scales as _quark_int4 reads them (a stride-0 stand-in for the words: no memory).
+            full = self._quark_int4(m, torch.zeros((), dtype=torch.int32).expand(n, info.shape[1]), fmt)
+            r = rows or (0, n)
+            return Int4Weight(words, full.scale[r[0]: r[1]], None, tensor_scale=full.tensor_scale,
+                              packing=full.packing, in_features=c[1] - c[0])
+        if s == sizing.QUARK_MXFP4:
+            k = info.shape[1] * 2
+            c = cols or (0, k)
+            if not ok(*c, k, 32):
+                return None
+            return MXFP4Weight(self.get_part(n_w, rows, (c[0] // 2, c[1] // 2) if cols else None),
+                               self.get_part(n_scale, rows, (c[0] // 32, c[1] // 32) if cols else None))
+        # FP8: DeepSeek block (weight_scale_inv), compressed-tensors block / channel / tensor, Quark FP8
+        n, k = info.shape
+        r, c = rows or (0, n), cols or (0, k)
+        block, n_s = _fp8_block(fmt), f"{m}.{_fp8_scale_param(fmt)}"
+        if not self.has(n_s):
+            return None
+        if block is not None:
+            bn, bk = block
+            if not (ok(*r, n, bn) and ok(*c, k, bk)):
+                return None
+            scale = self.get_part(n_s, (r[0] // bn, cdiv(r[1], bn)), (c[0] // bk, cdiv(c[1], bk)) if cols else None)
+            return FP8Weight(self.get_part(n_w, rows, cols), scale.float(), block=block)
+        sc = self.get(n_s).float()
+        if sc.dim() >= 1 and sc.shape[0] == n and n > 1:
+            sc = sc[r[0]: r[1]]
+        return FP8Weight(self.get_part(n_w, rows, cols), sc)
+
+    def format_of(self, m: str) -> LinearFormat:
+        """The layout Linear ``m`` is stored in: what the checkpoint's config says
+        (:func:`eagle3.formats.sizing.resolver`, the schema's source), or dense where a quantizer left
+        it in the model dtype (:func:`eagle3.formats.schema.stored_format`). The tensors are never
+        probed to guess a format."""
+        return stored_format(m, self._layout(m, "linear"), self._dtype_tag)
+
+    def _dtype_tag(self, name: str) -> str | None:
+        return self.reader.info(name).dtype if name in self.reader else None
+
+    def _require(self, m: str, param: str, fmt: LinearFormat, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+        """Tensor ``<m>.<param>`` of the layout the config gives ``m``, in one of ``dtypes``."""
+        name = f"{m}.{param}"
+        if not self.has(name):
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}: the config stores module {m!r} as "
+                                  f"{fmt.describe()}")
+        t = self.get(name)
+        if t.dtype not in dtypes:
+            raise FormatError(f"{self.path}: tensor {name!r} is {t.dtype}, but the config stores module {m!r} as "
+                              f"{fmt.describe()}")
+        return t
 
     def _decode(self, m: str) -> LinearWeight:
-        n_packed, n_w = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.WEIGHT}"
-        n_scale = f"{m}.{keys.SCALE}"
-        n_inv = f"{m}.{keys.SCALE_INV}"
         self._refuse_unsupported(m)
-        if self.has(n_packed):  # compressed-tensors pack-quantized INT4
-            packed, scale = self.get(n_packed), self.get(n_scale)
-            shape = self.get(f"{m}.{keys.CT_SHAPE}").tolist()
-            n, k = int(shape[0]), int(shape[1])
-            if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] * 8 < k:
-                raise ShapeError(f"{self.path}: tensor {n_packed!r} is {packed.dtype}{list(packed.shape)}, not int32 "
-                                 f"[{n}, {-(-k // 8)}] for weight_shape {[n, k]}")
-            if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
-                raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
-            # kept packed as on disk; the backend decodes it (codecs.ct_int4_unpack) when it runs
-            return Int4Weight(packed, scale, group_size=k // scale.shape[1], packing="ct", in_features=k)
-        if not self.has(n_w):
-            raise CheckpointError(f"{self.path}: missing tensor {n_w!r} (or {n_packed!r}) of module {m!r}")
-        w = self.get(n_w)
-        if w.dtype in _FLOATS:
+        fmt = self.format_of(m)
+        s = fmt.scheme
+        if s == sizing.CT_INT4:
+            return self._ct_int4(m, fmt)
+        w = self._require(m, keys.WEIGHT, fmt, _STORED[s])
+        if s == sizing.DENSE:
             return DenseWeight(w)
-        if w.dtype == torch.int32:  # Quark INT4 (reorder or natural nibble order)
-            return self._quark_int4(m, w)
-        if w.dtype == torch.uint8:  # Quark MXFP4
-            scale = self.get(n_scale)
-            if scale.dtype != torch.uint8 or scale.shape[0] != w.shape[0] or scale.shape[1] * 32 != w.shape[1] * 2:
-                raise ShapeError(f"{self.path}: tensor {n_scale!r} is {scale.dtype}{list(scale.shape)}; MXFP4 weight "
-                                 f"{list(w.shape)} needs uint8 [{w.shape[0]}, {w.shape[1] * 2 // 32}]")
+        if s in (sizing.QUARK_INT4, sizing.QUARK_W4A8):
+            return self._quark_int4(m, w, fmt)
+        if s == sizing.QUARK_MXFP4:
+            scale = self._require(m, keys.SCALE, fmt, (torch.uint8,))
+            if scale.shape[0] != w.shape[0] or scale.shape[1] * 32 != w.shape[1] * 2:
+                raise ShapeError(f"{self.path}: tensor {m + '.' + keys.SCALE!r} is {scale.dtype}{list(scale.shape)}; "
+                                 f"MXFP4 weight {list(w.shape)} needs uint8 [{w.shape[0]}, {w.shape[1] * 2 // 32}]")
             return MXFP4Weight(w, scale)
-        if w.dtype in _FP8:
-            if self.has(n_inv):
-                return FP8Weight(w, self.get(n_inv).float(), block=self.quant.fp8_block or (128, 128))
-            return FP8Weight(w, self.get(n_scale).float())
-        raise FormatError(f"{self.path}: tensor {n_w!r} has dtype {w.dtype}, not a weight format eagle3 reads")
+        scale = self._require(m, _fp8_scale_param(fmt), fmt, _FLOATS).float()
+        return FP8Weight(w, scale, block=_fp8_block(fmt))
+
+    def _ct_int4(self, m: str, fmt: LinearFormat) -> Int4Weight:
+        """compressed-tensors pack-quantized INT4, kept packed as on disk; the backend decodes it
+        (codecs.ct_int4_unpack) when it runs."""
+        n_packed, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.SCALE}"
+        packed = self._require(m, keys.CT_PACKED, fmt, (torch.int32,))
+        scale = self._require(m, keys.SCALE, fmt, _FLOATS)
+        shape = self._require(m, keys.CT_SHAPE, fmt, _INTS).tolist()
+        n, k = int(shape[0]), int(shape[1])
+        if packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] * 8 < k:
+            raise ShapeError(f"{self.path}: tensor {n_packed!r} is {packed.dtype}{list(packed.shape)}, not int32 "
+                             f"[{n}, {-(-k // 8)}] for weight_shape {[n, k]}")
+        if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
+            raise ShapeError(f"{self.path}: tensor {n_scale!r} has shape {list(scale.shape)}, not [{n}, {k}/group]")
+        return Int4Weight(packed, scale, group_size=k // scale.shape[1], packing="ct", in_features=k)
 
     def _refuse_unsupported(self, m: str) -> None:
         """Optional tensors the checkpoint schema lets through but this runtime would silently
@@ -306,10 +344,13 @@ class WeightReader:
         ``input_scale`` / ``k_scale`` / ``v_scale`` are ignored on purpose: activations are quantized
         dynamically (or not at all) and the KV cache is kept in the compute dtype, both at least as
         precise as the static scales."""
-        n_zp, n_gidx = f"{m}.{keys.ZERO_POINT}", f"{m}.{keys.G_IDX}"
-        # Quark's export writes all-zero zero points for symmetric schemes (int4-draft): those are fine.
-        if self.has(n_zp) and not self._zero_point_is_zero(m, self.get(n_zp)):
-            raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not supported")
+        n_gidx = f"{m}.{keys.G_IDX}"
+        # Quark's export writes all-zero zero points for symmetric schemes (int4-draft, W4A8's INT4
+        # stage with --quark-zero-points): those are fine.
+        for n_zp in (f"{m}.{keys.ZERO_POINT}", f"{m}.{keys.ZERO_POINT_2}"):
+            if self.has(n_zp) and not self._zero_point_is_zero(m, self.get(n_zp)):
+                raise FormatError(f"{self.path}: tensor {n_zp!r}: asymmetric (zero-point) quantization is not "
+                                  f"supported")
         if self.has(n_gidx):
             gidx = self.get(n_gidx).reshape(-1).to(torch.int64)
             k = gidx.numel()
@@ -330,17 +371,18 @@ class WeightReader:
                 return not bool(codecs.ct_int4_unpack(zp.t().contiguous(), n).any())
         return not bool(zp.any())
 
-    def _quark_int4(self, m: str, w: torch.Tensor) -> Int4Weight:
-        """Quark INT4, kept packed (int32 words along the input dim, Quark's nibble order)."""
+    def _quark_int4(self, m: str, w: torch.Tensor, fmt: LinearFormat) -> Int4Weight:
+        """Quark INT4 or W4A8 (``fmt``), kept packed (int32 words along the input dim, Quark's nibble
+        order)."""
         reorder = self.quant.pack_method == "reorder"
         packing = "quark" if reorder else "quark_order"
-        scale = self.get(f"{m}.{keys.SCALE}").float()
-        n_s2 = f"{m}.{keys.SCALE_2}"
+        scale = self._require(m, keys.SCALE, fmt, _FLOATS).float()
         if w.dim() != 2:
             raise ShapeError(f"{self.path}: tensor {m + '.' + keys.WEIGHT!r} has shape {list(w.shape)}, not 2-D")
-        if self.quant.int4_per_group:  # Quark per_group INT4 is stored transposed: [K, N/8], scale [K/G, N]
-            # Relaid out once to words along the input dim (the same codes, the same bytes), so that
-            # rows decode independently like every other INT4 weight.
+        if fmt.scheme == sizing.QUARK_INT4 and fmt.qscheme == "per_group":
+            # Stored transposed: [K, N/8], scale [K/G, N]. Relaid out once to words along the input
+            # dim (the same codes, the same bytes), so that rows decode independently like every
+            # other INT4 weight.
             codes = codecs.quark_int4_unpack(w, reorder=reorder).t().contiguous()
             n, k = codes.shape
             scale = scale.t().contiguous()
@@ -349,8 +391,8 @@ class WeightReader:
             return Int4Weight(codecs.quark_int4_pack(codes, reorder=reorder), scale, group_size=k // scale.shape[1],
                               packing=packing, in_features=k)
         n, k = int(w.shape[0]), int(w.shape[1]) * 8
-        if self.has(n_s2):  # two-stage W4A8: W = q * scale_2[n] * scale
-            s2 = self.get(n_s2).float().reshape(-1)
+        if fmt.scheme == sizing.QUARK_W4A8:  # two stages: W = q * scale_2[n] * scale
+            s2 = self._require(m, keys.SCALE_2, fmt, _FLOATS).float().reshape(-1)
             if s2.shape[0] != n or scale.numel() != 1:
                 raise ShapeError(f"{self.path}: {m}: W4A8 weight {[n, k]} needs weight_scale_2 "
                                  f"[{n}] and a per-tensor weight_scale, got {list(s2.shape)} and "
@@ -362,6 +404,19 @@ class WeightReader:
             raise ShapeError(f"{self.path}: {m}: per-channel scale {list(scale.shape)} does not fit weight "
                              f"{[n, k]}")
         return Int4Weight(w, scale.reshape(-1), packing=packing, in_features=k)
+
+
+def _fp8_block(fmt: LinearFormat) -> tuple[int, int] | None:
+    """The [rows, cols] block of a block-scaled FP8 layout, None for per-channel / per-tensor scales."""
+    if fmt.scheme == sizing.FP8_BLOCK:
+        return fmt.block or (128, 128)
+    if fmt.scheme == sizing.CT_FP8 and fmt.qscheme == "block":
+        return fmt.block
+    return None
+
+
+def _fp8_scale_param(fmt: LinearFormat) -> str:
+    return keys.SCALE_INV if fmt.scheme == sizing.FP8_BLOCK else keys.SCALE
 
 
 @contextlib.contextmanager
