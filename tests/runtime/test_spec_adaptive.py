@@ -86,20 +86,26 @@ def test_window_forgets_old_acceptance():
     assert w.conditional(1)[0] > 0.8
 
 
-def test_measured_cost_model_interpolates_and_smooths():
+def test_profile_interpolates_and_serving_steps_replace_what_they_measure():
     m = MeasuredCostModel(alpha=0.5)
-    m.observe_target(1, 1, 1.0)
-    m.observe_target(1, 5, 3.0)
-    m.observe_target(4, 1, 4.0)
-    m.observe_target(4, 5, 8.0)
-    m.observe_draft(1, 0.1)
-    m.observe_draft(4, 0.4)
+    m.seed_target(1, 1, 1.0)
+    m.seed_target(1, 5, 3.0)
+    m.seed_target(4, 1, 4.0)
+    m.seed_target(4, 5, 8.0)
+    m.seed_draft(1, 0.1)
+    m.seed_draft(4, 0.4)
     assert m.target_time(1, 3) == pytest.approx(2.0)
     assert m.target_time(2, 1) == pytest.approx(2.0)
     assert m.target_time(8, 5) == pytest.approx(16.0)  # proportional past the last bucket
     assert m.draft_time(2) == pytest.approx(0.2)
-    m.observe_target(1, 1, 1.5)  # EMA: halfway
-    assert m.target_time(1, 1) == pytest.approx(1.25)
+    assert not m.measured(1, 1)
+    m.observe_target(1, 1, 1.5)  # a serving step: its cell is what it measured...
+    assert m.measured(1, 1) and m.target_time(1, 1) == pytest.approx(1.5)
+    assert m.target_time(1, 5) == pytest.approx(3.0 * 1.5)  # ... and the bucket's scale moves the rest
+    m.observe_target(1, 1, 2.5)  # EMA: halfway
+    assert m.target_time(1, 1) == pytest.approx(2.0)
+    assert m.target_time(1, 5) == pytest.approx(3.0 * 2.0)
+    assert m.target_time(4, 5) == pytest.approx(8.0)  # another bucket: unchanged
     m.observe_draft(1, 10.0)  # a stall: clipped to twice the estimate before the EMA
     assert m.draft_time(1) == pytest.approx(0.15)
 
@@ -109,12 +115,13 @@ def test_serving_steps_refine_the_profiled_buckets():
     # 4's row instead of starting a row {1: ...} at batch 3 that would extrapolate q = 6 from q = 1.
     m = MeasuredCostModel(alpha=0.5, buckets=[1, 2, 4])
     for b, t1, t6 in ((1, 1.0, 1.1), (2, 1.0, 1.2), (4, 1.0, 1.4)):
-        m.observe_target(b, 1, t1)
-        m.observe_target(b, 6, t6)
+        m.seed_target(b, 1, t1)
+        m.seed_target(b, 6, t6)
     m.observe_target(3, 1, 1.2)
-    assert sorted(m.target) == [1, 2, 4]
-    assert m.target[4][1] == pytest.approx(1.1)
-    assert m.target_time(3, 6) == pytest.approx(1.3)  # between buckets 2 and 4, no extrapolation
+    assert sorted(m.target) == [1, 2, 4] and m.measured(4, 1) and m.measured(3, 1) and not m.measured(2, 1)
+    assert m.target_time(4, 1) == pytest.approx(1.2)
+    # between buckets 2 and 4, no extrapolation; bucket 4's q = 6 scaled by its measured 1.2
+    assert m.target_time(3, 6) == pytest.approx(1.2 + (1.4 * 1.2 - 1.2) / 2)
     m.observe_draft(3, 0.2)
     assert sorted(m.draft) == [4]
 
@@ -179,3 +186,30 @@ def test_profile_discards_the_first_call_and_keeps_the_fastest(monkeypatch: pyte
     recorded: list[float] = []
     model_runner.ModelRunner._profile(SimpleNamespace(_sync=lambda: None), fn, recorded.append)
     assert len(calls) == 3 and recorded == [2.0]
+
+
+def test_a_close_k_whose_width_was_never_measured_is_tried_once():
+    """The profile says k = 1 is best and k = 3 close (within EXPLORE_MARGIN), k = 5 far off; serving
+    steps measured only k = 1's width. The policy tries k = 3 once; once its width is measured (here
+    cheaper than the profile said, as at real contexts) it keeps it, and never tries k = 5."""
+    m = MeasuredCostModel(alpha=0.5, buckets=[4])
+    for q, t in enumerate((1.0, 1.0, 2.0, 2.2, 4.0, 5.0), start=1):
+        m.seed_target(4, q, t)
+    m.seed_draft(4, 0.1)
+    policy = AdaptivePolicy(5, m, probe_interval=0)
+    for _ in range(100):
+        policy.observe(5, 5)  # every draft accepted: rate differences are the costs'
+    m.observe_target(4, 2, 1.1)  # k = 1's verification, measured while serving
+    r = policy.rates(4)
+    assert policy.best(4) == 1 and r[3] >= 0.8 * r[1] and r[5] < 0.8 * r[1]
+    assert policy.choose(4) == 3  # tried: its width (4 rows) is unmeasured
+    m.observe_target(4, 4, 1.3)  # the next step verified 4 rows: cheaper than profiled
+    assert [policy.choose(4) for _ in range(5)] == [3] * 5
+    assert policy.histogram[5] == 0
+
+
+def test_a_stub_cost_model_is_never_explored():
+    policy = AdaptivePolicy(3, LinearCost(fixed=1.0, per_row=1e-4, draft=1e-4), probe_interval=0)
+    for _ in range(50):
+        policy.observe(3, 3)
+    assert {policy.choose(2) for _ in range(10)} == {3}

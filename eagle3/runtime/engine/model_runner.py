@@ -35,6 +35,10 @@ from eagle3.runtime.spec.tree import DraftTree, ancestor_mask, check_parents, de
 from eagle3.runtime.spec.tree_proposer import TreeDrafting
 from eagle3.runtime.spec.tree_rejection import tree_rejection_sample
 
+# Context length of auto's start-up profile (tokens already cached per dummy sequence): the profile
+# gives the cost model its shape, serving steps its scale at the real contexts.
+PROFILE_CONTEXT = 512
+
 
 def build_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], counts: Seq[int], block_size: int,
                         device: torch.device | str = "cpu") -> AttnMetadata:
@@ -199,8 +203,10 @@ class ModelRunner:
                  for i, (item, emitted, row0) in enumerate(zip(scheduled, res.emitted, res.row_starts, strict=True))]
         proposer = self.proposer
         # auto: the whole proposer (forwards, logits, sampling) of a decode step is timed, per draft
-        # step it ran (step 0 runs at k = 0 too).
-        shape = (len(items), max(k, 1)) if self._uniform_target_shape(scheduled) is not None else None
+        # step it ran: step 0 runs at k = 0 too, and near max_tokens a sequence drafts fewer than k
+        # (dividing by k there read a short step as a cheap draft step and pulled the estimate down).
+        steps = max([it.num_drafts for it in items] + [1])
+        shape = (len(items), steps) if self._uniform_target_shape(scheduled) is not None else None
         proposals = self._timed(lambda: proposer.propose(items, self.target.vocab_size), shape, "draft")
         return StepOutput(res.emitted, proposals)
 
@@ -281,14 +287,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_costs(self, cost: MeasuredCostModel, max_num_seqs: int) -> None:
-        """Seed ``cost`` with a few dummy forwards per batch bucket: the target at query lengths 1
-        and k + 1 (forward + logits of every row), one draft step. The dummy sequences share the
-        first KV blocks (free at start-up; what they write is overwritten before it is read) and
-        sit at a moderate context length (the EMA of the real steps corrects the rest)."""
+        """Seed ``cost`` with dummy forwards per batch bucket: the target at every query length
+        1 .. k + 1 (forward + logits of every row; a query tile boundary can make one length cost
+        much more than its neighbours, which interpolation would miss), one draft step. The dummy
+        sequences share the first KV blocks (free at start-up; what they write is overwritten
+        before it is read) and sit at a moderate context length: serving steps rescale each bucket
+        to the real contexts (see MeasuredCostModel)."""
         buckets = sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)})
-        cost.buckets = buckets  # serving steps refine these rows (see MeasuredCostModel)
+        cost.buckets = buckets  # serving steps rescale these rows (see MeasuredCostModel)
         bs, q_max = self.block_size, self.k + 1
-        start = max(min(256, self.num_blocks * bs - q_max - 1), 0)
+        start = max(min(PROFILE_CONTEXT, self.num_blocks * bs - q_max - 1), 0)
         table = list(range(-(-(start + q_max) // bs)))
         if not table or len(table) > self.num_blocks:
             return
@@ -311,9 +319,9 @@ class ModelRunner:
             self.draft.compute_logits(post)
 
         for b in buckets:
-            for q in sorted({1, q_max}):
-                self._profile(lambda b=b, q=q: target(b, q), lambda dt, b=b, q=q: cost.observe_target(b, q, dt))
-            self._profile(lambda b=b: draft(b), lambda dt, b=b: cost.observe_draft(b, dt))
+            for q in range(1, q_max + 1):
+                self._profile(lambda b=b, q=q: target(b, q), lambda dt, b=b, q=q: cost.seed_target(b, q, dt))
+            self._profile(lambda b=b: draft(b), lambda dt, b=b: cost.seed_draft(b, dt))
 
     def _profile(self, fn: Callable[[], None], record: Callable[[float], None], runs: int = 2) -> None:
         """One untimed call (each shape's first call pays one-time costs: CUDA graph capture, Triton

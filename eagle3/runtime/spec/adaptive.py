@@ -11,9 +11,9 @@ resumes) and yields the first draft; steps ``1..k-1`` are one more draft forward
 
     rate(k) = (1 + E[accepted | k]) / (T(B, k + 1) + max(k, 1) * D(B))
 
-with ``T`` / ``D`` from a :class:`CostModel`. :class:`MeasuredCostModel` is the engine's own: seeded
-by a start-up profile over the batch buckets (a few dummy forwards, ``ModelRunner.profile_costs``)
-and refined by an EMA of the step times measured while serving. Anything with ``target_time`` and
+with ``T`` / ``D`` from a :class:`CostModel`. :class:`MeasuredCostModel` is the engine's own: a
+start-up profile over the batch buckets (dummy forwards at every query length,
+``ModelRunner.profile_costs``), then EMAs of the step times measured while serving. Anything with ``target_time`` and
 ``draft_time`` can stand in for it (tests stub it).
 """
 
@@ -42,6 +42,10 @@ CLIP = 2.0
 # the acceptance window gets fresh verifications. Costs at most 1/64 of the steps at another k;
 # 0 disables it.
 PROBE_INTERVAL = 64
+# A k whose verification width no serving step has measured in this batch bucket is tried once
+# when its expected rate (from the profile) is within this fraction of the best: the profile ran
+# at one context length, and the relative cost of query lengths moves with the context.
+EXPLORE_MARGIN = 0.2
 
 
 class CostModel(Protocol):
@@ -68,36 +72,69 @@ def _interp(keys: list[int], values: list[float], x: int) -> float:
 
 @dataclass
 class MeasuredCostModel:
-    """Step times measured by the engine: EMA per (batch bucket, query length) for the target and
-    per batch bucket for the draft; lookups interpolate between the measured points.
+    """Step times measured by the engine.
 
-    A step over ``b`` sequences is recorded under the smallest of ``buckets`` holding ``b`` (the
-    batch sizes the start-up profile measured; a CUDA graph runs a batch padded to its bucket, and
-    eager steps of nearby sizes cost about the same), so the profiled rows are refined instead of
-    sparse rows being started at every batch size seen: a row with only the query lengths of the
-    k chosen so far would extrapolate every other query length from those."""
+    The start-up profile (:meth:`seed_target`, :meth:`seed_draft`) measures every batch bucket at
+    every query length and one draft step, at one context length. Serving steps
+    (:meth:`observe_target`, :meth:`observe_draft`) then keep an EMA of each (bucket, query length)
+    they measure, which replaces the profiled figure, and a per-bucket *scale* (EMA of measured /
+    profiled time) that carries the difference to the query lengths not measured while serving:
+    real contexts are longer than the profile's and the machine's load changes, and a profiled
+    figure left as it was looked cheaper than the measured ones (measured at batch 4 on the CPU
+    before this: the policy chose k = 1 in 21 of 27 steps, k = 3 being the best static setting).
+    The scale is only a guess for those cells (their relative cost changes with the context too),
+    so :class:`AdaptivePolicy` also tries a k whose cell is unmeasured when its rate is close to the
+    best (:meth:`measured`).
+
+    A step over ``b`` sequences belongs to the smallest of ``buckets`` holding ``b`` (the batch
+    sizes the profile measured; a CUDA graph runs a batch padded to its bucket, and eager steps of
+    nearby sizes cost about the same). A bucket or query length the profile did not reach is
+    seeded by the first serving step that measures it."""
 
     alpha: float = EMA_ALPHA
     buckets: list[int] = field(default_factory=list)  # sorted; empty: every batch size is its own row
-    target: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> query_len -> seconds
-    draft: dict[int, float] = field(default_factory=dict)  # bucket -> seconds
+    target: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> query_len -> profiled s
+    draft: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of one draft step
+    served: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> query_len -> serving EMA
+    target_scale: dict[int, float] = field(default_factory=dict)  # bucket -> served / profiled
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.buckets, batch)
         return self.buckets[i] if i < len(self.buckets) else batch
 
-    def observe_target(self, batch: int, query_len: int, seconds: float) -> None:
+    def seed_target(self, batch: int, query_len: int, seconds: float) -> None:
+        """A profiled target forward."""
         row = self.target.setdefault(self.bucket(batch), {})
-        row[query_len] = self._update(row.get(query_len), seconds)
+        row[query_len] = self._ema(row.get(query_len), seconds)
+
+    def seed_draft(self, batch: int, seconds: float) -> None:
+        """A profiled draft step."""
+        b = self.bucket(batch)
+        self.draft[b] = self._ema(self.draft.get(b), seconds)
+
+    def observe_target(self, batch: int, query_len: int, seconds: float) -> None:
+        """A serving step's target forward."""
+        b = self.bucket(batch)
+        row = self.target.get(b)
+        if row is None or not min(row) <= query_len <= max(row):
+            self.seed_target(batch, query_len, seconds / self.target_scale.get(b, 1.0))
+            return
+        self.target_scale[b] = self._ema(self.target_scale.get(b), seconds / self._target_at(b, query_len))
+        cells = self.served.setdefault(b, {})
+        cells[query_len] = self._ema(cells.get(query_len), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        b = self.bucket(batch)
-        self.draft[b] = self._update(self.draft.get(b), seconds)
+        """A serving step's draft step (the proposer's time per draft forward)."""
+        self.seed_draft(batch, seconds)
 
-    def _update(self, old: float | None, seconds: float) -> float:
+    def measured(self, batch: int, query_len: int) -> bool:
+        """Whether a serving step measured this (bucket, query length)."""
+        return query_len in self.served.get(self.bucket(batch), {})
+
+    def _ema(self, old: float | None, x: float) -> float:
         if old is None:
-            return seconds
-        x = min(max(seconds, old / CLIP), old * CLIP)
+            return x
+        x = min(max(x, old / CLIP), old * CLIP)
         return old + self.alpha * (x - old)
 
     @property
@@ -109,12 +146,18 @@ class MeasuredCostModel:
         qs = sorted(row)
         return _interp(qs, [row[q] for q in qs], query_len)
 
+    def _estimate(self, batch: int, query_len: int) -> float:
+        served = self.served.get(batch, {}).get(query_len)
+        if served is not None:
+            return served
+        return self._target_at(batch, query_len) * self.target_scale.get(batch, 1.0)
+
     def target_time(self, batch: int, query_len: int) -> float:
         # Rows whose measured query lengths bracket ``query_len`` interpolate it; the others would
         # extrapolate, so they are used only when no row brackets it.
         covering = sorted(b for b, row in self.target.items() if min(row) <= query_len <= max(row))
         bs = covering or sorted(self.target)
-        return _interp(bs, [self._target_at(b, query_len) for b in bs], batch)
+        return _interp(bs, [self._estimate(b, query_len) for b in bs], batch)
 
     def draft_time(self, batch: int) -> float:
         bs = sorted(self.draft)
@@ -188,12 +231,26 @@ class AdaptivePolicy:
         if batch <= 0:
             return 0  # nothing samples (prefill chunks only): no choice made, nothing counted
         self._steps += 1
-        k = self.best(batch)
+        k = self._unmeasured_contender(batch)
+        if k is None:
+            k = self.best(batch)
         if self.probe_interval and self._steps % self.probe_interval == 0:
             k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
         self._last_chosen[k] = self._steps
         self.histogram[k] += 1
         return k
+
+    def _unmeasured_contender(self, batch: int) -> int | None:
+        """The best-rated k whose verification (k + 1 query rows) no serving step measured in this
+        batch bucket, if its rate is within EXPLORE_MARGIN of the best; None otherwise (or when the
+        cost model does not say what it measured: a stub)."""
+        measured = getattr(self.cost, "measured", None)
+        if measured is None:
+            return None
+        r = self.rates(batch)
+        top = max(r)
+        open_ = [k for k in range(self.max_k + 1) if not measured(batch, k + 1) and r[k] >= (1 - EXPLORE_MARGIN) * top]
+        return max(open_, key=lambda k: (r[k], -k)) if open_ else None
 
     def histogram_line(self) -> str:
         """``k 0/1/2/3: 10.00/0.00/5.00/85.00%`` of the steps."""
