@@ -54,6 +54,9 @@ class KVCacheSpec(NamedTuple):
     * MLA (target and MLA draft): ``shape = (MLASpec.cache_width,)`` = ``(kv_lora_rank + qk_rope_head_dim,)`` - the
       normalised latent ``c`` followed by the RoPE'd shared key ``k_pe`` (576 for Kimi).
     * MHA (Llama draft): ``shape = (2, num_key_value_heads, head_dim)`` - K then V, K after RoPE.
+
+    ``dtype``: what the cache is stored in (``KernelBackend.kv_cache_dtype``: the model dtype, or the
+    CPU reference's fp32 holding the same bf16-rounded values).
     """
 
     shape: tuple[int, ...]

@@ -95,6 +95,11 @@ def _tree_of(item: ScheduledSeq) -> DraftTree | None:
     return DraftTree(par, tokens, depths(par), torch.zeros(par.shape))
 
 
+def _hidden_dtype(draft: DraftModel) -> torch.dtype:
+    """The dtype of the draft's hidden states (its KV cache may be stored wider: kv_cache_dtype)."""
+    return getattr(draft, "dtype", None) or draft.kv_cache_spec().dtype
+
+
 def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
     spec = model.kv_cache_spec()
     per_token = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
@@ -175,7 +180,7 @@ class ModelRunner:
                 dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
-                    extra={"hidden": ((draft.hidden_size,), draft.kv_cache_spec().dtype)}, **common)
+                    extra={"hidden": ((draft.hidden_size,), _hidden_dtype(draft))}, **common)
         self.proposer: EagleProposer | None = None
         # Draft trees (topk, nodes with the root; docs/trees.md): eager steps only.
         self.tree = tree if draft is not None else None
@@ -313,7 +318,7 @@ class ModelRunner:
 
         def draft(b: int) -> None:
             assert self.draft is not None
-            hidden = torch.zeros(b, self.draft.hidden_size, dtype=self.draft.kv_cache_spec().dtype, device=dev)
+            hidden = torch.zeros(b, self.draft.hidden_size, dtype=_hidden_dtype(self.draft), device=dev)
             post, _ = self.forward_draft(torch.zeros(b, dtype=torch.int64, device=dev), hidden, [table] * b,
                                          [start] * b, [1] * b)
             self.draft.compute_logits(post)

@@ -286,6 +286,9 @@ class AiterBackend(TorchBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.base.rms_norm(x, weight, eps)
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype  # aiter's MLA decode reads the cache in the query's dtype
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return self.base.rope(x, cos, sin, interleaved)
 

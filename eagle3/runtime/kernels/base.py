@@ -240,6 +240,12 @@ class KernelBackend(ABC):
         """Rotate ``x [T, heads, d]`` with ``cos/sin [T, d/2]``. ``interleaved``: pairs
         ``(x[2i], x[2i+1])`` (DeepSeek / GPT-J), output in rotate-half order; else NeoX halves."""
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache of a model in ``dtype`` is stored in. The layers write values
+        already rounded to ``dtype``, so a wider store holds the same numbers; a backend that
+        computes attention in a wider dtype stores them so to save a conversion per read."""
+        return dtype
+
     @abstractmethod
     def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
         """``cache [S, ...]`` (flat slots) ``[slot_mapping[t]] = values[t]``; slot -1 is skipped."""

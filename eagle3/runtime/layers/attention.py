@@ -160,7 +160,8 @@ class MLAAttention(nn.Module):
         pe = self.rotary(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
         q_pe, k_pe = pe[:, :nh], pe[:, nh]
         flat = cache.view(-1, self.spec.cache_width)
-        be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1))
+        # rounded to the model dtype here, whatever dtype the backend stores the cache in
+        be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1).to(x.dtype))
         if self.absorbed:
             w_uk, w_uv_t = self.absorbed_matrices()
             q_abs = be.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nh, rkv]
@@ -212,7 +213,8 @@ class MHAAttention(nn.Module):
         q = self.rotary(q.view(t, s.num_heads, s.head_dim), cos, sin)
         k = self.rotary(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
         flat = cache.view(-1, 2, s.num_kv_heads, s.head_dim)
-        be.write_cache(flat, meta.slot_mapping, torch.stack([k, v.view(t, s.num_kv_heads, s.head_dim)], dim=1))
+        kv = torch.stack([k, v.view(t, s.num_kv_heads, s.head_dim)], dim=1).to(x.dtype)  # the model dtype's values
+        be.write_cache(flat, meta.slot_mapping, kv)
         g = s.num_heads // s.num_kv_heads
         o = be.attention(q.view(t, s.num_kv_heads, g, s.head_dim), flat[:, 0], flat[:, 1], meta, s.softmax_scale, plan)
         return self.o_proj(o.reshape(t, s.num_heads * s.head_dim))

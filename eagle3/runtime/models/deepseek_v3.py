@@ -64,7 +64,7 @@ class DeepseekV3Model(nn.Module):
         self.lm_head = VocabParallelLMHead(spec.hidden_size, spec.vocab_size, backend, f"{spec.prefix}lm_head", tp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec((self.spec.mla.cache_width,), self.dtype)
+        return KVCacheSpec((self.spec.mla.cache_width,), self.backend.kv_cache_dtype(self.dtype))
 
     def set_absorbed(self, absorbed: bool) -> None:
         """Absorbed MLA (default) or the naive per-head expansion (tests)."""

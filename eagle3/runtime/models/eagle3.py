@@ -73,9 +73,9 @@ class Eagle3DraftModel(nn.Module):
         s = self.spec
         if s.attention == "mla":
             assert s.mla is not None
-            return KVCacheSpec((s.mla.cache_width,), self.dtype)
+            return KVCacheSpec((s.mla.cache_width,), self.backend.kv_cache_dtype(self.dtype))
         assert s.mha is not None
-        return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.dtype)
+        return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.backend.kv_cache_dtype(self.dtype))
 
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
         want = self.spec.num_aux * self.spec.target_hidden_size

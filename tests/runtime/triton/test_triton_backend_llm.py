@@ -70,7 +70,7 @@ def test_plain_greedy_matches_the_torch_backend(plain: tuple[LLM, list[list[int]
     picks decides the bf16 rounding): logits within the dtype's tolerance over the reference's
     tokens, greedy tokens equal until the first near tie (eagle3.testing.numerics)."""
     llm, expected = plain
-    dtype = llm.target.kv_cache_spec().dtype
+    dtype = llm.target.dtype
     ref = LLM(tiny_dir / "kimi-k2.5", None, tokenizer=None, backend="torch", dtype=dtype, num_blocks=32,
               block_size=4, device=llm.device)
     reference = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
@@ -95,7 +95,7 @@ def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]
                                                 k: int, kw: dict) -> None:
     target_llm, expected = plain
     tree = "speculative_eagle_topk" in kw
-    fp32 = target_llm.target.kv_cache_spec().dtype == torch.float32
+    fp32 = target_llm.target.dtype == torch.float32
     if tree and not fp32:
         # A tree's nodes sit at other cache positions than the same tokens in a chain, so their rows
         # sum the keys in another order: equal to plain greedy up to rounding, not bit for bit. In

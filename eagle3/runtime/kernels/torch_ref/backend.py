@@ -67,6 +67,12 @@ class TorchBackend(KernelBackend):
         c, s = cos[:, None, :], sin[:, None, :]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # The reference attention computes in fp32 on the CPU (compute_dtype): a bf16 cache was
+        # widened on every read (a gather, then a copy of every key tile), 13% of a batch-16
+        # decode step of the tiny target (measured: 55.9 -> 48.6 ms). Same numbers, twice the bytes.
+        return compute_dtype(dtype, self.device)
+
     def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
         slots = slot_mapping.to(device=cache.device, dtype=torch.int64)
         vals = values.to(cache.dtype)

@@ -71,6 +71,9 @@ class TritonBackend(TorchBackend):
             return act_quant.quantize_fp8_per_token(x)
         raise UsageError(f"unknown per-token activation quantization {kind!r} (int8, fp8)")
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype  # the kernels read the cache in the model dtype (as on the GPU, so in the interpreter)
+
     def plan_attention(self, meta: AttnMetadata) -> TritonAttnPlan:
         return plan_attention(meta)
 
