@@ -11,6 +11,8 @@ Shapes: GQA MHA (the Llama draft) and MLA-shaped MQA with values a prefix view o
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -92,10 +94,11 @@ def _caches(hkv: int, d: int, dv: int, shared: bool, seed: int,
 
 
 def _chain_output(bt: _Batch, b: int, node: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  shared: bool, scale: float, verify: bool = False) -> torch.Tensor:
+                  shared: bool, scale: float, verify: bool = False, be: Any = BE) -> torch.Tensor:
     """Node ``node`` of sequence ``b`` run as an ordinary chain: the context then its path, laid
     out contiguously in a fresh cache, the node's query at the last position (``verify``: every
-    path node queried, as a chain verify does, the ancestors' queries from their own rows)."""
+    path node queried, as a chain verify does, the ancestors' queries from their own rows), on
+    backend ``be`` (the tensors' device)."""
     tree = bt.trees[b]
     assert tree is not None
     start = bt.ctx[b] + bt.pre[b]
@@ -103,7 +106,7 @@ def _chain_output(bt: _Batch, b: int, node: int, q: torch.Tensor, k_cache: torch
     src = [bt.slot_of[(b, j)] for j in range(start)] + [bt.slot_of[(b, start + j)] for j in nodes]
     length = len(src)
     nb = -(-length // BLOCK)
-    idx = torch.tensor(src + [src[-1]] * (nb * BLOCK - length))
+    idx = torch.tensor(src + [src[-1]] * (nb * BLOCK - length), device=k_cache.device)
     if shared:
         lat = k_cache[:, 0][idx]
         kc, vc = lat[:, None, :], lat[:, None, : v_cache.shape[-1]]
@@ -111,10 +114,11 @@ def _chain_output(bt: _Batch, b: int, node: int, q: torch.Tensor, k_cache: torch
         kc, vc = k_cache[idx], v_cache[idx]
     rows = [bt.rows[(b, bt.pre[b] + j)] for j in (nodes if verify else nodes[-1:])]
     m = len(rows)
-    meta = AttnMetadata(torch.arange(length - m, length), torch.tensor([0, m], dtype=torch.int32),
-                        torch.tensor([length], dtype=torch.int32), torch.full((m,), -1),
-                        torch.arange(nb, dtype=torch.int32)[None], BLOCK)
-    return BE.attention(q[torch.tensor(rows)], kc, vc, meta, scale)[-1]
+    dev = k_cache.device
+    meta = AttnMetadata(torch.arange(length - m, length, device=dev), torch.tensor([0, m], dtype=torch.int32, device=dev),
+                        torch.tensor([length], dtype=torch.int32, device=dev), torch.full((m,), -1, device=dev),
+                        torch.arange(nb, dtype=torch.int32, device=dev)[None], BLOCK)
+    return be.attention(q[torch.tensor(rows, device=q.device)], kc, vc, meta, scale)[-1]
 
 
 SHAPES = [pytest.param(2, 3, 16, 8, False, id="mha-gqa"), pytest.param(1, 4, 48, 32, True, id="mla-latent"),
