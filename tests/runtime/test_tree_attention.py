@@ -121,8 +121,9 @@ def _chain_output(bt: _Batch, b: int, node: int, q: torch.Tensor, k_cache: torch
     return be.attention(q[torch.tensor(rows, device=q.device)], kc, vc, meta, scale)[-1]
 
 
+# query tiles of 2, 1, 1 and 4 tokens (query_tile_tokens): tree paths packed into shared tiles or not
 SHAPES = [pytest.param(2, 3, 16, 8, False, id="mha-gqa"), pytest.param(1, 4, 48, 32, True, id="mla-latent"),
-          pytest.param(1, 16, 64, 48, True, id="mla-16-heads")]
+          pytest.param(1, 16, 64, 48, True, id="mla-16-heads"), pytest.param(2, 1, 16, 16, False, id="mha-group-1")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

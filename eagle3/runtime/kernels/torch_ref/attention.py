@@ -41,9 +41,10 @@ KEY_TILE = 64  # keys per attention tile
 # Draft trees (``AttnMetadata.tree``): a tree node's keys sit at node-order cache positions, but
 # its query reduces over *virtual* key positions, exactly the chain's: the context positions
 # ``0 .. start-1``, then its ancestors in depth order at ``start, start+1, ..``, itself at
-# ``start + depth`` (its RoPE position). Each tree query gets a query tile of its own whose slot
-# map sends virtual position ``start + d`` to the cache slot of its depth-``d`` ancestor; keys past
-# its virtual position are masked like the causal mask. So a node runs the very GEMMs, key-tile
+# ``start + depth`` (its RoPE position). Tree queries get query tiles of their own, each holding
+# one root-to-node path (``_tree_tiles``), whose slot map sends virtual position ``start + d`` to
+# the cache slot of the depth-``d`` node of that path; keys past a query's virtual position are
+# masked like the causal mask. So a node runs the very GEMMs, key-tile
 # grouping and sums of the same token in a chain (its root-to-node path decoded or verified
 # causally): its output is that chain's bit for bit, and its non-ancestors are never gathered.
 # Tree sequences always take the gathered units (their positions are not ascending).
@@ -228,9 +229,10 @@ class AttnPlan:
                 toks.append(list(range(i, i + k)) + [t] * (qt - k))
                 tpos.append(p[i - t0: i - t0 + k] + [top] * (qt - k))
                 tseq.append(b)
-            for i in range(tree0, t1):  # a tree query's slot map is its own: one per tile
-                toks.append([i] + [t] * (qt - 1))
-                tpos.append([p[i - t0]] * qt)
+            for tile in self._tree_tiles(tree0, t1, qt):
+                reach = [p[i - t0] for i in tile]
+                toks.append(tile + [t] * (qt - len(tile)))
+                tpos.append(reach + [reach[-1]] * (qt - len(tile)))
                 tseq.append(b)
         tok_all = torch.tensor(toks, dtype=torch.int64)
         pos_all = torch.tensor(tpos, dtype=torch.int64)
@@ -261,12 +263,31 @@ class AttnPlan:
         return groups
 
 
+    def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
+        """The tree queries ``t0 .. t1-1`` packed into query tiles that each hold one
+        root-to-node path (every token an ancestor of the next): the deepest token's slot map then
+        serves the whole tile, the shallower ones masking past their own virtual position, as
+        chain tokens sharing a tile do. Greedy, in token order (parents come first)."""
+        tiles: list[list[int]] = []
+        open_tiles: dict[int, int] = {}  # cache position of a tile's deepest node -> tile index
+        for t in range(t0, t1):
+            path = self.tree_keys[t][1].tolist()
+            parent = path[-2] if len(path) > 1 else None
+            j = open_tiles.pop(parent, None) if parent is not None else None
+            if j is None:
+                j = len(tiles)
+                tiles.append([])
+            tiles[j].append(t)
+            if len(tiles[j]) < qt:
+                open_tiles[path[-1]] = j
+        return tiles
+
     def _map_tree_keys(self, tok: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
                        ok: torch.Tensor) -> None:
-        """Point the virtual key positions ``start ..`` of each tree query tile (its first slot is
-        the tree query, the rest padding) at its ancestors' cache slots, in depth order."""
-        for row, t in enumerate(tok[:, 0].tolist()):
-            hit = self.tree_keys.get(t)
+        """Point the virtual key positions ``start ..`` of each tree query tile at the cache slots
+        of its deepest node's ancestors and itself, in depth order (see :meth:`_tree_tiles`)."""
+        for row, tile in enumerate(tok.tolist()):
+            hit = self.tree_keys.get(max(x for x in tile if x < self.num_tokens))
             if hit is not None:
                 start, cache_pos = hit
                 end = start + cache_pos.numel()
