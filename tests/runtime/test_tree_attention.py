@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from eagle3.errors import UsageError
-from eagle3.runtime.context import AttnMetadata, TreeMask
+from eagle3.runtime.context import AttnMetadata, TreeMask, pack_tree_paths
 from eagle3.runtime.kernels import get_backend
 from eagle3.runtime.spec.tree import ancestor_mask, build_tree, path
 from tests.runtime.model_kit import single_thread
@@ -202,3 +202,14 @@ def test_ancestor_mask_narrower_than_the_tree_is_refused() -> None:
     _, k_cache, v_cache = _caches(1, 8, 8, False, seed=2)
     with pytest.raises(UsageError, match="tree of 4 nodes"):
         BE.attention(torch.randn(3, 1, 1, 8), k_cache, v_cache, bt.meta, 1.0)
+
+
+def test_tree_queries_share_tiles_along_one_path_only() -> None:
+    """``pack_tree_paths``: groups of at most ``size`` queries, each on one root-to-node path (every
+    query an ancestor of the next), so the deepest query's key map serves the group."""
+    tree = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    paths = [[10 + j for j in path(tree, i)] for i in range(8)]
+    assert pack_tree_paths(paths, 3) == [[0, 1, 3], [2, 5], [4], [6, 7]]
+    assert pack_tree_paths(paths, 1) == [[i] for i in range(8)]
+    frontier = paths[3:5]  # a draft step: the queries' parents are cached, not queried
+    assert pack_tree_paths(frontier, 4) == [[0], [1]]

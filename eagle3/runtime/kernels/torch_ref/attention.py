@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3.errors import UsageError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from eagle3.runtime.context import AttnMetadata
-
-
+from eagle3.runtime.context import AttnMetadata, pack_tree_paths
 
 KEY_TILE = 64  # keys per attention tile
 
@@ -265,22 +260,10 @@ class AttnPlan:
 
     def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
         """The tree queries ``t0 .. t1-1`` packed into query tiles that each hold one
-        root-to-node path (every token an ancestor of the next): the deepest token's slot map then
-        serves the whole tile, the shallower ones masking past their own virtual position, as
-        chain tokens sharing a tile do. Greedy, in token order (parents come first)."""
-        tiles: list[list[int]] = []
-        open_tiles: dict[int, int] = {}  # cache position of a tile's deepest node -> tile index
-        for t in range(t0, t1):
-            path = self.tree_keys[t][1].tolist()
-            parent = path[-2] if len(path) > 1 else None
-            j = open_tiles.pop(parent, None) if parent is not None else None
-            if j is None:
-                j = len(tiles)
-                tiles.append([])
-            tiles[j].append(t)
-            if len(tiles[j]) < qt:
-                open_tiles[path[-1]] = j
-        return tiles
+        root-to-node path (``pack_tree_paths``): the deepest token's slot map then serves the
+        whole tile, as chain tokens sharing a tile see one key map."""
+        paths = [self.tree_keys[t][1].tolist() for t in range(t0, t1)]
+        return [[t0 + i for i in tile] for tile in pack_tree_paths(paths, qt)]
 
     def _map_tree_keys(self, tok: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
                        ok: torch.Tensor) -> None:

@@ -61,15 +61,15 @@ def mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tree_key_positions(k, km, lo_ptr, path_ptr, t0, PATH: tl.constexpr):
+def tree_key_positions(k, km, lo_ptr, path_ptr, t, PATH: tl.constexpr):
     """Cache positions of the virtual key positions ``k [keys]`` (``km``: the ones read) of a
-    chunk whose first query token is ``t0``: a tree query (a chunk alone) reads virtual key
-    ``lo + d`` at its depth-``d`` ancestor's cache position ``path[t0, d]``, the context below
-    ``lo`` in place; ordinary chunks have ``lo`` = 2**31 - 1 and read every key in place. The
-    keys past the query's virtual position are masked by the caller (``k <= pos``), so ``d``
-    stays below ``PATH`` wherever it is read."""
-    lo = tl.load(lo_ptr + t0)
+    chunk whose deepest query token is ``t``: a tree chunk (one root-to-node path) reads virtual
+    key ``lo + d`` at the cache position ``path[t, d]`` of the path's depth-``d`` node, the context
+    below ``lo`` in place; ordinary chunks have ``lo`` = 2**31 - 1 and read every key in place.
+    Keys past the deepest query's virtual position are not read (``km``), so ``d`` stays below
+    ``PATH`` wherever it is read."""
+    lo = tl.load(lo_ptr + t)
     rel = k - lo
     on = km & (rel >= 0)
-    cp = tl.load(path_ptr + t0 * PATH + rel, mask=on, other=0)
+    cp = tl.load(path_ptr + t * PATH + rel, mask=on, other=0)
     return tl.where(on, cp, k)
