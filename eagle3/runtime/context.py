@@ -28,7 +28,12 @@ class TreeMask:
     by earlier steps). Their ``positions`` (RoPE) are the root's position plus their depth. Node
     ``i``'s query sees the cache positions before the tree and the nodes ``j`` with
     ``ancestors[b, i, j]`` (its ancestors and itself, ``spec.tree.ancestor_mask``), nothing else.
-    Query tokens of the sequence before the tree are ordinary causal ones."""
+    Query tokens of the sequence before the tree are ordinary causal ones.
+
+    The backends reduce a node's keys as the same token's in a chain (its root-to-node path run
+    causally): the context, then its ancestors in depth order at the *virtual* positions ``start,
+    start + 1, ..``, itself at ``start + depth``, in the chain's key tiles. So a node's output is its
+    chain's bit for bit and does not depend on the tree's other nodes."""
 
     num_nodes: list[int]  # [B] on the host
     ancestors: torch.Tensor  # bool [B, N, N], N >= max(num_nodes); rows/cols past num_nodes[b] unused
