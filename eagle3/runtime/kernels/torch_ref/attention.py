@@ -147,14 +147,20 @@ class AttnPlan:
     def _key_slots(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache slot, present) of key positions ``0 .. length-1`` through block table rows
         ``tables [..., W]``; absent keys get slot 0 (finite data, never visible)."""
-        return self._slots_at(tables, torch.arange(length))
-
-    def _slots_at(self, tables: torch.Tensor, kpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cache slot, present) of the key positions ``kpos`` through ``tables [..., W]``."""
         bs = self.block_size
+        kpos = torch.arange(length)
         bi = kpos // bs
         width = tables.shape[-1]
         blocks = tables[..., bi.clamp(max=width - 1)]
+        ok = (bi < width) & (blocks >= 0)
+        return torch.where(ok, blocks * bs + kpos % bs, 0), ok
+
+    def _row_slots(self, tables: torch.Tensor, kpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slot, present) of key position ``kpos[m]`` through block table row ``tables[m]``."""
+        bs = self.block_size
+        bi = kpos // bs
+        width = tables.shape[-1]
+        blocks = tables.gather(1, bi.clamp(max=width - 1)[:, None])[:, 0]
         ok = (bi < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
@@ -269,12 +275,19 @@ class AttnPlan:
                        ok: torch.Tensor) -> None:
         """Point the virtual key positions ``start ..`` of each tree query tile at the cache slots
         of its deepest node's ancestors and itself, in depth order (see :meth:`_tree_tiles`)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        cache_pos: list[torch.Tensor] = []
         for row, tile in enumerate(tok.tolist()):
             hit = self.tree_keys.get(max(x for x in tile if x < self.num_tokens))
             if hit is not None:
-                start, cache_pos = hit
-                end = start + cache_pos.numel()
-                slots[row, start:end], ok[row, start:end] = self._slots_at(tables[row], cache_pos)
+                start, path = hit
+                rows += [row] * path.numel()
+                cols += range(start, start + path.numel())
+                cache_pos.append(path)
+        if rows:  # one gather for every tree tile of the group
+            r, c = torch.tensor(rows), torch.tensor(cols)
+            slots[r, c], ok[r, c] = self._row_slots(tables[r], torch.cat(cache_pos))
 
 
 def plan_attention(meta: AttnMetadata) -> AttnPlan:
