@@ -37,9 +37,9 @@ KEY_TILE = 64  # keys per attention tile
 # its query reduces over *virtual* key positions, exactly the chain's: the context positions
 # ``0 .. start-1``, then its ancestors in depth order at ``start, start+1, ..``, itself at
 # ``start + depth`` (its RoPE position). Tree queries get query tiles of their own, each holding
-# one root-to-node path (``_tree_tiles``), whose slot map sends virtual position ``start + d`` to
-# the cache slot of the depth-``d`` node of that path; keys past a query's virtual position are
-# masked like the causal mask. So a node runs the very GEMMs, key-tile
+# queries on one root-to-node path (``_tree_tiles``), whose slot map sends virtual position
+# ``start + d`` to the cache slot of the depth-``d`` node of that path; keys past a query's
+# virtual position are masked like the causal mask. So a node runs the very GEMMs, key-tile
 # grouping and sums of the same token in a chain (its root-to-node path decoded or verified
 # causally): its output is that chain's bit for bit, and its non-ancestors are never gathered.
 # Tree sequences always take the gathered units (their positions are not ascending).
@@ -223,7 +223,7 @@ class AttnPlan:
         for b in seqs:
             t0, t1 = self.cu[b], self.cu[b + 1]
             p = self.reach[t0:t1].tolist()
-            tree0 = next((i for i in range(t0, t1) if i in self.tree_keys), t1)
+            tree0 = next((i for i in range(t0, t1) if i in self.tree_keys), t1) if b in self.tree_seqs else t1
             top = max(p)  # pad slots see the sequence's keys: finite scores, result dropped
             for i in range(t0, tree0, qt):
                 k = min(qt, tree0 - i)

@@ -52,20 +52,30 @@ class TritonAttnPlan:
         token; with draft trees an entry of :meth:`order`."""
         key = ("triton_chunks", qt)
         if key not in self._chunks:
-            rows: list[tuple[int, int, int]] = []
-            order: list[int] = []
-            for b, (t0, t1) in enumerate(zip(self.cu[:-1], self.cu[1:], strict=True)):
-                tree0 = next((t for t in range(t0, t1) if t in self._tree_paths), t1)
-                for t in range(t0, tree0, qt):
-                    rows.append((len(order), min(qt, tree0 - t), b))
-                    order += range(t, min(t + qt, tree0))
-                for group in pack_tree_paths([self._tree_paths[t] for t in range(tree0, t1)], qt):
-                    rows.append((len(order), len(group), b))
-                    order += [tree0 + i for i in group]
-            self._chunks[key] = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int32).reshape(-1, 3).to(self.device)
-            if self.tree is not None:
+            if self.tree is None:
+                rows = [(t, min(qt, t1 - t), b)
+                        for b, (t0, t1) in enumerate(zip(self.cu[:-1], self.cu[1:], strict=True))
+                        for t in range(t0, t1, qt)]
+            else:
+                rows, order = self._tree_chunks(qt)
                 self._chunks[("triton_order", qt)] = torch.tensor(order or [0], dtype=torch.int32).to(self.device)
+            self._chunks[key] = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int32).reshape(-1, 3).to(self.device)
         return self._chunks[key]
+
+    def _tree_chunks(self, qt: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Chunk rows and the token order they index: a sequence's ordinary query tokens in runs
+        of ``qt``, then its tree queries grouped along root-to-node paths."""
+        rows: list[tuple[int, int, int]] = []
+        order: list[int] = []
+        for b, (t0, t1) in enumerate(zip(self.cu[:-1], self.cu[1:], strict=True)):
+            tree0 = next((t for t in range(t0, t1) if t in self._tree_paths), t1)
+            for t in range(t0, tree0, qt):
+                rows.append((len(order), min(qt, tree0 - t), b))
+                order += range(t, min(t + qt, tree0))
+            for group in pack_tree_paths([self._tree_paths[t] for t in range(tree0, t1)], qt):
+                rows.append((len(order), len(group), b))
+                order += [tree0 + i for i in group]
+        return rows, order
 
     def order(self, qt: int) -> torch.Tensor | None:
         """Draft trees: int32 ``[T]``, the query tokens in the chunk order of :meth:`chunks`
