@@ -10,6 +10,7 @@ attention reads the cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,34 @@ class TreeMask:
     by earlier steps). Their ``positions`` (RoPE) are the root's position plus their depth. Node
     ``i``'s query sees the cache positions before the tree and the nodes ``j`` with
     ``ancestors[b, i, j]`` (its ancestors and itself, ``spec.tree.ancestor_mask``), nothing else.
-    Query tokens of the sequence before the tree are ordinary causal ones."""
+    Query tokens of the sequence before the tree are ordinary causal ones.
+
+    The backends reduce a node's keys as the same token's in a chain (its root-to-node path run
+    causally): the context, then its ancestors in depth order at the *virtual* positions ``start,
+    start + 1, ..``, itself at ``start + depth``, in the chain's key tiles. So a node's output is its
+    chain's bit for bit and does not depend on the tree's other nodes."""
 
     num_nodes: list[int]  # [B] on the host
     ancestors: torch.Tensor  # bool [B, N, N], N >= max(num_nodes); rows/cols past num_nodes[b] unused
+
+
+def pack_tree_paths(paths: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """Tree queries, given by their paths (the cache positions of their ancestors and themselves in
+    depth order; parents listed before children), packed greedily into groups of at most ``size``
+    that each lie on one root-to-node path, every query an ancestor of the next. Returns indices
+    into ``paths``. The attention kernels share one key map per group of query rows: the deepest
+    query's path serves the whole group, the shallower ones masking past their own depth."""
+    groups: list[list[int]] = []
+    open_groups: dict[int, int] = {}  # cache position of a group's deepest node -> group index
+    for i, path in enumerate(paths):
+        j = open_groups.pop(path[-2], None) if len(path) > 1 else None
+        if j is None:
+            j = len(groups)
+            groups.append([])
+        groups[j].append(i)
+        if len(groups[j]) < size:
+            open_groups[path[-1]] = j
+    return groups
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """``LLM(..., speculative_eagle_topk=K, speculative_num_draft_tokens=N)``: the engine drafts and
 verifies EAGLE-2 trees (torch reference, eager). Greedy output equals plain greedy output on the
-trained tiny pair, alone and batched, with more accepted tokens per verify than the chain."""
+trained tiny pair, alone and batched, in fp32 and bf16 (a tree node's attention sums the chain's
+keys in the chain's tiles: its logits are the chain's bits), with more accepted tokens per verify
+than the chain."""
 
 from __future__ import annotations
 
@@ -55,6 +57,42 @@ def test_tree_engine_greedy_equals_plain_greedy(pair: Path, plain: list[list[int
     assert chain == plain
     assert tree == plain
     assert tree_len > chain_len > 1.5  # measured: 3.29 (chain, k = 3) vs 3.86 (K = 4, N = 16)
+
+
+MLA_DRAFT = "kimi-k2.5-trained-eagle3.1-mla"
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llmtreebf16") / "tiny"
+    tiny.make_tiny(out, only=[TARGET, DRAFT, MLA_DRAFT])
+    return out
+
+
+def _pen_prompts() -> list[list[int]]:
+    """Questions on which trees summing their ancestors' keys in node-order tiles (before the
+    virtual key positions) left plain greedy in bf16: the EAGLE-3 draft at K=2, N=16 from token
+    105 of the first, the MLA draft at K=4, N=16 from token 78 of the first and 34 of the second."""
+    tok = tiny.build_tokenizer()
+    qs = [f"{name} has {3 + i * 7} boxes with {5 + i * 3} pens in each box. She gives away {i + 2} pens. "
+          "How many pens are left?" for i, name in ((0, "Tom"), (2, "Sam"))]
+    return [tok.encode(trained.gsm8k_style_prompt(q)).ids for q in qs]
+
+
+@pytest.mark.parametrize(("draft", "topk", "nodes"), [(DRAFT, 4, 8), (DRAFT, 2, 16), (MLA_DRAFT, 4, 16)])
+def test_tree_engine_greedy_equals_plain_greedy_in_bf16(bf16_pair: Path, draft: str, topk: int, nodes: int) -> None:
+    """bf16, where a rounding difference in a node's logits can flip a near tie: the tree's tokens
+    are still plain greedy's, every one (the node rows are the chain's bits, not close to them)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    engine = dict(ENGINE, dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=112, ignore_eos=True)
+    prompts = _prompts() + _pen_prompts()
+    want = [o.token_ids for o in LLM(bf16_pair / TARGET, None, **engine).generate(prompts, params)]
+    llm = LLM(bf16_pair / TARGET, bf16_pair / draft, num_speculative_tokens=3, speculative_eagle_topk=topk,
+              speculative_num_draft_tokens=nodes, **engine)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.stats.mean_acceptance_length > 1.5
 
 
 def test_a_tree_request_alone_equals_batched(pair: Path, plain: list[list[int]]) -> None:

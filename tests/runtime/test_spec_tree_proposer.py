@@ -1,6 +1,6 @@
 """Tree drafting with the tiny EAGLE-3 draft of the tiny Kimi-K2.5 target (fp32, torch reference):
 K = 1 is the chain proposer's greedy chain bit for bit, and every expanded node's draft
-distribution equals the one of its path drafted as a chain."""
+distribution equals the one of its path drafted as a chain, bit for bit."""
 
 from __future__ import annotations
 
@@ -79,8 +79,21 @@ def test_topk_one_is_the_chain_proposer(models) -> None:
     assert tree.tokens[0, 1:].tolist() == chain.token_ids
 
 
-def test_every_expanded_node_matches_its_path_drafted_as_a_chain(models) -> None:
-    st = _Setup(models, prompt_len=10, k_chain=3, seed=1)
+@pytest.fixture(scope="module")
+def mla_draft(tmp_path_factory: pytest.TempPathFactory):
+    """The trained tiny target with its MLA EAGLE-3.1 draft (tree attention through MLA)."""
+    from eagle3.runtime.loader import load_draft, load_target
+    from eagle3.testing.tiny import make_tiny
+
+    out: Path = tmp_path_factory.mktemp("treemla") / "tiny"
+    paths = make_tiny(out, seed=0, only=["kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla"])
+    target = load_target(paths["kimi-k2.5-trained"], dtype=torch.float32)
+    return target, load_draft(paths["kimi-k2.5-trained-eagle3.1-mla"], target)
+
+
+@pytest.mark.parametrize("pair", ["models", "mla_draft"])
+def test_every_expanded_node_matches_its_path_drafted_as_a_chain(request: pytest.FixtureRequest, pair: str) -> None:
+    st = _Setup(request.getfixturevalue(pair), prompt_len=10, k_chain=3, seed=1)
     # every candidate (3 + 9 + 9): the random tiny draft is nearly uniform, so a smaller tree
     # would keep only shallow nodes
     n = 22
@@ -97,8 +110,9 @@ def test_every_expanded_node_matches_its_path_drafted_as_a_chain(models) -> None
             meta = st.runner.meta([st.table], [root_pos + depth], [1])
             post, nxt = st.draft.forward(tree.tokens[0, node: node + 1], nxt, meta, st.kv())
         q = torch.zeros(st.vocab)
-        q[d2t] = st.draft.compute_logits(post)[0].float().softmax(-1)
-        torch.testing.assert_close(tree.draft_probs[0, i], q, rtol=1e-5, atol=1e-6)
+        # the builder's own arithmetic (log-softmax, clamped, exponentiated) on the chain's logits
+        q[d2t] = st.draft.compute_logits(post)[0].float().log_softmax(-1).clamp_max(0.0).exp()
+        assert torch.equal(tree.draft_probs[0, i], q), i
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Tree attention in the torch reference (``AttnMetadata.tree``): every node attends to the cached
 context, its ancestors and itself.
 
-* each node's output equals its root-to-node path run as an ordinary chain (fp32, 1e-5);
+* each node's output equals its root-to-node path run as an ordinary chain bit for bit (fp32 and
+  bf16; the chain as a decode row and as a verify of the whole path);
 * changing the keys/values of a node's non-ancestors leaves its output bit-identical;
 * a chain-shaped tree gives the bits of ordinary causal attention.
 
@@ -10,11 +11,13 @@ Shapes: GQA MHA (the Llama draft) and MLA-shaped MQA with values a prefix view o
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from eagle3.errors import UsageError
-from eagle3.runtime.context import AttnMetadata, TreeMask
+from eagle3.runtime.context import AttnMetadata, TreeMask, pack_tree_paths
 from eagle3.runtime.kernels import get_backend
 from eagle3.runtime.spec.tree import ancestor_mask, build_tree, path
 from tests.runtime.model_kit import single_thread
@@ -79,58 +82,70 @@ class _Batch:
         self.num_tokens = t
 
 
-def _caches(hkv: int, d: int, dv: int, shared: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _caches(hkv: int, d: int, dv: int, shared: bool, seed: int,
+            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(storage, k_cache, v_cache): MLA-shaped when ``shared`` (values = first dv dims of the keys)."""
     g = _gen(seed)
     if shared:
-        lat = torch.randn(SLOTS, d, generator=g)
+        lat = torch.randn(SLOTS, d, generator=g).to(dtype)
         return lat, lat[:, None, :], lat[:, None, :dv]
-    kv = torch.randn(SLOTS, 2, hkv, d, generator=g)
+    kv = torch.randn(SLOTS, 2, hkv, d, generator=g).to(dtype)
     return kv, kv[:, 0], kv[:, 1, :, :dv]
 
 
 def _chain_output(bt: _Batch, b: int, node: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  shared: bool, scale: float) -> torch.Tensor:
+                  shared: bool, scale: float, verify: bool = False, be: Any = BE) -> torch.Tensor:
     """Node ``node`` of sequence ``b`` run as an ordinary chain: the context then its path, laid
-    out contiguously in a fresh cache, the node's query at the last position."""
+    out contiguously in a fresh cache, the node's query at the last position (``verify``: every
+    path node queried, as a chain verify does, the ancestors' queries from their own rows), on
+    backend ``be`` (the tensors' device)."""
     tree = bt.trees[b]
     assert tree is not None
     start = bt.ctx[b] + bt.pre[b]
-    src = [bt.slot_of[(b, j)] for j in range(start)] + [bt.slot_of[(b, start + j)] for j in path(tree, node)]
+    nodes = path(tree, node)
+    src = [bt.slot_of[(b, j)] for j in range(start)] + [bt.slot_of[(b, start + j)] for j in nodes]
     length = len(src)
     nb = -(-length // BLOCK)
-    idx = torch.tensor(src + [src[-1]] * (nb * BLOCK - length))
+    idx = torch.tensor(src + [src[-1]] * (nb * BLOCK - length), device=k_cache.device)
     if shared:
         lat = k_cache[:, 0][idx]
         kc, vc = lat[:, None, :], lat[:, None, : v_cache.shape[-1]]
     else:
         kc, vc = k_cache[idx], v_cache[idx]
-    row = bt.rows[(b, bt.pre[b] + node)]
-    meta = AttnMetadata(torch.tensor([length - 1]), torch.tensor([0, 1], dtype=torch.int32),
-                        torch.tensor([length], dtype=torch.int32), torch.tensor([-1]),
-                        torch.arange(nb, dtype=torch.int32)[None], BLOCK)
-    return BE.attention(q[row: row + 1], kc, vc, meta, scale)[0]
+    rows = [bt.rows[(b, bt.pre[b] + j)] for j in (nodes if verify else nodes[-1:])]
+    m = len(rows)
+    dev = k_cache.device
+    meta = AttnMetadata(torch.arange(length - m, length, device=dev), torch.tensor([0, m], dtype=torch.int32, device=dev),
+                        torch.tensor([length], dtype=torch.int32, device=dev), torch.full((m,), -1, device=dev),
+                        torch.arange(nb, dtype=torch.int32, device=dev)[None], BLOCK)
+    return be.attention(q[torch.tensor(rows, device=q.device)], kc, vc, meta, scale)[-1]
 
 
+# query tiles of 2, 1, 1 and 4 tokens (query_tile_tokens): tree paths packed into shared tiles or not
 SHAPES = [pytest.param(2, 3, 16, 8, False, id="mha-gqa"), pytest.param(1, 4, 48, 32, True, id="mla-latent"),
-          pytest.param(1, 16, 64, 48, True, id="mla-16-heads")]
+          pytest.param(1, 16, 64, 48, True, id="mla-16-heads"), pytest.param(2, 1, 16, 16, False, id="mha-group-1")]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)
-def test_each_node_equals_its_path_run_as_a_chain(hkv: int, g: int, d: int, dv: int, shared: bool) -> None:
+def test_each_node_equals_its_path_run_as_a_chain(hkv: int, g: int, d: int, dv: int, shared: bool,
+                                                  dtype: torch.dtype) -> None:
     trees = [_random_tree(1), None, _random_tree(2, k=2, steps=4, n=9), _random_tree(3, k=4, steps=2, n=6)]
-    # contexts across key tiles; sequence 1 is a plain decode row; sequence 3 has a prefill chunk before its tree
-    bt = _Batch(ctx=[70, 30, 3, 60], pre=[0, 1, 0, 5], trees=trees, seed=4)
-    _, k_cache, v_cache = _caches(hkv, d, dv, shared, seed=5)
-    q = torch.randn(bt.num_tokens, hkv, g, d, generator=_gen(6))
+    # contexts across key tiles (sequence 0: its tree's node-order positions straddle the tile
+    # boundary at 64, its paths' chain positions do not all); sequence 1 is a plain decode row;
+    # sequence 3 has a prefill chunk before its tree
+    bt = _Batch(ctx=[58, 30, 3, 60], pre=[0, 1, 0, 5], trees=trees, seed=4)
+    _, k_cache, v_cache = _caches(hkv, d, dv, shared, seed=5, dtype=dtype)
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=_gen(6)).to(dtype)
     out = BE.attention(q, k_cache, v_cache, bt.meta, 0.25)
     for b, tree in enumerate(trees):
         if tree is None:
             continue
         for i in range(tree.shape[0]):
             got = out[bt.rows[(b, bt.pre[b] + i)]]
-            torch.testing.assert_close(got, _chain_output(bt, b, i, q, k_cache, v_cache, shared, 0.25),
-                                       rtol=1e-5, atol=1e-5)
+            for verify in (False, True):
+                want = _chain_output(bt, b, i, q, k_cache, v_cache, shared, 0.25, verify)
+                assert torch.equal(got, want), (b, i, verify, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES[:2])
@@ -187,3 +202,14 @@ def test_ancestor_mask_narrower_than_the_tree_is_refused() -> None:
     _, k_cache, v_cache = _caches(1, 8, 8, False, seed=2)
     with pytest.raises(UsageError, match="tree of 4 nodes"):
         BE.attention(torch.randn(3, 1, 1, 8), k_cache, v_cache, bt.meta, 1.0)
+
+
+def test_tree_queries_share_tiles_along_one_path_only() -> None:
+    """``pack_tree_paths``: groups of at most ``size`` queries, each on one root-to-node path (every
+    query an ancestor of the next), so the deepest query's key map serves the group."""
+    tree = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    paths = [[10 + j for j in path(tree, i)] for i in range(8)]
+    assert pack_tree_paths(paths, 3) == [[0, 1, 3], [2, 5], [4], [6, 7]]
+    assert pack_tree_paths(paths, 1) == [[i] for i in range(8)]
+    frontier = paths[3:5]  # a draft step: the queries' parents are cached, not queried
+    assert pack_tree_paths(frontier, 4) == [[0], [1]]

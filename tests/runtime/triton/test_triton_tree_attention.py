@@ -1,6 +1,8 @@
 """Tree attention in the Triton kernels (MLA latent and paged GQA), against the torch reference:
-the same metadata (``AttnMetadata.tree``) gives the reference's outputs within fp32 rounding, a
-node's output bits do not depend on its non-ancestors, and trees over 64 nodes are refused."""
+the same metadata (``AttnMetadata.tree``) gives the reference's outputs within fp32 rounding, each
+node gives the bits of its root-to-node path run through the same kernel as a chain (a tree query
+reads its virtual key positions: context, then its ancestors in depth order), a node's output bits
+do not depend on its non-ancestors, and trees over 64 nodes are refused."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from eagle3.errors import UsageError  # noqa: E402
 from eagle3.runtime.context import AttnMetadata, TreeMask  # noqa: E402
 from eagle3.runtime.kernels import get_backend  # noqa: E402
 from eagle3.runtime.spec.tree import ancestor_mask  # noqa: E402
-from tests.runtime.test_tree_attention import _Batch, _caches, _random_tree  # noqa: E402
+from tests.runtime.test_tree_attention import _Batch, _caches, _chain_output, _random_tree  # noqa: E402
 
 SHAPES = [pytest.param(2, 3, 16, 8, False, id="paged-gqa"), pytest.param(1, 4, 48, 32, True, id="mla-latent")]
 
@@ -41,6 +43,31 @@ def test_tree_attention_matches_the_reference(device: torch.device, hkv: int, g:
         kc, vc = lat[:, None, :], lat[:, None, :dv]
     got = be.attention(q.to(device), kc, vc, meta, 0.25, be.plan_attention(meta))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)
+def test_each_node_equals_its_path_run_as_a_chain(device: torch.device, hkv: int, g: int, d: int, dv: int,
+                                                  shared: bool, dtype: torch.dtype) -> None:
+    # sequence 0's tree straddles the kernels' key tile boundary at 32 (BLOCK_N); sequence 2 has
+    # an ordinary chunk before its tree
+    trees = [_random_tree(1), None, _random_tree(3, k=4, steps=2, n=6)]
+    bt = _Batch(ctx=[27, 9, 30], pre=[0, 1, 3], trees=trees, seed=4)
+    store, k_cache, v_cache = _caches(hkv, d, dv, shared, seed=5, dtype=dtype)
+    store = store.to(device)
+    kc, vc = (store[:, None, :], store[:, None, :dv]) if shared else (store[:, 0], store[:, 1, :, :dv])
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=torch.Generator().manual_seed(6)).to(dtype).to(device)
+    be = get_backend("triton", device)
+    meta = _to(bt.meta, device)
+    out = be.attention(q, kc, vc, meta, 0.25, be.plan_attention(meta))
+    for b, tree in enumerate(trees):
+        if tree is None:
+            continue
+        for i in range(tree.shape[0]):
+            got = out[bt.rows[(b, bt.pre[b] + i)]]
+            for verify in (False, True):
+                want = _chain_output(bt, b, i, q, kc, vc, shared, 0.25, verify, be)
+                assert torch.equal(got, want), (b, i, verify, float((got.float() - want.float()).abs().max()))
 
 
 @pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)

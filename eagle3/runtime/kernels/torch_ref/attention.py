@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3.errors import UsageError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from eagle3.runtime.context import AttnMetadata
-
-
+from eagle3.runtime.context import AttnMetadata, pack_tree_paths
 
 KEY_TILE = 64  # keys per attention tile
 
@@ -38,11 +33,16 @@ KEY_TILE = 64  # keys per attention tile
 #
 # Memory is bounded by ATTN_CHUNK_FLOATS per group of row tiles, never ``T x J``.
 #
-# Draft trees (``AttnMetadata.tree``): a tree node's query sees the keys up to its own cache
-# position (its *reach*, not its RoPE position) minus the tree nodes that are not its ancestors,
-# masked to -inf like the causal mask, so they contribute exact zeros: a node's output bits do
-# not depend on the keys or values of its non-ancestors. Tree sequences always take the gathered
-# units (their positions are not ascending), and a chain-shaped tree gives ordinary causal bits.
+# Draft trees (``AttnMetadata.tree``): a tree node's keys sit at node-order cache positions, but
+# its query reduces over *virtual* key positions, exactly the chain's: the context positions
+# ``0 .. start-1``, then its ancestors in depth order at ``start, start+1, ..``, itself at
+# ``start + depth`` (its RoPE position). Tree queries get query tiles of their own, each holding
+# queries on one root-to-node path (``_tree_tiles``), whose slot map sends virtual position
+# ``start + d`` to the cache slot of the depth-``d`` node of that path; keys past a query's
+# virtual position are masked like the causal mask. So a node runs the very GEMMs, key-tile
+# grouping and sums of the same token in a chain (its root-to-node path decoded or verified
+# causally): its output is that chain's bit for bit, and its non-ancestors are never gathered.
+# Tree sequences always take the gathered units (their positions are not ascending).
 #
 # Both schedules rely on the property the row-tiled linears rely on: a row of a fixed-shape
 # batched GEMM does not depend on its position in the tile, on the other rows or on the batch
@@ -106,15 +106,18 @@ class AttnPlan:
         self.tables = meta.block_tables.to("cpu", torch.int64)
         self.block_size = int(meta.block_size)
         self._schedules: dict[tuple[int, int, int], _Schedule] = {}
-        # The last cache position each query may see: its position, or a tree node's own slot.
+        # The last (virtual) key position each query sees: its position; a tree node's start + depth.
         self.reach = self.positions.clone()
         self.tree_seqs: set[int] = set()
-        self.tree_hidden: dict[int, tuple[int, torch.Tensor]] = {}  # token -> (first tree position, hidden)
+        # tree query token -> (first tree position, cache positions of its ancestors and itself in
+        # depth order): the keys of its virtual positions start, start+1, ...
+        self.tree_keys: dict[int, tuple[int, torch.Tensor]] = {}
         if meta.tree is not None:
             self._tree_setup(meta)
 
     def _tree_setup(self, meta: AttnMetadata) -> None:
-        """Reach and hidden tree keys (``~ancestors`` up to the node itself) of every tree query."""
+        """Virtual reach and ancestor key positions of every tree query. Nodes are topological
+        (a parent before its children), so a node's ancestors in node order are in depth order."""
         assert meta.tree is not None
         ctx = meta.context_lens.to("cpu", torch.int64).tolist()
         anc = meta.tree.ancestors.to("cpu", torch.bool)
@@ -128,8 +131,11 @@ class AttnPlan:
             self.tree_seqs.add(b)
             for i in range(n - min(n, t1 - t0), n):  # the query tokens are the last nodes
                 t = t1 - n + i
-                self.reach[t] = start + i
-                self.tree_hidden[t] = (start, ~anc[b, i, : i + 1])
+                path = torch.nonzero(anc[b, i, : i + 1]).reshape(-1)
+                if path.numel() == 0 or int(path[-1]) != i:
+                    raise UsageError(f"tree node {i} of sequence {b} does not see itself in the ancestor mask")
+                self.reach[t] = start + path.numel() - 1
+                self.tree_keys[t] = (start, start + path)
 
     def schedule(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
         key = (qt, unit_floats, tile_floats)
@@ -146,6 +152,15 @@ class AttnPlan:
         bi = kpos // bs
         width = tables.shape[-1]
         blocks = tables[..., bi.clamp(max=width - 1)]
+        ok = (bi < width) & (blocks >= 0)
+        return torch.where(ok, blocks * bs + kpos % bs, 0), ok
+
+    def _row_slots(self, tables: torch.Tensor, kpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slot, present) of key position ``kpos[m]`` through block table row ``tables[m]``."""
+        bs = self.block_size
+        bi = kpos // bs
+        width = tables.shape[-1]
+        blocks = tables.gather(1, bi.clamp(max=width - 1)[:, None])[:, 0]
         ok = (bi < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
@@ -208,11 +223,17 @@ class AttnPlan:
         for b in seqs:
             t0, t1 = self.cu[b], self.cu[b + 1]
             p = self.reach[t0:t1].tolist()
+            tree0 = next((i for i in range(t0, t1) if i in self.tree_keys), t1) if b in self.tree_seqs else t1
             top = max(p)  # pad slots see the sequence's keys: finite scores, result dropped
-            for i in range(t0, t1, qt):
-                k = min(qt, t1 - i)
+            for i in range(t0, tree0, qt):
+                k = min(qt, tree0 - i)
                 toks.append(list(range(i, i + k)) + [t] * (qt - k))
                 tpos.append(p[i - t0: i - t0 + k] + [top] * (qt - k))
+                tseq.append(b)
+            for tile in self._tree_tiles(tree0, t1, qt):
+                reach = [p[i - t0] for i in tile]
+                toks.append(tile + [t] * (qt - len(tile)))
+                tpos.append(reach + [reach[-1]] * (qt - len(tile)))
                 tseq.append(b)
         tok_all = torch.tensor(toks, dtype=torch.int64)
         pos_all = torch.tensor(tpos, dtype=torch.int64)
@@ -225,11 +246,12 @@ class AttnPlan:
             tok, tp = tok_all[lo: lo + per], pos_all[lo: lo + per]
             nqt = tok.shape[0]
             nk = int(tp.max()) // KEY_TILE + 1
-            slots, ok = self._key_slots(self.tables[seq_all[lo: lo + per]], nk * KEY_TILE)  # [nqt, J]
+            tables = self.tables[seq_all[lo: lo + per]]
+            slots, ok = self._key_slots(tables, nk * KEY_TILE)  # [nqt, J]
+            if self.tree_keys:
+                self._map_tree_keys(tok, tables, slots, ok)
             kpos = torch.arange(nk * KEY_TILE)
             masked = ~ok[:, None, :] | (kpos[None, None, :] > tp[:, :, None])  # [nqt, qt, J]
-            if self.tree_hidden:
-                self._hide_tree_keys(tok, masked)
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
@@ -242,14 +264,30 @@ class AttnPlan:
         return groups
 
 
-    def _hide_tree_keys(self, tok: torch.Tensor, masked: torch.Tensor) -> None:
-        """Mask the non-ancestor tree keys of the tree queries among the tile slots ``tok``."""
+    def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
+        """The tree queries ``t0 .. t1-1`` packed into query tiles that each hold one
+        root-to-node path (``pack_tree_paths``): the deepest token's slot map then serves the
+        whole tile, as chain tokens sharing a tile see one key map."""
+        paths = [self.tree_keys[t][1].tolist() for t in range(t0, t1)]
+        return [[t0 + i for i in tile] for tile in pack_tree_paths(paths, qt)]
+
+    def _map_tree_keys(self, tok: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor,
+                       ok: torch.Tensor) -> None:
+        """Point the virtual key positions ``start ..`` of each tree query tile at the cache slots
+        of its deepest node's ancestors and itself, in depth order (see :meth:`_tree_tiles`)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        cache_pos: list[torch.Tensor] = []
         for row, tile in enumerate(tok.tolist()):
-            for slot, t in enumerate(tile):
-                hit = self.tree_hidden.get(t)
-                if hit is not None:
-                    start, hidden = hit
-                    masked[row, slot, start: start + hidden.numel()] |= hidden
+            hit = self.tree_keys.get(max(x for x in tile if x < self.num_tokens))
+            if hit is not None:
+                start, path = hit
+                rows += [row] * path.numel()
+                cols += range(start, start + path.numel())
+                cache_pos.append(path)
+        if rows:  # one gather for every tree tile of the group
+            r, c = torch.tensor(rows), torch.tensor(cols)
+            slots[r, c], ok[r, c] = self._row_slots(tables[r], torch.cat(cache_pos))
 
 
 def plan_attention(meta: AttnMetadata) -> AttnPlan:

@@ -30,20 +30,22 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
         linear,
         mla_attention,
         paged_attention,
+        plan,
         rmsnorm,
         rotary,
     )
 
     bf, i32 = "*bf16", "*i32"
-    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32, bits_ptr="*i64")
+    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32, path_ptr=i32,
+                    order_ptr=i32)
     paged_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32,
-                      bits_ptr="*i64")
+                      path_ptr=i32, order_ptr=i32)
     bh, qt = mla_attention.tile_shape(64, 512)
     bg, gqt = paged_attention.tile_shape(8)
     mla = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
-               BLOCK_R=64, _warps=8)
+               BLOCK_R=64, PATH=plan.TREE_MAX_NODES, _warps=8)
     paged = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
-                 BLOCK_V=128)
+                 BLOCK_V=128, PATH=plan.TREE_MAX_NODES)
     return [
         ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel,
          dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, r_out_ptr=bf),

@@ -61,11 +61,15 @@ def mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tree_visible(k, lo, bits):
-    """Draft-tree mask ``[rows, keys]`` for keys ``k [keys]``: a key before the row's tree region
-    (``k < lo``) is context; inside it, key ``lo + j`` is visible iff bit ``j`` of the row's
-    ancestor mask ``bits`` (int64) is set. Keys past the row's own position are masked by the
-    caller (``k <= pos``), so ``j`` stays below 64 wherever the bit decides."""
-    rel = k[None, :] - lo[:, None]
-    shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
-    return (rel < 0) | (((bits[:, None] >> shift) & 1) != 0)
+def tree_key_positions(k, km, lo_ptr, path_ptr, t, PATH: tl.constexpr):
+    """Cache positions of the virtual key positions ``k [keys]`` (``km``: the ones read) of a
+    chunk whose deepest query token is ``t``: a tree chunk (one root-to-node path) reads virtual
+    key ``lo + d`` at the cache position ``path[t, d]`` of the path's depth-``d`` node, the context
+    below ``lo`` in place; ordinary chunks have ``lo`` = 2**31 - 1 and read every key in place.
+    Keys past the deepest query's virtual position are not read (``km``), so ``d`` stays below
+    ``PATH`` wherever it is read."""
+    lo = tl.load(lo_ptr + t)
+    rel = k - lo
+    on = km & (rel >= 0)
+    cp = tl.load(path_ptr + t * PATH + rel, mask=on, other=0)
+    return tl.where(on, cp, k)

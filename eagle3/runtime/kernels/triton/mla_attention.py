@@ -18,8 +18,12 @@ Batch invariance: ``BLOCK_M/H/N`` follow from the head count only; there is no s
 a row's key tiles are visited in the same order whatever shares its chunk, and tiles past its own
 position add exact zeros (``p = exp(-inf) = 0``, ``alpha = exp(0) = 1``), so its output bits
 depend only on its own query and keys. Every row sees key 0, so ``m`` is finite after tile 0.
-Draft trees (``TREE``, plan.tree_arrays): ``pos`` is then a node's own cache position and the
-tree keys that are not its ancestors are masked too, adding exact zeros like keys past ``pos``.
+Draft trees (``TREE``, plan.tree_arrays): a tree query's ``pos`` is its virtual position (tree
+start + depth) and its virtual keys ``start ..`` are read at its ancestors' cache positions in depth
+order (``tree_key_positions``): the same key tiles, in the same order, as the same token in a
+chain, and non-ancestors are never read. A tree chunk holds queries on one root-to-node path (the
+deepest one's key map serves them all), listed by the plan's ``order`` (they need not be
+consecutive tokens).
 Not yet (docs/kernels.md): a fixed-size split-KV for long decode contexts at small batch.
 """
 
@@ -29,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, tree_visible, widen
-from eagle3.runtime.kernels.triton.plan import TritonAttnPlan
+from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, tree_key_positions, widen
+from eagle3.runtime.kernels.triton.plan import TREE_MAX_NODES, TritonAttnPlan
 
 BLOCK_H_MAX = 16  # heads per program at most
 BLOCK_N = 32  # keys per tile
@@ -47,10 +51,11 @@ def tile_shape(heads: int, d_lat: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, bits_ptr, stride_qt, stride_qh,
+def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, path_ptr, order_ptr, stride_qt, stride_qh,
                 stride_kv, stride_ot, stride_oh, stride_bt, heads, d_lat, d_rope, block_size, scale,
                 DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_H: tl.constexpr, QT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, TREE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, TREE: tl.constexpr,
+                PATH: tl.constexpr):
     c = tl.program_id(0)
     hb = tl.program_id(1)
     t0 = tl.load(chunk_ptr + 3 * c).to(tl.int64)
@@ -60,14 +65,16 @@ def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, bits_p
     tok = r // BLOCK_H
     h = hb * BLOCK_H + r % BLOCK_H
     rm = (tok < nt) & (h < heads)
-    pos = tl.load(pos_ptr + t0 + tok, mask=tok < nt, other=0)  # pad rows see key 0 only: finite
+    if TREE:  # rows are entries of the plan's order; a tree chunk is one path, its last row the deepest
+        tid = tl.load(order_ptr + t0 + tok, mask=tok < nt, other=0).to(tl.int64)
+        deep = tl.load(order_ptr + t0 + nt - 1).to(tl.int64)
+    else:
+        tid = t0 + tok
+    pos = tl.load(pos_ptr + tid, mask=tok < nt, other=0)  # pad rows see key 0 only: finite
     last = tl.max(pos, axis=0)
-    if TREE:  # see tree_visible
-        lo = tl.load(lo_ptr + t0 + tok, mask=tok < nt, other=1)
-        bits = tl.load(bits_ptr + t0 + tok, mask=tok < nt, other=0)
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
-    qrow = q_ptr + (t0 + tok)[:, None] * stride_qt + h[:, None] * stride_qh
+    qrow = q_ptr + tid[:, None] * stride_qt + h[:, None] * stride_qh
     q_lat = tl.load(qrow + dl[None, :], mask=rm[:, None] & (dl[None, :] < d_lat), other=0.0).to(DOT)
     q_pe = tl.load(qrow + d_lat + dr[None, :], mask=rm[:, None] & (dr[None, :] < d_rope), other=0.0).to(DOT)
     m = tl.full([BLOCK_H * QT], float("-inf"), tl.float32)
@@ -76,16 +83,16 @@ def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, bits_p
     for start in range(0, last + 1, BLOCK_N):
         k = start + tl.arange(0, BLOCK_N)
         km = k <= last
-        blk = tl.load(bt_ptr + b * stride_bt + k // block_size, mask=km, other=0).to(tl.int64)
-        slot = blk * block_size + k % block_size
+        kc = k
+        if TREE:  # virtual key positions: a tree query's ancestors in depth order after the context
+            kc = tree_key_positions(k, km, lo_ptr, path_ptr, deep, PATH)
+        blk = tl.load(bt_ptr + b * stride_bt + kc // block_size, mask=km, other=0).to(tl.int64)
+        slot = blk * block_size + kc % block_size
         krow = kv_ptr + slot[:, None] * stride_kv
         k_lat = tl.load(krow + dl[None, :], mask=km[:, None] & (dl[None, :] < d_lat), other=0.0).to(DOT)
         k_pe = tl.load(krow + d_lat + dr[None, :], mask=km[:, None] & (dr[None, :] < d_rope), other=0.0).to(DOT)
         s = mma(q_lat, tl.trans(k_lat), IEEE) + mma(q_pe, tl.trans(k_pe), IEEE)
-        vis = k[None, :] <= pos[:, None]
-        if TREE:
-            vis = vis & tree_visible(k, lo, bits)
-        s = tl.where(vis, s * scale, float("-inf"))
+        s = tl.where(k[None, :] <= pos[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -93,7 +100,7 @@ def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, bits_p
         acc = acc * alpha[:, None] + mma(p.to(DOT), k_lat, IEEE)
         m = m_new
     o = acc / den[:, None]
-    tl.store(o_ptr + (t0 + tok)[:, None] * stride_ot + h[:, None] * stride_oh + dl[None, :],
+    tl.store(o_ptr + tid[:, None] * stride_ot + h[:, None] * stride_oh + dl[None, :],
              o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & (dl[None, :] < d_lat))
 
 
@@ -115,11 +122,12 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
         big = bh * qt * block(d_lat) >= 8192  # unmeasured guess: more warps for the 512-wide latent
         chunks = plan.chunks(qt)
         dd = dot_dtype(qs.dtype)
-        lo, bits = plan.tree if plan.tree is not None else (plan.positions, plan.positions)  # unread without TREE
+        lo, paths = plan.tree if plan.tree is not None else (plan.positions, plan.positions)  # unread without TREE
+        order = plan.order(qt) if plan.tree is not None else plan.positions
         _mla_kernel[(chunks.shape[0], triton.cdiv(heads, bh))](
-            qs, kv, out, chunks, plan.positions, plan.block_tables, lo, bits, qs.stride(0), qs.stride(1),
+            qs, kv, out, chunks, plan.positions, plan.block_tables, lo, paths, order, qs.stride(0), qs.stride(1),
             kv.stride(0), out.stride(0), out.stride(1), plan.block_tables.stride(0), heads, d_lat, d - d_lat,
             plan.block_size, float(scale), DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_H=bh, QT=qt,
             BLOCK_N=BLOCK_N, BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat), TREE=plan.tree is not None,
-            num_warps=8 if big else 4)
+            PATH=TREE_MAX_NODES, num_warps=8 if big else 4)
     return out if out.dtype == dtype else out.to(dtype)
