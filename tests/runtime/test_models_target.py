@@ -98,6 +98,25 @@ def test_aux_ids_and_cache_spec(tiny_dir, prompt) -> None:
     _, all_aux, _ = _forward(m, prompt, tuple(range(N_LAYERS + 1)))
     all_aux = all_aux.view(16, N_LAYERS + 1, -1)
     assert torch.equal(aux, torch.cat([all_aux[:, 2], all_aux[:, 3], all_aux[:, 4]], -1))
+
+
+def test_the_wide_cpu_cache_holds_the_model_dtype_values(tiny_dir, prompt) -> None:
+    """The CPU reference stores a bf16 model's KV cache in fp32 (no widening per read), holding the
+    bf16-rounded values: every cached number is a bf16 number, and the logits equal, bit for bit,
+    those of the same forward over a bf16 cache (prefill, then two decode steps)."""
+    m = load_target(tiny_dir / "kimi-k2.5", dtype=torch.bfloat16)
+    wide, narrow = PagedKV(m), PagedKV(m)
+    narrow.caches = [c.to(torch.bfloat16) for c in narrow.caches]
+    assert wide.caches[0].dtype == torch.float32
+    steps = [{0: prompt}, {0: [7]}, {0: [300]}]
+    with torch.no_grad():
+        for batch in steps:
+            (x, meta), (x2, meta2) = wide.step(batch), narrow.step(batch)
+            lw = m.compute_logits(m(x, meta, wide.caches)[0])
+            ln = m.compute_logits(m(x2, meta2, narrow.caches)[0])
+            assert torch.equal(lw, ln)
+    for c in wide.caches:
+        assert c.abs().sum() > 0 and torch.equal(c, c.to(torch.bfloat16).float())
     _, none, _ = _forward(m, prompt, None)
     assert none is None
     with pytest.raises(Exception, match="ascending"):
