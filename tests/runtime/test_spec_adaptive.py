@@ -213,3 +213,21 @@ def test_a_stub_cost_model_is_never_explored():
     for _ in range(50):
         policy.observe(3, 3)
     assert {policy.choose(2) for _ in range(10)} == {3}
+
+
+def test_close_contenders_are_measured_again_every_recheck_interval():
+    """k = 1 is best, k = 3 within EXPLORE_MARGIN, k = 5 far off, all measured: every 8th step runs
+    k = 3 so that one slow measurement of it cannot keep it out; k = 5 is never run."""
+    m = MeasuredCostModel(alpha=0.5, buckets=[4])
+    for q, t in enumerate((1.0, 1.0, 2.0, 2.2, 4.0, 5.0), start=1):
+        m.seed_target(4, q, t)
+        m.observe_target(4, q, t)  # every width measured: nothing left to explore
+    m.seed_draft(4, 0.1)
+    policy = AdaptivePolicy(5, m, probe_interval=0, recheck_interval=8)
+    for _ in range(100):
+        policy.observe(5, 5)
+    r = policy.rates(4)
+    assert policy.best(4) == 1 and r[3] >= 0.8 * r[1] and r[5] < 0.8 * r[1]
+    chosen = [policy.choose(4) for _ in range(16)]
+    assert [i + 1 for i, k in enumerate(chosen) if k != 1] == [8, 16] and chosen[7] == chosen[15] == 3
+    assert AdaptivePolicy(5, m, probe_interval=0, recheck_interval=0).choose(4) == 1

@@ -46,6 +46,12 @@ PROBE_INTERVAL = 64
 # when its expected rate (from the profile) is within this fraction of the best: the profile ran
 # at one context length, and the relative cost of query lengths moves with the context.
 EXPLORE_MARGIN = 0.2
+# Every RECHECK_INTERVAL-th step runs, instead of the best k, the close contender (rate within
+# EXPLORE_MARGIN of the best) chosen least recently: one measurement of a cell taken in a slow
+# moment of a shared machine otherwise keeps a good k out until the next PROBE_INTERVAL probe
+# (measured: at batch 1 auto held k = 4 while static k = 3 and 5 ran faster). Costs at most 1/8 of
+# the steps at a k expected within 20% of the best; 0 disables it.
+RECHECK_INTERVAL = 8
 
 
 class CostModel(Protocol):
@@ -201,11 +207,12 @@ class AdaptivePolicy:
     """Chooses k per step (:meth:`choose`) and records what it chose (``histogram[k]``)."""
 
     def __init__(self, max_k: int, cost: CostModel | None = None, window: int = WINDOW,
-                 probe_interval: int = PROBE_INTERVAL) -> None:
+                 probe_interval: int = PROBE_INTERVAL, recheck_interval: int = RECHECK_INTERVAL) -> None:
         self.max_k = max_k
         self.cost: CostModel = cost if cost is not None else MeasuredCostModel()
         self.acceptance = AcceptanceWindow(window)
         self.probe_interval = probe_interval
+        self.recheck_interval = recheck_interval
         self.histogram = [0] * (max_k + 1)  # steps that chose k = 0..max_k
         self._steps = 0
         self._last_chosen = [-1] * (max_k + 1)  # step at which each k last ran
@@ -234,6 +241,8 @@ class AdaptivePolicy:
         k = self._unmeasured_contender(batch)
         if k is None:
             k = self.best(batch)
+            if self.recheck_interval and self._steps % self.recheck_interval == 0:
+                k = self._stale_contender(batch, k)
         if self.probe_interval and self._steps % self.probe_interval == 0:
             k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
         self._last_chosen[k] = self._steps
@@ -251,6 +260,15 @@ class AdaptivePolicy:
         top = max(r)
         open_ = [k for k in range(self.max_k + 1) if not measured(batch, k + 1) and r[k] >= (1 - EXPLORE_MARGIN) * top]
         return max(open_, key=lambda k: (r[k], -k)) if open_ else None
+
+    def _stale_contender(self, batch: int, best: int) -> int:
+        """The close contender of ``best`` (rate within EXPLORE_MARGIN) chosen least recently, or
+        ``best`` when there is none (or the cost model measures nothing itself: a stub)."""
+        if getattr(self.cost, "measured", None) is None:
+            return best
+        r = self.rates(batch)
+        close = [k for k in range(self.max_k + 1) if k != best and r[k] >= (1 - EXPLORE_MARGIN) * r[best]]
+        return min(close, key=lambda k: self._last_chosen[k]) if close else best
 
     def histogram_line(self) -> str:
         """``k 0/1/2/3: 10.00/0.00/5.00/85.00%`` of the steps."""
