@@ -5,7 +5,7 @@ The same target, draft and GSM8K test prompts (lm-eval's prompts, ``--num-fewsho
 tokenized once and sent to both engines as token ids); greedy, ``ignore_eos``, ``--max-tokens`` new
 tokens per prompt; at batch ``b`` the first ``b`` prompts are submitted at once (all in one
 ``generate``). Each engine configuration (plain, k = 1..5, auto) loads once; every timed run is one
-``generate`` after an untimed warm-up. The runs alternate: for each of ``--repeats`` rounds, every
+``generate`` after an untimed warm-up. The runs alternate (odd rounds in reverse order): for each of ``--repeats`` rounds, every
 configuration runs eagle3 then vLLM over all batch sizes, so slow phases of a shared machine fall
 on both engines. Reported per (engine, configuration, batch): the tok/s of each run and their
 median, acceptance and per-position acceptance (speculative runs), eagle3's chosen-k histogram
@@ -296,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     vllm_version = None
     try:
         for rep in range(args.repeats):
-            for cfg in cfgs:
+            # Odd rounds run the configurations in reverse, so that a host whose speed drifts within a
+            # round does not always favour the configurations run first (auto ran last in every round
+            # and came out worst in round 1 of both runs that measured this).
+            for cfg in (cfgs if rep % 2 == 0 else cfgs[::-1]):
                 for b in batches:
                     run = e3.run(cfg, b)
                     raw["eagle3"][cfg][b].append(run)
