@@ -26,10 +26,9 @@ echo "== vLLM / SGLang / ATOM would serve the pair with:"
 for engine in vllm sglang atom; do
   eagle3 serve "$OUT/target-w4a8" --draft "$OUT/draft-int4" --engine "$engine" --tensor-parallel-size 8 --kv-cache-dtype fp8 --dry-run 2>/dev/null
 done
-# GSM8K from GSM8K_DIR, else shared/data/gsm8k beside the clone, else the Hub (openai/gsm8k).
-GSM8K_DIR=${GSM8K_DIR:-$(cd "$(dirname "$0")/.." && pwd)/../shared/data/gsm8k}
+# GSM8K from GSM8K_DIR (a directory with train.jsonl + test.jsonl), else the Hub (openai/gsm8k).
 DATASET=()
-if [ -f "$GSM8K_DIR/test.jsonl" ]; then DATASET=(--dataset "$GSM8K_DIR"); fi
+if [ -n "${GSM8K_DIR:-}" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then DATASET=(--dataset "$GSM8K_DIR"); fi
 # 5-shot, as lm-eval's gsm8k (~1,600-token prompts with the tiny tokenizer); k = 3 draft tokens per step.
 echo "== serve --validate gsm8k: W4A8 target + INT4 draft through the OpenAI API, then the same prompts without speculation"
 eagle3 serve "$OUT/target-w4a8" --draft "$OUT/draft-int4" --validate gsm8k --num-speculative-tokens 3 \

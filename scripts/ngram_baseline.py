@@ -6,7 +6,7 @@ Counts come from every GSM8K train problem in lm-eval's exemplar format; each te
 probability is (count(context, token) + 2 p_unigram) / (count(context) + 2), with an add-one
 unigram, so no token has probability zero. Run::
 
-    python scripts/ngram_baseline.py --dataset /work/shared/data/gsm8k --heldout 64
+    python scripts/ngram_baseline.py --dataset $GSM8K_DIR --heldout 64
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -48,7 +49,9 @@ def ngram_loss(train: list[list[int]], test: list[list[int]], n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", type=Path, default=Path("/work/shared/data/gsm8k"))
+    ap.add_argument("--dataset", type=Path, default=os.environ.get("GSM8K_DIR"),
+                    required=os.environ.get("GSM8K_DIR") is None,
+                    help="GSM8K directory with train.jsonl + test.jsonl (default: $GSM8K_DIR)")
     ap.add_argument("--heldout", type=int, default=64, help="GSM8K test problems scored (the first N; train_tiny_kimi.py uses 64)")
     args = ap.parse_args()
     tok = tiny.build_tokenizer()

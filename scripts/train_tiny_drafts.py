@@ -95,7 +95,9 @@ def ship(name: str, out: Path, cmd: list[str], seconds: float, init: Path | None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", type=Path, default=Path("/work/shared/data/gsm8k"))
+    ap.add_argument("--dataset", type=Path, default=os.environ.get("GSM8K_DIR"),
+                    required=os.environ.get("GSM8K_DIR") is None,
+                    help="GSM8K directory with train.jsonl + test.jsonl (default: $GSM8K_DIR)")
     ap.add_argument("--only", choices=sorted(trained.DRAFTS), action="append")
     ap.add_argument("--num-train", type=int, default=600)
     ap.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=True,

@@ -24,7 +24,7 @@ Training:
 Reproducible: seeded, ``torch.use_deterministic_algorithms``, a fixed thread count (CPU results
 can depend on the number of threads). Run (minutes on a 2-core CPU)::
 
-    nice -n 5 python scripts/train_tiny_kimi.py --dataset /work/shared/data/gsm8k
+    nice -n 5 python scripts/train_tiny_kimi.py --dataset $GSM8K_DIR
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -155,7 +156,9 @@ def load_runtime_view(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", type=Path, default=Path("/work/shared/data/gsm8k"))
+    ap.add_argument("--dataset", type=Path, default=os.environ.get("GSM8K_DIR"),
+                    required=os.environ.get("GSM8K_DIR") is None,
+                    help="GSM8K directory with train.jsonl + test.jsonl (default: $GSM8K_DIR)")
     ap.add_argument("--out", type=Path, default=REPO / "eagle3" / "testing" / "data" / trained.DATA_DIR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=2400)
