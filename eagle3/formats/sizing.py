@@ -35,6 +35,7 @@ runtime memory benchmark and the full-width slice writer (:mod:`eagle3.testing.s
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -155,6 +156,7 @@ def linear_tensors(module: str, n: int, k: int, fmt: LinearFormat) -> list[Tenso
     raise ValueError(f"unknown scheme {s!r}")
 
 
+@functools.cache  # a handful of formats per model, asked once per Linear
 def linear_param_names(fmt: LinearFormat) -> tuple[str, ...]:
     """The parameter names (``weight_packed``, ``weight_scale``...) a Linear has in ``fmt``; they do
     not depend on its shape."""

@@ -229,8 +229,7 @@ class AdaptivePolicy:
 
     def best(self, batch: int) -> int:
         """The k of the highest expected rate (the smallest k on a tie: drafting must pay)."""
-        r = self.rates(batch)
-        return max(range(len(r)), key=lambda k: (r[k], -k))
+        return _argmax(self.rates(batch))
 
     def choose(self, batch: int) -> int:
         """k for a step whose next verification has ``batch`` sequences; counted in the histogram
@@ -238,35 +237,34 @@ class AdaptivePolicy:
         if batch <= 0:
             return 0  # nothing samples (prefill chunks only): no choice made, nothing counted
         self._steps += 1
-        k = self._unmeasured_contender(batch)
+        r = self.rates(batch)  # once per step: every rule below reads the same rates
+        k = self._unmeasured_contender(batch, r)
         if k is None:
-            k = self.best(batch)
+            k = _argmax(r)
             if self.recheck_interval and self._steps % self.recheck_interval == 0:
-                k = self._stale_contender(batch, k)
+                k = self._stale_contender(k, r)
         if self.probe_interval and self._steps % self.probe_interval == 0:
             k = min(range(self.max_k + 1), key=lambda j: self._last_chosen[j])
         self._last_chosen[k] = self._steps
         self.histogram[k] += 1
         return k
 
-    def _unmeasured_contender(self, batch: int) -> int | None:
+    def _unmeasured_contender(self, batch: int, r: list[float]) -> int | None:
         """The best-rated k whose verification (k + 1 query rows) no serving step measured in this
-        batch bucket, if its rate is within EXPLORE_MARGIN of the best; None otherwise (or when the
-        cost model does not say what it measured: a stub)."""
+        batch bucket, if its rate ``r[k]`` is within EXPLORE_MARGIN of the best; None otherwise (or
+        when the cost model does not say what it measured: a stub)."""
         measured = getattr(self.cost, "measured", None)
         if measured is None:
             return None
-        r = self.rates(batch)
         top = max(r)
         open_ = [k for k in range(self.max_k + 1) if not measured(batch, k + 1) and r[k] >= (1 - EXPLORE_MARGIN) * top]
-        return max(open_, key=lambda k: (r[k], -k)) if open_ else None
+        return _argmax(r, open_) if open_ else None
 
-    def _stale_contender(self, batch: int, best: int) -> int:
+    def _stale_contender(self, best: int, r: list[float]) -> int:
         """The close contender of ``best`` (rate within EXPLORE_MARGIN) chosen least recently, or
         ``best`` when there is none (or the cost model measures nothing itself: a stub)."""
         if getattr(self.cost, "measured", None) is None:
             return best
-        r = self.rates(batch)
         close = [k for k in range(self.max_k + 1) if k != best and r[k] >= (1 - EXPLORE_MARGIN) * r[best]]
         return min(close, key=lambda k: self._last_chosen[k]) if close else best
 
@@ -280,3 +278,8 @@ class AdaptivePolicy:
     def mean_k(self) -> float:
         n = sum(self.histogram)
         return sum(k * c for k, c in enumerate(self.histogram)) / n if n else 0.0
+
+
+def _argmax(r: list[float], ks: list[int] | None = None) -> int:
+    """The k (of ``ks``, default all) with the highest rate, the smallest k on a tie."""
+    return max(range(len(r)) if ks is None else ks, key=lambda k: (r[k], -k))
