@@ -101,7 +101,7 @@ def stored_format(module: str, fmt: LinearFormat, dtype_of: Callable[[str], str 
     if fmt.scheme == sizing.DENSE:
         return fmt
     w = dtype_of(f"{module}.{keys.WEIGHT}")
-    others = [n for n in sizing.linear_param_names(fmt) if n != keys.WEIGHT]
+    others = [n for n in sizing.linear_params(fmt) if n != keys.WEIGHT]
     if w in FLOAT_TAGS and not any(dtype_of(f"{module}.{n}") is not None for n in others):
         return LinearFormat(sizing.DENSE, dtype=w)
     return fmt
@@ -162,9 +162,15 @@ class Schema:
         return module_extras(module, *q).get(param) if q is not None else None
 
     def dtype_ok(self, expected: str, got: str, name: str = "") -> bool:
-        if got == expected or (expected in FLOAT_TAGS and got in FLOAT_TAGS):
-            return True
-        return expected in INT_TAGS and got in INT_TAGS and name.rpartition(".")[2] in _ANY_INT_WIDTH
+        return dtype_ok(expected, got, name)
+
+
+def dtype_ok(expected: str, got: str, name: str = "") -> bool:
+    """Whether a tensor stored as ``got`` is the ``expected`` dtype tag of its layout: a dense
+    tensor in any float width, ``weight_shape`` in any integer width, everything else exactly."""
+    if got == expected or (expected in FLOAT_TAGS and got in FLOAT_TAGS):
+        return True
+    return expected in INT_TAGS and got in INT_TAGS and name.rpartition(".")[2] in _ANY_INT_WIDTH
 
 
 def _draft_family(dc: DraftConfig) -> str:
@@ -266,4 +272,4 @@ def _draft_schema(specs: dict[str, TensorSpec], dc: DraftConfig, names: set[str]
                   attention=_attention_modules(specs) if kv_scales else frozenset(), kv_outputs=kv_outputs)
 
 
-__all__ = ["Schema", "Extra", "schema_for", "module_extras", "stored_format", "FLOAT_TAGS", "INT_TAGS"]
+__all__ = ["Schema", "Extra", "schema_for", "module_extras", "stored_format", "dtype_ok", "FLOAT_TAGS", "INT_TAGS"]

@@ -157,10 +157,10 @@ def linear_tensors(module: str, n: int, k: int, fmt: LinearFormat) -> list[Tenso
 
 
 @functools.cache  # a handful of formats per model, asked once per Linear
-def linear_param_names(fmt: LinearFormat) -> tuple[str, ...]:
-    """The parameter names (``weight_packed``, ``weight_scale``...) a Linear has in ``fmt``; they do
-    not depend on its shape."""
-    return tuple(t.name.rpartition(".")[2] for t in linear_tensors("m", 8, 8, fmt))
+def linear_params(fmt: LinearFormat) -> dict[str, str]:
+    """{parameter name (``weight_packed``, ``weight_scale``...): safetensors dtype tag} of a Linear
+    in ``fmt``; neither depends on its shape. Cached: callers must not modify it."""
+    return {t.name.rpartition(".")[2]: t.dtype for t in linear_tensors("m", 8, 8, fmt)}
 
 
 # ---------------------------------------------------------------------------------------------

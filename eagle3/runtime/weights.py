@@ -50,7 +50,7 @@ import torch
 from eagle3.checkpoint import CheckpointReader
 from eagle3.errors import CheckpointError, FormatError, ShapeError, UsageError
 from eagle3.formats import codecs, detect, keys, sizing
-from eagle3.formats.schema import stored_format
+from eagle3.formats.schema import dtype_ok, stored_format
 from eagle3.formats.sizing import LinearFormat
 from eagle3.runtime.config import QuantSpec
 from eagle3.runtime.kernels.base import (
@@ -64,16 +64,6 @@ from eagle3.runtime.kernels.base import (
 )
 from eagle3.runtime.layers.linear import Linear, Shard
 from eagle3.runtime.layers.norm import RMSNorm
-
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-# The dtype of ``weight`` in each layout that stores one (compressed-tensors INT4 stores
-# ``weight_packed`` instead).
-_STORED: dict[str, tuple[torch.dtype, ...]] = {
-    sizing.DENSE: _FLOATS, sizing.QUARK_INT4: (torch.int32,), sizing.QUARK_W4A8: (torch.int32,),
-    sizing.QUARK_MXFP4: (torch.uint8,), sizing.FP8_BLOCK: _FP8, sizing.CT_FP8: _FP8, sizing.QUARK_FP8: _FP8,
-}
 
 
 class WeightReader:
@@ -223,8 +213,7 @@ class WeightReader:
         if not self.has(n_w):
             return None
         info = self.reader.info(n_w)
-        dt = info.torch_dtype
-        if len(info.shape) != 2 or dt not in _STORED[s]:
+        if len(info.shape) != 2 or not self._stored_as(n_w, fmt):
             return None
         if s == sizing.DENSE:
             return DenseWeight(self.get_part(n_w, rows, cols))
@@ -290,17 +279,22 @@ class WeightReader:
     def _dtype_tag(self, name: str) -> str | None:
         return self.reader.info(name).dtype if name in self.reader else None
 
-    def _require(self, m: str, param: str, fmt: LinearFormat, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-        """Tensor ``<m>.<param>`` of the layout the config gives ``m``, in one of ``dtypes``."""
+    def _require(self, m: str, param: str, fmt: LinearFormat) -> torch.Tensor:
+        """Tensor ``<m>.<param>`` of the layout the config gives ``m``, in the dtype that layout
+        stores it in (:func:`eagle3.formats.sizing.linear_params`, as the schema checks it)."""
         name = f"{m}.{param}"
         if not self.has(name):
             raise CheckpointError(f"{self.path}: missing tensor {name!r}: the config stores module {m!r} as "
                                   f"{fmt.describe()}")
-        t = self.get(name)
-        if t.dtype not in dtypes:
-            raise FormatError(f"{self.path}: tensor {name!r} is {t.dtype}, but the config stores module {m!r} as "
-                              f"{fmt.describe()}")
-        return t
+        if not self._stored_as(name, fmt):
+            raise FormatError(f"{self.path}: tensor {name!r} is {self.reader.info(name).dtype}, but the config "
+                              f"stores module {m!r} as {fmt.describe()}")
+        return self.get(name)
+
+    def _stored_as(self, name: str, fmt: LinearFormat) -> bool:
+        """Whether tensor ``name`` has the dtype its parameter has in ``fmt``."""
+        expected = sizing.linear_params(fmt).get(name.rpartition(".")[2])
+        return expected is not None and dtype_ok(expected, self.reader.info(name).dtype, name)
 
     def _decode(self, m: str) -> LinearWeight:
         self._refuse_unsupported(m)
@@ -308,27 +302,27 @@ class WeightReader:
         s = fmt.scheme
         if s == sizing.CT_INT4:
             return self._ct_int4(m, fmt)
-        w = self._require(m, keys.WEIGHT, fmt, _STORED[s])
+        w = self._require(m, keys.WEIGHT, fmt)
         if s == sizing.DENSE:
             return DenseWeight(w)
         if s in (sizing.QUARK_INT4, sizing.QUARK_W4A8):
             return self._quark_int4(m, w, fmt)
         if s == sizing.QUARK_MXFP4:
-            scale = self._require(m, keys.SCALE, fmt, (torch.uint8,))
+            scale = self._require(m, keys.SCALE, fmt)
             if scale.shape[0] != w.shape[0] or scale.shape[1] * 32 != w.shape[1] * 2:
                 raise ShapeError(f"{self.path}: tensor {m + '.' + keys.SCALE!r} is {scale.dtype}{list(scale.shape)}; "
                                  f"MXFP4 weight {list(w.shape)} needs uint8 [{w.shape[0]}, {w.shape[1] * 2 // 32}]")
             return MXFP4Weight(w, scale)
-        scale = self._require(m, _fp8_scale_param(fmt), fmt, _FLOATS).float()
+        scale = self._require(m, _fp8_scale_param(fmt), fmt).float()
         return FP8Weight(w, scale, block=_fp8_block(fmt))
 
     def _ct_int4(self, m: str, fmt: LinearFormat) -> Int4Weight:
         """compressed-tensors pack-quantized INT4, kept packed as on disk; the backend decodes it
         (codecs.ct_int4_unpack) when it runs."""
         n_packed, n_scale = f"{m}.{keys.CT_PACKED}", f"{m}.{keys.SCALE}"
-        packed = self._require(m, keys.CT_PACKED, fmt, (torch.int32,))
-        scale = self._require(m, keys.SCALE, fmt, _FLOATS)
-        shape = self._require(m, keys.CT_SHAPE, fmt, _INTS).tolist()
+        packed = self._require(m, keys.CT_PACKED, fmt)
+        scale = self._require(m, keys.SCALE, fmt)
+        shape = self._require(m, keys.CT_SHAPE, fmt).tolist()
         n, k = int(shape[0]), int(shape[1])
         if packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] * 8 < k:
             raise ShapeError(f"{self.path}: tensor {n_packed!r} is {packed.dtype}{list(packed.shape)}, not int32 "
@@ -376,7 +370,7 @@ class WeightReader:
         order)."""
         reorder = self.quant.pack_method == "reorder"
         packing = "quark" if reorder else "quark_order"
-        scale = self._require(m, keys.SCALE, fmt, _FLOATS).float()
+        scale = self._require(m, keys.SCALE, fmt).float()
         if w.dim() != 2:
             raise ShapeError(f"{self.path}: tensor {m + '.' + keys.WEIGHT!r} has shape {list(w.shape)}, not 2-D")
         if fmt.scheme == sizing.QUARK_INT4 and fmt.qscheme == "per_group":
@@ -392,7 +386,7 @@ class WeightReader:
                               packing=packing, in_features=k)
         n, k = int(w.shape[0]), int(w.shape[1]) * 8
         if fmt.scheme == sizing.QUARK_W4A8:  # two stages: W = q * scale_2[n] * scale
-            s2 = self._require(m, keys.SCALE_2, fmt, _FLOATS).float().reshape(-1)
+            s2 = self._require(m, keys.SCALE_2, fmt).float().reshape(-1)
             if s2.shape[0] != n or scale.numel() != 1:
                 raise ShapeError(f"{self.path}: {m}: W4A8 weight {[n, k]} needs weight_scale_2 "
                                  f"[{n}] and a per-tensor weight_scale, got {list(s2.shape)} and "

@@ -79,7 +79,7 @@ def _check_every_linear(d: Path) -> set[str]:
         stored = wr.format_of(m)
         assert stored.scheme in (fmt.scheme, sizing.DENSE), (m, stored, fmt)
         assert isinstance(w, KIND[stored.scheme]), (m, stored.scheme, type(w).__name__)
-        expected = {f"{m}.{p}" for p in sizing.linear_param_names(stored)}
+        expected = {f"{m}.{p}" for p in sizing.linear_params(stored)}
         read = {n for n in wr.used if n.startswith(m + ".")} - {f"{m}.bias"}
         assert read == expected, (m, read, expected)
         seen.add(stored.scheme)
