@@ -24,15 +24,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64)
 _threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory):
+def _pair(tmp_path_factory: pytest.TempPathFactory, target: str, draft: str):
+    """(target, draft) of make-tiny's ``target`` and ``draft``, loaded in fp32."""
     from eagle3.runtime.loader import load_draft, load_target
     from eagle3.testing.tiny import make_tiny
 
     out: Path = tmp_path_factory.mktemp("treedraft") / "tiny"
-    paths = make_tiny(out, seed=0, only=["kimi-k2.5", "kimi-k2.5-eagle3"])
-    target = load_target(paths["kimi-k2.5"], dtype=torch.float32)
-    return target, load_draft(paths["kimi-k2.5-eagle3"], target)
+    paths = make_tiny(out, seed=0, only=[target, draft])
+    t = load_target(paths[target], dtype=torch.float32)
+    return t, load_draft(paths[draft], t)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):
+    return _pair(tmp_path_factory, "kimi-k2.5", "kimi-k2.5-eagle3")
 
 
 class _Setup:
@@ -82,13 +87,7 @@ def test_topk_one_is_the_chain_proposer(models) -> None:
 @pytest.fixture(scope="module")
 def mla_draft(tmp_path_factory: pytest.TempPathFactory):
     """The trained tiny target with its MLA EAGLE-3.1 draft (tree attention through MLA)."""
-    from eagle3.runtime.loader import load_draft, load_target
-    from eagle3.testing.tiny import make_tiny
-
-    out: Path = tmp_path_factory.mktemp("treemla") / "tiny"
-    paths = make_tiny(out, seed=0, only=["kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla"])
-    target = load_target(paths["kimi-k2.5-trained"], dtype=torch.float32)
-    return target, load_draft(paths["kimi-k2.5-trained-eagle3.1-mla"], target)
+    return _pair(tmp_path_factory, "kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla")
 
 
 @pytest.mark.parametrize("pair", ["models", "mla_draft"])
