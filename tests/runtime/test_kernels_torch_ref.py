@@ -244,6 +244,23 @@ def test_attention_tile_products_are_row_invariant(r: int, d: int, dv: int) -> N
     assert torch.equal(torch.bmm(q[:2], keys[:2].transpose(1, 2)), s[:2])
 
 
+def test_row_stacking_probe_refuses_a_blas_whose_rows_depend_on_m(monkeypatch) -> None:
+    """The per-sequence schedule stacks row tiles into one GEMM only where the probe saw the
+    tile bits; a BLAS that rounds a tall product differently (simulated) keeps the tiles."""
+    from eagle3.runtime.kernels.torch_ref import attention as tr
+
+    probe = tr.rows_stack_exactly.__wrapped__
+    assert isinstance(probe(4, 48, 32), bool)
+    real_mm = torch.mm
+
+    def tall_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = real_mm(a, b)
+        return out * (1 + 2 ** -20) if a.shape[0] > 64 else out
+
+    monkeypatch.setattr(torch, "mm", tall_differs)
+    assert probe(4, 48, 32) is False
+
+
 def _single_token_meta(meta: AttnMetadata, b: int, row: int) -> AttnMetadata:
     """The query row ``row`` (of sequence ``b``) alone in a forward, as a decode step runs it."""
     p = meta.positions[row: row + 1]
@@ -274,6 +291,8 @@ def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: 
     out = BE.attention(q, k_cache, v_cache, meta, 0.2, plan)
     sched = next(iter(plan._schedules.values()))
     assert [c.t1 - c.t0 for c in sched.seqs] == [300, 40] and len(sched.units) == 1
+    # the 7-token chunk's row tiles share their key tiles: stacked where this BLAS allows it
+    assert (sched.units[0].blocks is not None) == tr.rows_stack_exactly(qt * g, d, dv)
     assert sum(lens_new) > 4 * KEY_TILE and qt * g >= tr.ATTN_MIN_ROWS
     cu = meta.cu_seqlens_q.tolist()
     for b in range(len(lens_new)):
@@ -285,6 +304,9 @@ def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: 
     assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, small), out)
     sched = next(iter(small._schedules.values()))
     assert len(sched.seqs[0].groups) > 2 and len(sched.units) > 1
+    with monkeypatch.context() as m:  # both schedules as R-row tiles, no stacked rows
+        m.setattr(tr, "rows_stack_exactly", lambda *a: False)
+        assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, tr.plan_attention(meta)), out)
     monkeypatch.setattr(tr, "SEQ_PATH_MIN_TOKENS", 10**9)  # everything through gathered units
     gathered = tr.plan_attention(meta)
     assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, gathered), out)

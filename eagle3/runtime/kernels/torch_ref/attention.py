@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +51,58 @@ KEY_TILE = 64  # keys per attention tile
 # and stride-0 operands, 1 and 2 threads; below 4 rows MKL takes other kernels, hence
 # ATTN_MIN_ROWS), and that a fixed-length row sum does not depend on the number of rows. Both
 # are re-checked by tests/runtime/test_kernels_torch_ref.py on every run.
+#
+# The per-sequence schedule multiplies a key tile with all the row tiles that see it. Where this
+# machine's BLAS gives a row of a stacked ``[m*R, D] x [D, KEY_TILE]`` product the bits of the same
+# row in its own R-row tile (``rows_stack_exactly``, probed once per shape and process: MKL on the
+# x86-64 machines measured here does, for m up to 512), that is one ``mm`` over the stacked rows,
+# about twice as fast for prefill chunks as the tile-batched ``bmm``; elsewhere it stays a ``bmm``
+# of R-row tiles. Either way the rows carry the tile bits.
 
 ATTN_MIN_ROWS = 4  # rows of a query tile at least (MKL's bmm rows differ below 4 rows, measured)
 SEQ_PATH_MIN_TOKENS = 32  # query tokens of one sequence from which the per-sequence schedule runs
 ATTN_CHUNK_FLOATS = 1 << 23  # fp32 elements of scores / gathered keys one attention chunk holds
 
 
+@functools.cache
+def rows_stack_exactly(r: int, d: int, dv: int) -> bool:
+    """Whether a row of the stacked products (``mm`` or ``bmm``) ``[m*r, d] x [d, KEY_TILE]`` (keys a transposed view)
+    and ``[m*r, KEY_TILE] x [KEY_TILE, dv]`` (values contiguous or a strided prefix of the keys)
+    has the bits of the same row in an ``r``-row tile GEMM, on this process's CPU BLAS. Probed on
+    seeded data for several m; a BLAS that picks kernels by M shows here and keeps the tiles."""
+    gen = torch.Generator().manual_seed(20261126)
+    keys = torch.randn(KEY_TILE, d, generator=gen)
+    vals = (keys[:, :dv], keys[:, :dv].contiguous())
+    for m in (1, 2, 3, 5, 16, 64, 512):
+        q = torch.randn(m * r, d, generator=gen)
+        p = torch.rand(m * r, KEY_TILE, generator=gen)
+        tiles = torch.bmm(q.view(m, r, d), keys.t().expand(m, d, KEY_TILE)).view(m * r, KEY_TILE)
+        if not (torch.equal(torch.mm(q, keys.t()), tiles)
+                and torch.equal(torch.bmm(q.expand(2, m * r, d), keys.t().expand(2, d, KEY_TILE))[1], tiles)):
+            return False
+        for v in vals:
+            tiles = torch.bmm(p.view(m, r, KEY_TILE), v.expand(m, KEY_TILE, dv)).view(m * r, dv)
+            if not (torch.equal(torch.mm(p, v), tiles)
+                    and torch.equal(torch.bmm(p.expand(2, m * r, KEY_TILE), v.expand(2, KEY_TILE, dv))[1], tiles)):
+                return False
+    return True
+
+
 def query_tile_tokens(group: int) -> int:
     """Query tokens per row tile for ``group`` query heads per kv head: the fewest giving at
     least :data:`ATTN_MIN_ROWS` rows (a model constant, never a batch one)."""
     return max(1, -(-ATTN_MIN_ROWS // group))
+
+
+@dataclass
+class _Blocks:
+    """Row tiles that read one identical key tile (a sequence's query tiles over its shared
+    context), ``n`` tiles per block: their rows are stacked into one GEMM against keys gathered
+    once."""
+
+    jidx: torch.Tensor  # [nb] key tile of each block
+    tiles: torch.Tensor  # [nb, n] the row tiles (indices into the group's tiles) of each block
+    slots: torch.Tensor  # [nb * KEY_TILE] cache slots of each block's keys
 
 
 @dataclass
@@ -71,6 +114,7 @@ class _Units:
     masked: torch.Tensor  # [nk, nqt, qt, KEY_TILE] key NOT visible to the tile slot's token
     dst: torch.Tensor | None  # query rows of the real tile slots (None: all rows, in order)
     src: torch.Tensor | None  # flat tile-slot index of each of them
+    blocks: list[_Blocks] | None = None  # shared key tiles, by block size (None: every pair its own)
 
 
 @dataclass
@@ -105,7 +149,7 @@ class AttnPlan:
         self.cu = meta.cu_seqlens_q.to("cpu", torch.int64).tolist()
         self.tables = meta.block_tables.to("cpu", torch.int64)
         self.block_size = int(meta.block_size)
-        self._schedules: dict[tuple[int, int, int], _Schedule] = {}
+        self._schedules: dict[tuple[int, int, int, bool], _Schedule] = {}
         # The last (virtual) key position each query sees: its position; a tree node's start + depth.
         self.reach = self.positions.clone()
         self.tree_seqs: set[int] = set()
@@ -137,10 +181,10 @@ class AttnPlan:
                 self.reach[t] = start + path.numel() - 1
                 self.tree_keys[t] = (start, start + path)
 
-    def schedule(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
-        key = (qt, unit_floats, tile_floats)
+    def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack_rows: bool = False) -> _Schedule:
+        key = (qt, unit_floats, tile_floats, stack_rows)
         if key not in self._schedules:
-            self._schedules[key] = self._build(qt, unit_floats, tile_floats)
+            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack_rows)
         return self._schedules[key]
 
     # -- building --------------------------------------------------------------------------
@@ -164,7 +208,7 @@ class AttnPlan:
         ok = (bi < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
-    def _build(self, qt: int, unit_floats: int, tile_floats: int) -> _Schedule:
+    def _build(self, qt: int, unit_floats: int, tile_floats: int, stack_rows: bool) -> _Schedule:
         seqs: list[_SeqChunk] = []
         short: list[int] = []
         for b in range(len(self.cu) - 1):
@@ -179,7 +223,7 @@ class AttnPlan:
                 short.append(b)
             else:
                 seqs.append(chunk)
-        return _Schedule(self._unit_groups(short, qt, unit_floats), seqs)
+        return _Schedule(self._unit_groups(short, qt, unit_floats, stack_rows), seqs)
 
     def _seq_chunk(self, b: int, t0: int, t1: int, pos: torch.Tensor, qt: int, tile_floats: int) -> _SeqChunk | None:
         n = t1 - t0
@@ -213,7 +257,7 @@ class AttnPlan:
         groups.append((lo, nq))
         return _SeqChunk(t0, t1, nq, nk, slots.to(self.device), first, masks, groups)
 
-    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int) -> list[_Units]:
+    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, stack_rows: bool) -> list[_Units]:
         if not seqs:
             return []
         t = self.num_tokens
@@ -255,13 +299,44 @@ class AttnPlan:
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
+            blocks = self._shared_blocks(slots, seq_all[lo: lo + per]) if stack_rows else None
             if identity:
-                groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None))
+                groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None, blocks))
             else:
                 flat = tok.reshape(-1)
                 src = torch.nonzero(flat < t).reshape(-1)
-                groups.append(_Units(tok.to(dev), slots.to(dev), masked.to(dev), flat[src].to(dev), src.to(dev)))
+                groups.append(_Units(tok.to(dev), slots.to(dev), masked.to(dev), flat[src].to(dev), src.to(dev),
+                                     blocks))
         return groups
+
+    def _shared_blocks(self, slots: torch.Tensor, seq: torch.Tensor) -> list[_Blocks] | None:
+        """Group the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]`` whose keys are the
+        same cache slots in the same sequence into blocks, by size; None when no pair shares (decode:
+        one row tile per sequence), so the plain pairs run."""
+        nk, nqt, kt = slots.shape
+        if int(torch.unique(seq).numel()) == nqt:
+            return None  # one row tile per sequence: nothing to share
+        by_size: dict[int, tuple[list[int], list[list[int]]]] = {}
+        shared = False
+        for j in range(nk):
+            rows = torch.cat([seq[:, None], slots[j]], 1)
+            _, inv = torch.unique(rows, dim=0, return_inverse=True)
+            members: dict[int, list[int]] = {}
+            for i, u in enumerate(inv.tolist()):
+                members.setdefault(u, []).append(i)
+            for tiles in members.values():
+                shared |= len(tiles) > 1
+                js, ts = by_size.setdefault(len(tiles), ([], []))
+                js.append(j)
+                ts.append(tiles)
+        if not shared:
+            return None
+        out = []
+        for js, ts in by_size.values():
+            jidx, tiles = torch.tensor(js), torch.tensor(ts)
+            out.append(_Blocks(jidx.to(self.device), tiles.to(self.device),
+                               slots[jidx, tiles[:, 0]].reshape(-1).to(self.device)))
+        return out
 
 
     def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
@@ -310,6 +385,52 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, slots).float()
 
 
+def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: torch.Tensor, hkv: int, kt: int,
+                 d: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[n * hkv, kt, d]`` and values ``[n * hkv, kt, dv]`` of ``n`` key tiles (flat ``slots``);
+    MLA (``v_cache`` None): the values are a strided view of the keys, read in place."""
+    n = slots.numel() // kt
+    k = _gather(k_cache, slots).view(n, kt, hkv, d)
+    kb = (k.transpose(1, 2) if hkv > 1 else k).reshape(n * hkv, kt, d)
+    if v_cache is None:
+        return kb, kb[..., :dv]
+    v = _gather(v_cache, slots).view(n, kt, hkv, dv)
+    return kb, (v.transpose(1, 2) if hkv > 1 else v).reshape(n * hkv, kt, dv)
+
+
+def _block_scores(qtile: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
+                  dv: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Scores ``[nk, nqt, hkv, r, kt]`` of every (key tile, row tile) pair from ``qtile [nqt, hkv,
+    r, d]``, a block's row tiles stacked into one GEMM against its keys (gathered once); also
+    each block size's values for :func:`_block_values`."""
+    nqt, hkv, r, d = qtile.shape
+    nk, _, kt = u.slots.shape
+    assert u.blocks is not None
+    s = qtile.new_empty(nk, nqt, hkv, r, kt)
+    vals = []
+    for blk in u.blocks:
+        nb, n = blk.tiles.shape
+        kb, v = _gather_keys(k_cache, v_cache, blk.slots, hkv, kt, d, dv)
+        qb = qtile[blk.tiles].transpose(1, 2).reshape(nb * hkv, n * r, d)
+        sb = torch.bmm(qb, kb.transpose(1, 2)).view(nb, hkv, n, r, kt)
+        s[blk.jidx[:, None], blk.tiles] = sb.transpose(1, 2)
+        vals.append(v)
+    return s, vals
+
+
+def _block_values(p: torch.Tensor, blocks: list[_Blocks], vals: list[torch.Tensor]) -> torch.Tensor:
+    """Per-pair numerators ``[nk, nqt, hkv, r, dv]`` from probabilities ``p [nk, nqt, hkv, r, kt]``,
+    a block's rows stacked against its values."""
+    nk, nqt, hkv, r, kt = p.shape
+    dv = vals[0].shape[-1]
+    num = p.new_empty(nk, nqt, hkv, r, dv)
+    for blk, v in zip(blocks, vals, strict=True):
+        nb, n = blk.tiles.shape
+        pb = p[blk.jidx[:, None], blk.tiles].transpose(1, 2).reshape(nb * hkv, n * r, kt)
+        num[blk.jidx[:, None], blk.tiles] = torch.bmm(pb, v).view(nb, hkv, n, r, dv).transpose(1, 2)
+    return num
+
+
 def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
                   out: torch.Tensor) -> None:
     """Gathered units: ``qs [T, hkv, g, d]`` (fp32, scaled) -> rows of ``out [T, hkv, g, dv]``.
@@ -325,25 +446,23 @@ def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         qpad = torch.cat([qs, qs.new_zeros(1, hkv, g, d)])
         qtile = qpad[u.tok].transpose(1, 2).reshape(1, nqt, hkv, r, d)
-    qb = qtile.expand(nk, nqt, hkv, r, d).reshape(b, r, d)
-    flat = u.slots.view(-1)
-    k = _gather(k_cache, flat).view(nk * nqt, kt, hkv, d)
-    if hkv > 1:
-        k = k.transpose(1, 2)
-    kb = k.reshape(b, kt, d)
-    s = torch.bmm(qb, kb.transpose(1, 2)).view(nk, nqt, hkv, qt, g, kt)
+    if u.blocks is None:
+        qb = qtile.expand(nk, nqt, hkv, r, d).reshape(b, r, d)
+        kb, v = _gather_keys(k_cache, v_cache, u.slots.view(-1), hkv, kt, d, dv)
+        s = torch.bmm(qb, kb.transpose(1, 2)).view(nk, nqt, hkv, qt, g, kt)
+    else:
+        s, vals = _block_scores(qtile[0], k_cache, v_cache, u, dv)
+        s = s.view(nk, nqt, hkv, qt, g, kt)
     s.masked_fill_(u.masked.view(nk, nqt, 1, qt, 1, kt), float("-inf"))
     m = s.amax(dim=(0, 5), keepdim=True)
     p = _exp_shifted(s, m).view(b, r, kt)  # masked keys: exp(-inf) = 0 exactly
-    if v_cache is None:
-        v = kb[..., :dv]  # a strided view: bmm reads it in place
-    else:
-        v = _gather(v_cache, flat).view(nk * nqt, kt, hkv, dv)
-        v = (v.transpose(1, 2) if hkv > 1 else v).reshape(b, kt, dv)
     # Per key tile the softmax partial sums: numerator (fixed-shape GEMM rows) and denominator (a
     # row sum of fixed length kt), added in key-tile order from zero (0 + x, as the per-sequence
     # schedule starts from zeros). Kept apart, not concatenated: the same sums without the copy.
-    num = torch.bmm(p, v).view(nk, nqt, hkv, r, dv)
+    if u.blocks is None:
+        num = torch.bmm(p, v).view(nk, nqt, hkv, r, dv)
+    else:
+        num = _block_values(p.view(nk, nqt, hkv, r, kt), u.blocks, vals)
     den = p.sum(-1).view(nk, nqt, hkv, r)
     acc, acc_den = num[0] + 0.0, den[0] + 0.0
     for j in range(1, nk):
@@ -357,7 +476,7 @@ def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, c: _SeqChunk,
-                qt: int, out: torch.Tensor) -> None:
+                qt: int, out: torch.Tensor, stack: bool) -> None:
     """Per-sequence schedule for the rows ``c.t0 .. c.t1-1`` of ``qs`` (see :func:`_attend_units`)."""
     _, hkv, g, d = qs.shape
     dv = out.shape[-1]
@@ -381,7 +500,10 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                 a = max(lo, c.first[j])
                 if a >= hi:
                     break
-                s = torch.bmm(q[h, a:hi], keys[h, j].t().expand(hi - a, d, kt))  # [hi - a, r, kt]
+                if stack:
+                    s = torch.mm(q[h, a:hi].reshape(-1, d), keys[h, j].t()).view(hi - a, r, kt)
+                else:
+                    s = torch.bmm(q[h, a:hi], keys[h, j].t().expand(hi - a, d, kt))  # [hi - a, r, kt]
                 mlo, masked = c.masks[j]
                 s0, s1 = max(a, mlo), min(hi, mlo + masked.shape[0])
                 if s1 > s0:
@@ -394,7 +516,10 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
             den = qs.new_zeros(hi - lo, r)
             for j, (a, s) in enumerate(scores):  # the same fp32 sums as the gathered units' acc
                 p = _exp_shifted(s, m[a - lo:, :, None])
-                num[a - lo:] += torch.bmm(p, vals[h, j].expand(hi - a, kt, dv))
+                if stack:
+                    num[a - lo:] += torch.mm(p.reshape(-1, kt), vals[h, j]).view(hi - a, r, dv)
+                else:
+                    num[a - lo:] += torch.bmm(p, vals[h, j].expand(hi - a, kt, dv))
                 den[a - lo:] += p.sum(-1)
             o[h, lo:hi] = num / den[..., None]
     out[c.t0: c.t1] = o.view(hkv, nq, qt, g, dv).permute(1, 2, 0, 3, 4).reshape(nq * qt, hkv, g, dv)[:n]
@@ -413,10 +538,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qt = query_tile_tokens(g)
     r = qt * g
     unit_floats = hkv * (KEY_TILE * (d + dv) + r * (d + 4 * KEY_TILE + dv + 1))
-    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE)
+    stack = q.device.type == "cpu" and rows_stack_exactly(r, d, dv)
+    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack)
     qs = q.float() * scale
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)
     for c in sched.seqs:
-        _attend_seq(qs, k_cache, vc, c, qt, out)
+        _attend_seq(qs, k_cache, vc, c, qt, out, stack)
     return out.to(q.dtype)
