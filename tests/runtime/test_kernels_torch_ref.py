@@ -244,21 +244,39 @@ def test_attention_tile_products_are_row_invariant(r: int, d: int, dv: int) -> N
     assert torch.equal(torch.bmm(q[:2], keys[:2].transpose(1, 2)), s[:2])
 
 
-def test_row_stacking_probe_refuses_a_blas_whose_rows_depend_on_m(monkeypatch) -> None:
-    """The per-sequence schedule stacks row tiles into one GEMM only where the probe saw the
-    tile bits; a BLAS that rounds a tall product differently (simulated) keeps the tiles."""
-    from eagle3.runtime.kernels.torch_ref import attention as tr
+def test_row_stacking_probe_stops_where_a_blas_rows_depend_on_m(monkeypatch) -> None:
+    """Row tiles are stacked into one GEMM only up to the tile counts whose rows the probe saw
+    keep their tile bits; a BLAS that rounds a tall product differently (simulated) stops the
+    stacking below that height, and a GEMM of mixed tile counts is split into probed ones."""
+    from eagle3.runtime.kernels.torch_ref import gemm
 
-    probe = tr.rows_stack_exactly.__wrapped__
-    assert isinstance(probe(4, 48, 32), bool)
+    probe = gemm.stack_sizes.__wrapped__
+    assert probe(4, 48, 32, (1, 48), torch.float32)[0] == 1
     real_mm = torch.mm
 
-    def tall_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = real_mm(a, b)
-        return out * (1 + 2 ** -20) if a.shape[0] > 64 else out
+    def tall_differs(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+        out = real_mm(a, b, **kw)
+        return out.mul_(1 + 2 ** -20) if a.shape[0] > 64 else out
 
     monkeypatch.setattr(torch, "mm", tall_differs)
-    assert probe(4, 48, 32) is False
+    assert max(probe(4, 48, 32, (1, 48), torch.float32)) <= 16
+    assert gemm.split_tiles(75, (1, 2, 4, 8, 16, 32, 64)) == [64, 8, 2, 1]
+
+
+def test_tile_gemm_rows_keep_their_tile_bits() -> None:
+    """Whatever the probe allows on this machine, ``tile_gemm`` over many row tiles (stacked or
+    not, into a column slice or not) gives each row the bits of its own tile GEMM."""
+    from eagle3.runtime.kernels.torch_ref import gemm
+
+    gen = _gen(5)
+    w = torch.randn(96, 40, generator=gen)
+    for rows, nb in ((16, 1), (16, 7), (4, 75)):
+        x = torch.randn(nb * rows, 40, generator=gen)
+        tiles = torch.bmm(x.view(nb, rows, 40), w.t().expand(nb, 40, 96)).view(nb * rows, 96)
+        assert torch.equal(gemm.tile_gemm(x, w.t(), rows), tiles)
+        out = torch.zeros(nb * rows, 120)
+        gemm.tile_gemm(x, w[:50].t(), rows, out[:, 10:60])
+        assert torch.equal(out[:, 10:60], tiles[:, :50]) and not out[:, :10].any()
 
 
 def _single_token_meta(meta: AttnMetadata, b: int, row: int) -> AttnMetadata:
@@ -292,7 +310,7 @@ def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: 
     sched = next(iter(plan._schedules.values()))
     assert [c.t1 - c.t0 for c in sched.seqs] == [300, 40] and len(sched.units) == 1
     # the 7-token chunk's row tiles share their key tiles: stacked where this BLAS allows it
-    assert (sched.units[0].blocks is not None) == tr.rows_stack_exactly(qt * g, d, dv)
+    assert (sched.units[0].blocks is not None) == (len(tr._stack_sizes(q.device, qt * g, d, dv, d if shared else dv)) > 1)
     assert sum(lens_new) > 4 * KEY_TILE and qt * g >= tr.ATTN_MIN_ROWS
     cu = meta.cu_seqlens_q.tolist()
     for b in range(len(lens_new)):
@@ -305,7 +323,7 @@ def test_attention_schedules_give_decode_bits(monkeypatch, hkv: int, g: int, d: 
     sched = next(iter(small._schedules.values()))
     assert len(sched.seqs[0].groups) > 2 and len(sched.units) > 1
     with monkeypatch.context() as m:  # both schedules as R-row tiles, no stacked rows
-        m.setattr(tr, "rows_stack_exactly", lambda *a: False)
+        m.setattr(tr, "_stack_sizes", lambda *a: (1,))
         assert torch.equal(BE.attention(q, k_cache, v_cache, meta, 0.2, tr.plan_attention(meta)), out)
     monkeypatch.setattr(tr, "SEQ_PATH_MIN_TOKENS", 10**9)  # everything through gathered units
     gathered = tr.plan_attention(meta)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata, pack_tree_paths
+from eagle3.runtime.kernels.torch_ref.gemm import split_tiles, stack_sizes, tile_gemm
 
 KEY_TILE = 64  # keys per attention tile
 
@@ -52,40 +52,16 @@ KEY_TILE = 64  # keys per attention tile
 # ATTN_MIN_ROWS), and that a fixed-length row sum does not depend on the number of rows. Both
 # are re-checked by tests/runtime/test_kernels_torch_ref.py on every run.
 #
-# The per-sequence schedule multiplies a key tile with all the row tiles that see it. Where this
-# machine's BLAS gives a row of a stacked ``[m*R, D] x [D, KEY_TILE]`` product the bits of the same
-# row in its own R-row tile (``rows_stack_exactly``, probed once per shape and process: MKL on the
-# x86-64 machines measured here does, for m up to 512), that is one ``mm`` over the stacked rows,
-# about twice as fast for prefill chunks as the tile-batched ``bmm``; elsewhere it stays a ``bmm``
-# of R-row tiles. Either way the rows carry the tile bits.
+# Row tiles that read the same key tile are stacked into one GEMM where the probe of
+# ``gemm.stack_sizes`` saw this BLAS keep the tile bits (both products, their exact operand
+# layouts): the per-sequence schedule multiplies a key tile with all the row tiles that see it
+# (about 1.4x faster prefill attention here), and the gathered units gather a key tile once for
+# all the query tiles of a sequence that read it (verify and draft-tree tiles share their context:
+# 1.7x faster for a batch-16 verify of 4 tokens). Elsewhere they stay R-row tile GEMMs.
 
 ATTN_MIN_ROWS = 4  # rows of a query tile at least (MKL's bmm rows differ below 4 rows, measured)
 SEQ_PATH_MIN_TOKENS = 32  # query tokens of one sequence from which the per-sequence schedule runs
 ATTN_CHUNK_FLOATS = 1 << 23  # fp32 elements of scores / gathered keys one attention chunk holds
-
-
-@functools.cache
-def rows_stack_exactly(r: int, d: int, dv: int) -> bool:
-    """Whether a row of the stacked products (``mm`` or ``bmm``) ``[m*r, d] x [d, KEY_TILE]`` (keys a transposed view)
-    and ``[m*r, KEY_TILE] x [KEY_TILE, dv]`` (values contiguous or a strided prefix of the keys)
-    has the bits of the same row in an ``r``-row tile GEMM, on this process's CPU BLAS. Probed on
-    seeded data for several m; a BLAS that picks kernels by M shows here and keeps the tiles."""
-    gen = torch.Generator().manual_seed(20261126)
-    keys = torch.randn(KEY_TILE, d, generator=gen)
-    vals = (keys[:, :dv], keys[:, :dv].contiguous())
-    for m in (1, 2, 3, 5, 16, 64, 512):
-        q = torch.randn(m * r, d, generator=gen)
-        p = torch.rand(m * r, KEY_TILE, generator=gen)
-        tiles = torch.bmm(q.view(m, r, d), keys.t().expand(m, d, KEY_TILE)).view(m * r, KEY_TILE)
-        if not (torch.equal(torch.mm(q, keys.t()), tiles)
-                and torch.equal(torch.bmm(q.expand(2, m * r, d), keys.t().expand(2, d, KEY_TILE))[1], tiles)):
-            return False
-        for v in vals:
-            tiles = torch.bmm(p.view(m, r, KEY_TILE), v.expand(m, KEY_TILE, dv)).view(m * r, dv)
-            if not (torch.equal(torch.mm(p, v), tiles)
-                    and torch.equal(torch.bmm(p.expand(2, m * r, KEY_TILE), v.expand(2, KEY_TILE, dv))[1], tiles)):
-                return False
-    return True
 
 
 def query_tile_tokens(group: int) -> int:
@@ -149,7 +125,7 @@ class AttnPlan:
         self.cu = meta.cu_seqlens_q.to("cpu", torch.int64).tolist()
         self.tables = meta.block_tables.to("cpu", torch.int64)
         self.block_size = int(meta.block_size)
-        self._schedules: dict[tuple[int, int, int, bool], _Schedule] = {}
+        self._schedules: dict[tuple[int, int, int, tuple[int, ...]], _Schedule] = {}
         # The last (virtual) key position each query sees: its position; a tree node's start + depth.
         self.reach = self.positions.clone()
         self.tree_seqs: set[int] = set()
@@ -181,10 +157,11 @@ class AttnPlan:
                 self.reach[t] = start + path.numel() - 1
                 self.tree_keys[t] = (start, start + path)
 
-    def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack_rows: bool = False) -> _Schedule:
-        key = (qt, unit_floats, tile_floats, stack_rows)
+    def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...] = (1,)) -> _Schedule:
+        """``stack``: the row-tile counts one GEMM may stack (``gemm.stack_sizes``; (1,): none)."""
+        key = (qt, unit_floats, tile_floats, stack)
         if key not in self._schedules:
-            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack_rows)
+            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack)
         return self._schedules[key]
 
     # -- building --------------------------------------------------------------------------
@@ -208,7 +185,7 @@ class AttnPlan:
         ok = (bi < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
-    def _build(self, qt: int, unit_floats: int, tile_floats: int, stack_rows: bool) -> _Schedule:
+    def _build(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...]) -> _Schedule:
         seqs: list[_SeqChunk] = []
         short: list[int] = []
         for b in range(len(self.cu) - 1):
@@ -223,7 +200,7 @@ class AttnPlan:
                 short.append(b)
             else:
                 seqs.append(chunk)
-        return _Schedule(self._unit_groups(short, qt, unit_floats, stack_rows), seqs)
+        return _Schedule(self._unit_groups(short, qt, unit_floats, stack), seqs)
 
     def _seq_chunk(self, b: int, t0: int, t1: int, pos: torch.Tensor, qt: int, tile_floats: int) -> _SeqChunk | None:
         n = t1 - t0
@@ -257,7 +234,7 @@ class AttnPlan:
         groups.append((lo, nq))
         return _SeqChunk(t0, t1, nq, nk, slots.to(self.device), first, masks, groups)
 
-    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, stack_rows: bool) -> list[_Units]:
+    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, stack: tuple[int, ...]) -> list[_Units]:
         if not seqs:
             return []
         t = self.num_tokens
@@ -299,7 +276,7 @@ class AttnPlan:
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
-            blocks = self._shared_blocks(slots, seq_all[lo: lo + per]) if stack_rows else None
+            blocks = self._shared_blocks(slots, seq_all[lo: lo + per], stack) if len(stack) > 1 else None
             if identity:
                 groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None, blocks))
             else:
@@ -309,10 +286,10 @@ class AttnPlan:
                                      blocks))
         return groups
 
-    def _shared_blocks(self, slots: torch.Tensor, seq: torch.Tensor) -> list[_Blocks] | None:
+    def _shared_blocks(self, slots: torch.Tensor, seq: torch.Tensor, stack: tuple[int, ...]) -> list[_Blocks] | None:
         """Group the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]`` whose keys are the
-        same cache slots in the same sequence into blocks, by size; None when no pair shares (decode:
-        one row tile per sequence), so the plain pairs run."""
+        same cache slots in the same sequence into blocks of ``stack`` sizes; None when no pair
+        shares (decode: one row tile per sequence), so the plain pairs run."""
         nk, nqt, kt = slots.shape
         if int(torch.unique(seq).numel()) == nqt:
             return None  # one row tile per sequence: nothing to share
@@ -326,9 +303,12 @@ class AttnPlan:
                 members.setdefault(u, []).append(i)
             for tiles in members.values():
                 shared |= len(tiles) > 1
-                js, ts = by_size.setdefault(len(tiles), ([], []))
-                js.append(j)
-                ts.append(tiles)
+                a = 0
+                for c in split_tiles(len(tiles), stack):
+                    js, ts = by_size.setdefault(c, ([], []))
+                    js.append(j)
+                    ts.append(tiles[a: a + c])
+                    a += c
         if not shared:
             return None
         out = []
@@ -476,7 +456,7 @@ def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, c: _SeqChunk,
-                qt: int, out: torch.Tensor, stack: bool) -> None:
+                qt: int, out: torch.Tensor) -> None:
     """Per-sequence schedule for the rows ``c.t0 .. c.t1-1`` of ``qs`` (see :func:`_attend_units`)."""
     _, hkv, g, d = qs.shape
     dv = out.shape[-1]
@@ -500,10 +480,7 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                 a = max(lo, c.first[j])
                 if a >= hi:
                     break
-                if stack:
-                    s = torch.mm(q[h, a:hi].reshape(-1, d), keys[h, j].t()).view(hi - a, r, kt)
-                else:
-                    s = torch.bmm(q[h, a:hi], keys[h, j].t().expand(hi - a, d, kt))  # [hi - a, r, kt]
+                s = tile_gemm(q[h, a:hi].reshape(-1, d), keys[h, j].t(), r).view(hi - a, r, kt)
                 mlo, masked = c.masks[j]
                 s0, s1 = max(a, mlo), min(hi, mlo + masked.shape[0])
                 if s1 > s0:
@@ -516,13 +493,21 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
             den = qs.new_zeros(hi - lo, r)
             for j, (a, s) in enumerate(scores):  # the same fp32 sums as the gathered units' acc
                 p = _exp_shifted(s, m[a - lo:, :, None])
-                if stack:
-                    num[a - lo:] += torch.mm(p.reshape(-1, kt), vals[h, j]).view(hi - a, r, dv)
-                else:
-                    num[a - lo:] += torch.bmm(p, vals[h, j].expand(hi - a, kt, dv))
+                num[a - lo:] += tile_gemm(p.reshape(-1, kt), vals[h, j], r).view(hi - a, r, dv)
                 den[a - lo:] += p.sum(-1)
             o[h, lo:hi] = num / den[..., None]
     out[c.t0: c.t1] = o.view(hkv, nq, qt, g, dv).permute(1, 2, 0, 3, 4).reshape(nq * qt, hkv, g, dv)[:n]
+
+
+def _stack_sizes(device: torch.device, r: int, d: int, dv: int, v_row: int) -> tuple[int, ...]:
+    """Row-tile counts both attention products may stack (``gemm.stack_sizes``): scores against
+    a key tile read as a transposed view, numerators against values whose rows are ``v_row``
+    apart (MLA: a prefix of the gathered keys)."""
+    if device.type != "cpu":
+        return (1,)
+    keys = stack_sizes(r, d, KEY_TILE, (1, d), torch.float32)
+    vals = stack_sizes(r, KEY_TILE, dv, (v_row, 1), torch.float32)
+    return keys if len(keys) <= len(vals) else vals
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttnPlan,
@@ -538,11 +523,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qt = query_tile_tokens(g)
     r = qt * g
     unit_floats = hkv * (KEY_TILE * (d + dv) + r * (d + 4 * KEY_TILE + dv + 1))
-    stack = q.device.type == "cpu" and rows_stack_exactly(r, d, dv)
+    stack = _stack_sizes(q.device, r, d, dv, k_cache.shape[-1] if vc is None else dv)
     sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack)
     qs = q.float() * scale
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)
     for c in sched.seqs:
-        _attend_seq(qs, k_cache, vc, c, qt, out, stack)
+        _attend_seq(qs, k_cache, vc, c, qt, out)
     return out.to(q.dtype)

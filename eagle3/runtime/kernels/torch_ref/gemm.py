@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 ROW_TILE = 16  # GEMM rows per tile: every float GEMM is a [ROW_TILE, K] x [K, N] product
+
+# Stacked row tiles (``tile_gemm``, used by the attention's key tiles). Where this process's CPU
+# BLAS gives each row of one ``[m*R, K] x [K, N]`` GEMM the bits it has in its own
+# ``[R, K] x [K, N]`` tile (MKL on the x86-64 machine measured here does: it picks kernels by K and
+# N, not M), ``m`` tiles run as one GEMM. Only tile counts the probe checked are stacked
+# (``stack_sizes``), for exactly the operand's shape, strides and dtype; elsewhere the tiles run as
+# a batched GEMM. Either way every row has its tile's bits. The linears keep their batched row
+# tiles: stacking them measured no faster end to end (batch-16 prefill of the tiny target).
+_STACK_PROBE = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256)  # tile counts the probe may check
+_STACK_PROBE_MACS = 1 << 27  # multiply-adds one probe may spend (big weights probe fewer counts)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -26,6 +37,57 @@ def _pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype | None = None) 
     out = x.new_empty(*x.shape[:-2], target, x.shape[-1], dtype=dtype)
     out[..., :m, :].copy_(x)
     out[..., m:, :].zero_()
+    return out
+
+
+@functools.cache
+def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch.dtype) -> tuple[int, ...]:
+    """Tile counts ``m`` (ascending, 1 first) for which a row of ``[m*rows, k] x [k, n]`` - as
+    ``mm`` and as each entry of a ``bmm`` - has the bits of the same row in a ``[rows, k]`` tile
+    GEMM, the ``[k, n]`` operand with strides ``stride`` and ``dtype``; probed once per process on
+    seeded data. ``(1,)``: never stack."""
+    gen = torch.Generator().manual_seed(20261126)
+    span = (k - 1) * stride[0] + (n - 1) * stride[1] + 1
+    w = torch.randn(span, generator=gen).to(dtype).as_strided((k, n), stride)
+    ok = [1]
+    for m in _STACK_PROBE[1:]:
+        if m * rows * k * n > _STACK_PROBE_MACS:
+            break
+        x = torch.randn(m * rows, k, generator=gen).to(dtype)
+        tiles = torch.bmm(x.view(m, rows, k), w.expand(m, k, n)).view(m * rows, n)
+        if not (torch.equal(torch.mm(x, w), tiles)
+                and torch.equal(torch.bmm(x.expand(2, m * rows, k), w.expand(2, k, n))[1], tiles)):
+            break  # the first count that differs ends the stacking: larger ones are not trusted
+        ok.append(m)
+    return tuple(ok)
+
+
+def split_tiles(count: int, sizes: tuple[int, ...]) -> list[int]:
+    """``count`` row tiles as consecutive chunks of probed ``sizes`` (largest first)."""
+    out = []
+    for m in reversed(sizes):
+        while count >= m:
+            out.append(m)
+            count -= m
+    return out
+
+
+def tile_gemm(x: torch.Tensor, w_t: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [nb*rows, K] @ w_t [K, N]`` (into ``out [nb*rows, N]``, which may be a column slice):
+    every row with the bits of its ``rows``-row tile GEMM, tiles stacked where :func:`stack_sizes`
+    allows."""
+    m, k = x.shape
+    n = w_t.shape[1]
+    nb = m // rows
+    out = x.new_empty(m, n) if out is None else out
+    sizes = stack_sizes(rows, k, n, tuple(w_t.stride()), w_t.dtype) if x.device.type == "cpu" else (1,)
+    if len(sizes) == 1:
+        torch.bmm(x.view(nb, rows, k), w_t.expand(nb, k, n), out=out.view(nb, rows, n))
+        return out
+    a = 0
+    for c in split_tiles(nb, sizes):
+        torch.mm(x[a * rows: (a + c) * rows], w_t, out=out[a * rows: (a + c) * rows])
+        a += c
     return out
 
 
