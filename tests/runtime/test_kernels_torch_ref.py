@@ -419,3 +419,16 @@ def test_moe_w4a8_batched_quantization_keeps_per_expert_bits(act: str, dtype: to
             ref.index_add_(0, tok, y_e.float() * tw[tok, slot, None])
     y = op(x, ids, tw)
     assert torch.equal(y, ref.to(dtype))
+
+
+def test_unit_groups_count_a_sequences_shared_keys_once(monkeypatch) -> None:
+    """With stacking, a sequence's later row tiles read its first tile's gathered keys, so a
+    memory-bounded group holds more of them; without it every tile pays for its own keys."""
+    from eagle3.runtime.kernels.torch_ref import attention as tr
+
+    monkeypatch.setattr(tr, "ATTN_CHUNK_FLOATS", 1000)
+    bounds = tr.AttnPlan._group_bounds
+    seqs = [0, 0, 0, 0, 1, 1]
+    assert bounds(seqs, 2, 100, 0) == [(0, 5), (5, 6)]  # 200 floats a tile: five fit
+    assert bounds(seqs, 2, 100, 90) == [(0, 6)]  # later tiles of a sequence: 20 floats
+    assert bounds([0, 1, 2], 20, 100, 90) == [(0, 1), (1, 2), (2, 3)]  # one tile over budget: alone

@@ -125,7 +125,7 @@ class AttnPlan:
         self.cu = meta.cu_seqlens_q.to("cpu", torch.int64).tolist()
         self.tables = meta.block_tables.to("cpu", torch.int64)
         self.block_size = int(meta.block_size)
-        self._schedules: dict[tuple[int, int, int, tuple[int, ...]], _Schedule] = {}
+        self._schedules: dict[tuple[int, int, int, tuple[int, ...], int], _Schedule] = {}
         # The last (virtual) key position each query sees: its position; a tree node's start + depth.
         self.reach = self.positions.clone()
         self.tree_seqs: set[int] = set()
@@ -157,11 +157,13 @@ class AttnPlan:
                 self.reach[t] = start + path.numel() - 1
                 self.tree_keys[t] = (start, start + path)
 
-    def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...] = (1,)) -> _Schedule:
-        """``stack``: the row-tile counts one GEMM may stack (``gemm.stack_sizes``; (1,): none)."""
-        key = (qt, unit_floats, tile_floats, stack)
+    def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...] = (1,),
+                 key_floats: int = 0) -> _Schedule:
+        """``stack``: the row-tile counts one GEMM may stack (``gemm.stack_sizes``; (1,): none);
+        ``key_floats``: the part of ``unit_floats`` that is a unit's gathered keys."""
+        key = (qt, unit_floats, tile_floats, stack, key_floats)
         if key not in self._schedules:
-            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack)
+            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack, key_floats)
         return self._schedules[key]
 
     # -- building --------------------------------------------------------------------------
@@ -185,7 +187,8 @@ class AttnPlan:
         ok = (bi < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
-    def _build(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...]) -> _Schedule:
+    def _build(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...],
+               key_floats: int) -> _Schedule:
         seqs: list[_SeqChunk] = []
         short: list[int] = []
         for b in range(len(self.cu) - 1):
@@ -200,7 +203,7 @@ class AttnPlan:
                 short.append(b)
             else:
                 seqs.append(chunk)
-        return _Schedule(self._unit_groups(short, qt, unit_floats, stack), seqs)
+        return _Schedule(self._unit_groups(short, qt, unit_floats, key_floats, stack), seqs)
 
     def _seq_chunk(self, b: int, t0: int, t1: int, pos: torch.Tensor, qt: int, tile_floats: int) -> _SeqChunk | None:
         n = t1 - t0
@@ -234,7 +237,8 @@ class AttnPlan:
         groups.append((lo, nq))
         return _SeqChunk(t0, t1, nq, nk, slots.to(self.device), first, masks, groups)
 
-    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, stack: tuple[int, ...]) -> list[_Units]:
+    def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, key_floats: int,
+                     stack: tuple[int, ...]) -> list[_Units]:
         if not seqs:
             return []
         t = self.num_tokens
@@ -260,14 +264,14 @@ class AttnPlan:
         pos_all = torch.tensor(tpos, dtype=torch.int64)
         seq_all = torch.tensor(tseq, dtype=torch.int64)
         nk_all = int(pos_all.max()) // KEY_TILE + 1
-        per = max(1, ATTN_CHUNK_FLOATS // (nk_all * unit_floats))
-        identity = len(seqs) == len(self.cu) - 1 and qt == 1 and per >= len(toks)
+        bounds = self._group_bounds(tseq, nk_all, unit_floats, key_floats if len(stack) > 1 else 0)
+        identity = len(seqs) == len(self.cu) - 1 and qt == 1 and len(bounds) == 1
         groups = []
-        for lo in range(0, len(toks), per):
-            tok, tp = tok_all[lo: lo + per], pos_all[lo: lo + per]
+        for lo, hi in bounds:
+            tok, tp = tok_all[lo:hi], pos_all[lo:hi]
             nqt = tok.shape[0]
             nk = int(tp.max()) // KEY_TILE + 1
-            tables = self.tables[seq_all[lo: lo + per]]
+            tables = self.tables[seq_all[lo:hi]]
             slots, ok = self._key_slots(tables, nk * KEY_TILE)  # [nqt, J]
             if self.tree_keys:
                 self._map_tree_keys(tok, tables, slots, ok)
@@ -276,7 +280,7 @@ class AttnPlan:
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
-            blocks = self._shared_blocks(slots, seq_all[lo: lo + per], stack) if len(stack) > 1 else None
+            blocks = self._shared_blocks(slots, tseq[lo:hi], stack) if len(stack) > 1 else None
             if identity:
                 groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None, blocks))
             else:
@@ -286,38 +290,51 @@ class AttnPlan:
                                      blocks))
         return groups
 
-    def _shared_blocks(self, slots: torch.Tensor, seq: torch.Tensor, stack: tuple[int, ...]) -> list[_Blocks] | None:
-        """Group the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]`` whose keys are the
-        same cache slots in the same sequence into blocks of ``stack`` sizes; None when no pair
-        shares (decode: one row tile per sequence), so the plain pairs run."""
+    @staticmethod
+    def _group_bounds(tseq: list[int], nk: int, unit_floats: int, key_floats: int) -> list[tuple[int, int]]:
+        """Row-tile ranges of at most ATTN_CHUNK_FLOATS working floats each (at least one tile).
+        ``key_floats`` of a tile's ``unit_floats`` are its gathered key tiles: with stacking, a
+        sequence's later tiles read its first tile's keys and cost the rest only."""
+        bounds, lo, acc = [], 0, 0
+        for i, b in enumerate(tseq):
+            cost = nk * (unit_floats - (key_floats if i > lo and tseq[i - 1] == b else 0))
+            if i > lo and acc + cost > ATTN_CHUNK_FLOATS:
+                bounds.append((lo, i))
+                lo, acc = i, nk * unit_floats
+            else:
+                acc += cost
+        bounds.append((lo, len(tseq)))
+        return bounds
+
+    def _shared_blocks(self, slots: torch.Tensor, tseq: list[int], stack: tuple[int, ...]) -> list[_Blocks] | None:
+        """Blocks of the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]``: per key tile
+        and sequence, the row tiles whose keys are its first tile's (a verify's or a tree's shared
+        context) in blocks of ``stack`` sizes, the others alone; None when no pair shares (decode:
+        one row tile per sequence), so the plain pairs run."""
         nk, nqt, kt = slots.shape
-        if int(torch.unique(seq).numel()) == nqt:
+        first: dict[int, int] = {}
+        lead = [first.setdefault(b, i) for i, b in enumerate(tseq)]
+        if len(first) == nqt:
             return None  # one row tile per sequence: nothing to share
+        same = (slots == slots[:, lead]).all(-1).tolist()  # [nk][nqt]: reads its first tile's keys
         by_size: dict[int, tuple[list[int], list[list[int]]]] = {}
-        shared = False
         for j in range(nk):
-            rows = torch.cat([seq[:, None], slots[j]], 1)
-            _, inv = torch.unique(rows, dim=0, return_inverse=True)
             members: dict[int, list[int]] = {}
-            for i, u in enumerate(inv.tolist()):
-                members.setdefault(u, []).append(i)
+            for i in range(nqt):
+                members.setdefault(lead[i] if same[j][i] else -1 - i, []).append(i)
             for tiles in members.values():
-                shared |= len(tiles) > 1
                 a = 0
                 for c in split_tiles(len(tiles), stack):
                     js, ts = by_size.setdefault(c, ([], []))
                     js.append(j)
                     ts.append(tiles[a: a + c])
                     a += c
-        if not shared:
-            return None
         out = []
         for js, ts in by_size.values():
             jidx, tiles = torch.tensor(js), torch.tensor(ts)
             out.append(_Blocks(jidx.to(self.device), tiles.to(self.device),
                                slots[jidx, tiles[:, 0]].reshape(-1).to(self.device)))
         return out
-
 
     def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
         """The tree queries ``t0 .. t1-1`` packed into query tiles that each hold one
@@ -522,9 +539,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     vc = None if shared else v_cache  # MLA: the values are the first kv_lora dims of the cached latent
     qt = query_tile_tokens(g)
     r = qt * g
-    unit_floats = hkv * (KEY_TILE * (d + dv) + r * (d + 4 * KEY_TILE + dv + 1))
+    key_floats = hkv * KEY_TILE * (d + dv)
+    unit_floats = key_floats + hkv * r * (d + 4 * KEY_TILE + dv + 1)
     stack = _stack_sizes(q.device, r, d, dv, k_cache.shape[-1] if vc is None else dv)
-    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack)
+    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack, key_floats)
     qs = q.float() * scale
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)

@@ -21,7 +21,7 @@ ROW_TILE = 16  # GEMM rows per tile: every float GEMM is a [ROW_TILE, K] x [K, N
 # (``stack_sizes``), for exactly the operand's shape, strides and dtype; elsewhere the tiles run as
 # a batched GEMM. Either way every row has its tile's bits. The linears keep their batched row
 # tiles: stacking them measured no faster end to end (batch-16 prefill of the tiny target).
-_STACK_PROBE = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256)  # tile counts the probe may check
+_STACK_PROBE = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256)  # tile counts the probe may check
 _STACK_PROBE_MACS = 1 << 27  # multiply-adds one probe may spend (big weights probe fewer counts)
 
 
