@@ -264,7 +264,9 @@ class AttnPlan:
         pos_all = torch.tensor(tpos, dtype=torch.int64)
         seq_all = torch.tensor(tseq, dtype=torch.int64)
         nk_all = int(pos_all.max()) // KEY_TILE + 1
-        bounds = self._group_bounds(tseq, nk_all, unit_floats, key_floats if len(stack) > 1 else 0)
+        # a tree tile's virtual positions span at most two key tiles of its own (depth < KEY_TILE)
+        private = [2 if any(x in self.tree_keys for x in tile) else 0 for tile in toks]
+        bounds = self._group_bounds(tseq, private, nk_all, unit_floats, key_floats, max(stack))
         identity = len(seqs) == len(self.cu) - 1 and qt == 1 and len(bounds) == 1
         groups = []
         for lo, hi in bounds:
@@ -291,16 +293,21 @@ class AttnPlan:
         return groups
 
     @staticmethod
-    def _group_bounds(tseq: list[int], nk: int, unit_floats: int, key_floats: int) -> list[tuple[int, int]]:
+    def _group_bounds(tseq: list[int], private: list[int], nk: int, unit_floats: int, key_floats: int,
+                      run: int) -> list[tuple[int, int]]:
         """Row-tile ranges of at most ATTN_CHUNK_FLOATS working floats each (at least one tile).
-        ``key_floats`` of a tile's ``unit_floats`` are its gathered key tiles: with stacking, a
-        sequence's later tiles read its first tile's keys and cost the rest only."""
-        bounds, lo, acc = [], 0, 0
+        ``key_floats`` of a tile's ``unit_floats`` are one key tile's gathered keys. With stacking
+        (``run`` > 1 tiles a GEMM), a sequence's tiles after the first of each run of ``run`` read
+        that tile's keys, except for their ``private[i]`` own key tiles (a tree tile's virtual
+        positions), and cost the rest only."""
+        bounds, lo, acc, streak = [], 0, 0, 0
         for i, b in enumerate(tseq):
-            cost = nk * (unit_floats - (key_floats if i > lo and tseq[i - 1] == b else 0))
+            streak = streak + 1 if i > lo and tseq[i - 1] == b else 0
+            shared = nk - min(nk, private[i]) if run > 1 and streak % run else 0
+            cost = nk * unit_floats - shared * key_floats
             if i > lo and acc + cost > ATTN_CHUNK_FLOATS:
                 bounds.append((lo, i))
-                lo, acc = i, nk * unit_floats
+                lo, acc, streak = i, nk * unit_floats, 0
             else:
                 acc += cost
         bounds.append((lo, len(tseq)))
@@ -522,8 +529,9 @@ def _stack_sizes(device: torch.device, r: int, d: int, dv: int, v_row: int) -> t
     apart (MLA: a prefix of the gathered keys)."""
     if device.type != "cpu":
         return (1,)
-    keys = stack_sizes(r, d, KEY_TILE, (1, d), torch.float32)
-    vals = stack_sizes(r, KEY_TILE, dv, (v_row, 1), torch.float32)
+    threads = torch.get_num_threads()
+    keys = stack_sizes(r, d, KEY_TILE, (1, d), torch.float32, threads)
+    vals = stack_sizes(r, KEY_TILE, dv, (v_row, 1), torch.float32, threads)
     return keys if len(keys) <= len(vals) else vals
 
 

@@ -41,22 +41,31 @@ def _pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype | None = None) 
 
 
 @functools.cache
-def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch.dtype) -> tuple[int, ...]:
+def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch.dtype,
+                threads: int) -> tuple[int, ...]:
     """Tile counts ``m`` (ascending, 1 first) for which a row of ``[m*rows, k] x [k, n]`` - as
-    ``mm`` and as each entry of a ``bmm`` - has the bits of the same row in a ``[rows, k]`` tile
-    GEMM, the ``[k, n]`` operand with strides ``stride`` and ``dtype``; probed once per process on
-    seeded data. ``(1,)``: never stack."""
+    ``mm``, and as an entry of a ``bmm`` with broadcast or distinct operands - has the bits of the
+    same row in a ``[rows, k]`` tile GEMM, the ``[k, n]`` operand with strides ``stride`` and
+    ``dtype``, at ``threads`` intra-op threads; probed once per process on seeded data. ``(1,)``:
+    never stack."""
     gen = torch.Generator().manual_seed(20261126)
     span = (k - 1) * stride[0] + (n - 1) * stride[1] + 1
-    w = torch.randn(span, generator=gen).to(dtype).as_strided((k, n), stride)
+
+    def operand() -> torch.Tensor:
+        return torch.randn(span, generator=gen).to(dtype).as_strided((k, n), stride)
+
+    w, w2 = operand(), operand()
     ok = [1]
     for m in _STACK_PROBE[1:]:
         if m * rows * k * n > _STACK_PROBE_MACS:
             break
-        x = torch.randn(m * rows, k, generator=gen).to(dtype)
+        x, x2 = (torch.randn(m * rows, k, generator=gen).to(dtype) for _ in range(2))
         tiles = torch.bmm(x.view(m, rows, k), w.expand(m, k, n)).view(m * rows, n)
+        tiles2 = torch.bmm(x2.view(m, rows, k), w2.expand(m, k, n)).view(m * rows, n)
+        distinct = torch.bmm(torch.stack([x2, x]), torch.stack([w2, w]))  # the blocks' form
         if not (torch.equal(torch.mm(x, w), tiles)
-                and torch.equal(torch.bmm(x.expand(2, m * rows, k), w.expand(2, k, n))[1], tiles)):
+                and torch.equal(torch.bmm(x.expand(2, m * rows, k), w.expand(2, k, n))[1], tiles)
+                and torch.equal(distinct[0], tiles2) and torch.equal(distinct[1], tiles)):
             break  # the first count that differs ends the stacking: larger ones are not trusted
         ok.append(m)
     return tuple(ok)
@@ -80,7 +89,8 @@ def tile_gemm(x: torch.Tensor, w_t: torch.Tensor, rows: int, out: torch.Tensor |
     n = w_t.shape[1]
     nb = m // rows
     out = x.new_empty(m, n) if out is None else out
-    sizes = stack_sizes(rows, k, n, tuple(w_t.stride()), w_t.dtype) if x.device.type == "cpu" else (1,)
+    cpu = x.device.type == "cpu"
+    sizes = stack_sizes(rows, k, n, tuple(w_t.stride()), w_t.dtype, torch.get_num_threads()) if cpu else (1,)
     if len(sizes) == 1:
         torch.bmm(x.view(nb, rows, k), w_t.expand(nb, k, n), out=out.view(nb, rows, n))
         return out
