@@ -213,3 +213,28 @@ def test_tree_queries_share_tiles_along_one_path_only() -> None:
     assert pack_tree_paths(paths, 1) == [[i] for i in range(8)]
     frontier = paths[3:5]  # a draft step: the queries' parents are cached, not queried
     assert pack_tree_paths(frontier, 4) == [[0], [1]]
+
+
+@pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES[:2])
+def test_tree_tiles_share_their_context_keys_with_the_same_bits(monkeypatch, hkv: int, g: int, d: int, dv: int,
+                                                                 shared: bool) -> None:
+    """Where this BLAS allows stacking, a tree's query tiles read each context key tile in one
+    stacked GEMM (blocks of several tiles) while the key tiles of their own virtual positions stay
+    theirs; the outputs are those of the unstacked tiles, bit for bit."""
+    from eagle3.runtime.kernels.torch_ref import attention as tr
+    from eagle3.runtime.kernels.torch_ref import gemm
+
+    trees = [_random_tree(12, k=3, steps=3, n=12), None, _random_tree(13, k=2, steps=4, n=9)]
+    bt = _Batch(ctx=[150, 30, 70], pre=[0, 1, 3], trees=trees, seed=14)
+    _, k_cache, v_cache = _caches(hkv, d, dv, shared, seed=15)
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=_gen(16))
+    plan = tr.plan_attention(bt.meta)
+    out = BE.attention(q, k_cache, v_cache, bt.meta, 0.2, plan)
+    units = next(iter(plan._schedules.values())).units
+    qt = tr.query_tile_tokens(g)
+    if len(tr._stack_sizes(q.device, qt * g, d, dv, d if shared else dv)) > 1:
+        sizes = [b.tiles.shape[1] for u in units for b in (u.blocks or [])]
+        assert max(sizes) > 1 and 1 in sizes  # shared context tiles, and tiles of one path's own keys
+    monkeypatch.setattr(tr, "_stack_sizes", lambda *a: (1,))
+    monkeypatch.setattr(gemm, "stack_sizes", lambda *a: (1,))
+    assert torch.equal(BE.attention(q, k_cache, v_cache, bt.meta, 0.2, tr.plan_attention(bt.meta)), out)
