@@ -20,8 +20,11 @@ model, never on the batch:
   order (an outer, sequential reduction). Keys past a token's position get probability exactly
   0, so tiles past its own context add exact zeros: decode (a token alone, keys gathered per
   token) and long prefill chunks (keys gathered once per sequence, each key tile broadcast over
-  the query tiles that see it, causally skipped tiles never computed) give the same bits. See
-  the Attention section.
+  the query tiles that see it, causally skipped tiles never computed) give the same bits. Where
+  a start-up probe (:func:`gemm.stack_sizes`) sees this BLAS give each row of a stacked
+  ``[m*R, D] x [D, KEY_TILE]`` GEMM its tile's bits, the row tiles that read one key tile (a
+  prefill chunk's, a verify's or a draft tree's) run as one GEMM against keys gathered once;
+  elsewhere they stay tiles. See the Attention section.
 * Norms, RoPE, routing and the top-k combine are row-wise elementwise ops or inner reductions of
   model-fixed length.
 * Transcendental pointwise ops (sigmoid, SiLU, exp, cos, sin) are NOT shape-invariant on CPU as
