@@ -222,7 +222,6 @@ def test_tree_tiles_share_their_context_keys_with_the_same_bits(monkeypatch, hkv
     stacked GEMM (blocks of several tiles) while the key tiles of their own virtual positions stay
     theirs; the outputs are those of the unstacked tiles, bit for bit."""
     from eagle3.runtime.kernels.torch_ref import attention as tr
-    from eagle3.runtime.kernels.torch_ref import gemm
 
     trees = [_random_tree(12, k=3, steps=3, n=12), None, _random_tree(13, k=2, steps=4, n=9)]
     bt = _Batch(ctx=[150, 30, 70], pre=[0, 1, 3], trees=trees, seed=14)
@@ -236,5 +235,4 @@ def test_tree_tiles_share_their_context_keys_with_the_same_bits(monkeypatch, hkv
         sizes = [b.tiles.shape[1] for u in units for b in (u.blocks or [])]
         assert max(sizes) > 1 and 1 in sizes  # shared context tiles, and tiles of one path's own keys
     monkeypatch.setattr(tr, "_stack_sizes", lambda *a: (1,))
-    monkeypatch.setattr(gemm, "stack_sizes", lambda *a: (1,))
     assert torch.equal(BE.attention(q, k_cache, v_cache, bt.meta, 0.2, tr.plan_attention(bt.meta)), out)

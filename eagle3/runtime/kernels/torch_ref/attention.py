@@ -170,21 +170,20 @@ class AttnPlan:
     def _key_slots(self, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache slot, present) of key positions ``0 .. length-1`` through block table rows
         ``tables [..., W]``; absent keys get slot 0 (finite data, never visible)."""
-        bs = self.block_size
         kpos = torch.arange(length)
-        bi = kpos // bs
-        width = tables.shape[-1]
-        blocks = tables[..., bi.clamp(max=width - 1)]
-        ok = (bi < width) & (blocks >= 0)
-        return torch.where(ok, blocks * bs + kpos % bs, 0), ok
+        bi = (kpos // self.block_size).clamp(max=tables.shape[-1] - 1)
+        return self._slots(tables[..., bi], kpos, tables.shape[-1])
 
     def _row_slots(self, tables: torch.Tensor, kpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache slot, present) of key position ``kpos[m]`` through block table row ``tables[m]``."""
+        bi = (kpos // self.block_size).clamp(max=tables.shape[-1] - 1)
+        return self._slots(tables.gather(1, bi[:, None])[:, 0], kpos, tables.shape[-1])
+
+    def _slots(self, blocks: torch.Tensor, kpos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slot, present) of key positions ``kpos`` in table entries ``blocks`` (read at the
+        clamped block index) of tables ``width`` blocks wide."""
         bs = self.block_size
-        bi = kpos // bs
-        width = tables.shape[-1]
-        blocks = tables.gather(1, bi.clamp(max=width - 1)[:, None])[:, 0]
-        ok = (bi < width) & (blocks >= 0)
+        ok = (kpos // bs < width) & (blocks >= 0)
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
     def _build(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...],
@@ -480,7 +479,7 @@ def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, c: _SeqChunk,
-                qt: int, out: torch.Tensor) -> None:
+                qt: int, out: torch.Tensor, stack: tuple[int, ...]) -> None:
     """Per-sequence schedule for the rows ``c.t0 .. c.t1-1`` of ``qs`` (see :func:`_attend_units`)."""
     _, hkv, g, d = qs.shape
     dv = out.shape[-1]
@@ -504,7 +503,7 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                 a = max(lo, c.first[j])
                 if a >= hi:
                     break
-                s = tile_gemm(q[h, a:hi].reshape(-1, d), keys[h, j].t(), r).view(hi - a, r, kt)
+                s = tile_gemm(q[h, a:hi].reshape(-1, d), keys[h, j].t(), r, stack).view(hi - a, r, kt)
                 mlo, masked = c.masks[j]
                 s0, s1 = max(a, mlo), min(hi, mlo + masked.shape[0])
                 if s1 > s0:
@@ -517,7 +516,7 @@ def _attend_seq(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
             den = qs.new_zeros(hi - lo, r)
             for j, (a, s) in enumerate(scores):  # the same fp32 sums as the gathered units' acc
                 p = _exp_shifted(s, m[a - lo:, :, None])
-                num[a - lo:] += tile_gemm(p.reshape(-1, kt), vals[h, j], r).view(hi - a, r, dv)
+                num[a - lo:] += tile_gemm(p.reshape(-1, kt), vals[h, j], r, stack).view(hi - a, r, dv)
                 den[a - lo:] += p.sum(-1)
             o[h, lo:hi] = num / den[..., None]
     out[c.t0: c.t1] = o.view(hkv, nq, qt, g, dv).permute(1, 2, 0, 3, 4).reshape(nq * qt, hkv, g, dv)[:n]
@@ -555,5 +554,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)
     for c in sched.seqs:
-        _attend_seq(qs, k_cache, vc, c, qt, out)
+        _attend_seq(qs, k_cache, vc, c, qt, out, stack)
     return out.to(q.dtype)

@@ -81,19 +81,15 @@ def split_tiles(count: int, sizes: tuple[int, ...]) -> list[int]:
     return out
 
 
-def tile_gemm(x: torch.Tensor, w_t: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [nb*rows, K] @ w_t [K, N]`` (into ``out [nb*rows, N]``, which may be a column slice):
-    every row with the bits of its ``rows``-row tile GEMM, tiles stacked where :func:`stack_sizes`
-    allows."""
+def tile_gemm(x: torch.Tensor, w_t: torch.Tensor, rows: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``x [nb*rows, K] @ w_t [K, N]``: every row with the bits of its ``rows``-row tile GEMM,
+    ``sizes`` (from :func:`stack_sizes` for this operand; ``(1,)``: none) tiles stacked per GEMM."""
     m, k = x.shape
     n = w_t.shape[1]
     nb = m // rows
-    out = x.new_empty(m, n) if out is None else out
-    cpu = x.device.type == "cpu"
-    sizes = stack_sizes(rows, k, n, tuple(w_t.stride()), w_t.dtype, torch.get_num_threads()) if cpu else (1,)
     if len(sizes) == 1:
-        torch.bmm(x.view(nb, rows, k), w_t.expand(nb, k, n), out=out.view(nb, rows, n))
-        return out
+        return torch.bmm(x.view(nb, rows, k), w_t.expand(nb, k, n)).view(m, n)
+    out = x.new_empty(m, n)
     a = 0
     for c in split_tiles(nb, sizes):
         torch.mm(x[a * rows: (a + c) * rows], w_t, out=out[a * rows: (a + c) * rows])
