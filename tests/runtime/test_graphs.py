@@ -34,7 +34,7 @@ def test_pad_uniform_step_pads_into_the_pad_block() -> None:
     assert step.positions.tolist() == [5, 6, 2, 3, 0, 0, 0, 0]
     # seq 0: positions 5, 6 in block 4 (slots 17, 18); seq 1: 2, 3 in block 7; padding: slot 36 = 9 * 4
     assert step.slot_mapping.tolist() == [17, 18, 30, 31, 36, 36, 36, 36]
-    assert step.block_tables.tolist() == [[3, 4, -1], [7, -1, -1], [9, -1, -1], [9, -1, -1]]
+    assert step.block_tables.tolist() == [[3, 4, -1], [7, -1, -1], [9, 9, 9], [9, 9, 9]]
     assert step.context_lens.tolist() == [7, 4, 1, 1]
     # the same positions and slots as the engine's eager metadata for the real rows
     meta = build_attn_metadata([[3, 4], [7]], [5, 2], [2, 2], 4)
@@ -110,6 +110,38 @@ def test_graph_steps_equal_eager_steps(tiny_dir: Path, fake_graphs: None, draft:
         assert (1, 4) in llm.runner.draft_graphs.graphs  # draft steps 1..k-1 of the 3 sequences (bucket 4)
 
 
+@pytest.mark.parametrize("draft", ["kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"])
+def test_tree_steps_replay_graphs_with_the_eager_tokens(tiny_dir: Path, fake_graphs: None, draft: str) -> None:
+    """Draft trees (topk 2, 3 steps, 7 nodes): the verify of the trees and the draft's tree steps
+    replay graphs keyed by their tree size, every replay with the tree of its step in the static
+    buffers, and the tokens are the eager engine's."""
+    tree = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    eager = _llm(tiny_dir, draft, enforce_eager=True, **tree)
+    expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    llm = _llm(tiny_dir, draft, **tree)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    target, drafts = llm.runner.target_graphs, llm.runner.draft_graphs
+    assert target.failed is None and drafts.failed is None
+    assert (7, 4, 7) in target.graphs  # the 3 sequences' trees of 7 nodes (bucket 4)
+    assert {(2, 4, 2), (2, 4, 4)} <= set(drafts.graphs)  # 2 frontier nodes over regions of 2 and 4 nodes
+
+
+def test_tree_step_padding() -> None:
+    """A tree step's padding sequences hold a chain of the tree's size before their queries; the
+    real rows keep their RoPE positions (root + depth) apart from their cache positions."""
+    anc = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    tree = graphs.TreeStep(3, anc, torch.tensor([[4, 5, 5]]))
+    step = graphs.pad_uniform_step([[3, 4]], starts=[4], q_len=3, bucket=2, width=3, block_size=4, pad_block=9,
+                                   tree=tree)
+    assert step.positions.tolist() == [4, 5, 5, 0, 1, 2]
+    assert step.slot_mapping.tolist() == [16, 17, 18, 36, 36, 36] and step.context_lens.tolist() == [7, 3]
+    assert torch.equal(step.ancestors[0], anc[0]) and torch.equal(step.ancestors[1], torch.ones(3, 3).tril().bool())
+    frontier = graphs.TreeStep(4, torch.eye(4, dtype=torch.bool)[None], torch.tensor([[6, 6]]))
+    step = graphs.pad_uniform_step([[3, 4, 5]], starts=[7], q_len=2, bucket=2, width=3, block_size=4, pad_block=9,
+                                   tree=frontier)
+    assert step.positions.tolist() == [6, 6, 2, 3] and step.context_lens.tolist() == [9, 4]  # a padding tree fits
+
+
 def test_a_failed_capture_runs_eagerly(tiny_dir: Path, fake_graphs: None, monkeypatch: pytest.MonkeyPatch) -> None:
     class Refuses:
         def capture(self, fn):
@@ -131,13 +163,15 @@ def test_cpu_never_uses_graphs(tiny_dir: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_real_graphs_equal_eager_on_the_gpu(tiny_dir: Path, backend: str) -> None:
+@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7}],
+                         ids=["chain", "tree"])
+def test_real_graphs_equal_eager_on_the_gpu(tiny_dir: Path, backend: str, tree: dict) -> None:
     """On a GPU: real CUDA-graph capture and replay. The torch reference syncs with the host (MoE,
     attention schedule), so its capture fails and it runs eagerly; either way the tokens match."""
     if backend == "triton":
         pytest.importorskip("triton")
     kw = dict(num_speculative_tokens=3, tokenizer=None, dtype="bfloat16", num_blocks=48, block_size=4,
-              max_num_seqs=4, device="cuda", backend=backend)
+              max_num_seqs=4, device="cuda", backend=backend, **tree)
     eager = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", enforce_eager=True, **kw)
     expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
     llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", **kw)

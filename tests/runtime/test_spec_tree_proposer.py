@@ -65,9 +65,8 @@ class _Setup:
 
     def tree(self, topk: int, steps: int, num_nodes: int, keep: bool = False):
         post, nxt = self.step0()
-        return draft_tree(self.draft, lambda i, h, m: self.draft.forward(i, h, m, self.kv()), self.runner.meta,
-                          torch.tensor([self.root]), post, nxt, [len(self.prompt) - 1], [self.table], topk, steps,
-                          num_nodes, self.vocab if keep else None)
+        return draft_tree(self.draft, self.runner.forward_draft_tree, torch.tensor([self.root]), post, nxt,
+                          [len(self.prompt) - 1], [self.table], topk, steps, num_nodes, self.vocab if keep else None)
 
 
 def test_topk_one_is_the_chain_proposer(models) -> None:

@@ -12,6 +12,12 @@ tensors, :meth:`StaticBuffers.copy_in` writes them), replays, and copies the fir
 the outputs out (:func:`copy_out`). Mixed steps (prefill chunks, sequences with fewer drafts) run
 eagerly.
 
+Draft-tree steps (:class:`TreeStep`) are uniform too: a verify of ``N`` nodes per sequence, a draft
+step of ``K`` frontier nodes over a region of ``W`` tree nodes. Their graphs are keyed by
+``(n, B', W)`` and their static buffers add the ancestor mask ``[B', W, W]``; the positions buffer
+holds the RoPE positions (root + depth), the slots follow the cache positions. The kernels derive
+everything else about the tree from the mask by device ops (docs/trees.md, "CUDA graphs").
+
 Padding rows are sequences of ``n`` tokens at position 0 whose block table names one spare *pad
 block* past the engine's blocks (the KV caches get one extra block; the block manager never hands it
 out): they write their latents there and attend only to it, so they never touch a real sequence's
@@ -42,7 +48,7 @@ from typing import Any
 
 import torch
 
-from eagle3.runtime.context import AttnMetadata
+from eagle3.runtime.context import AttnMetadata, TreeMask
 
 logger = logging.getLogger("eagle3.runtime")
 
@@ -79,12 +85,27 @@ class PaddedStep:
     slot_mapping: torch.Tensor  # int64 [B' n]
     block_tables: torch.Tensor  # int32 [B', width], -1 padded
     context_lens: torch.Tensor  # int32 [B']
+    ancestors: torch.Tensor | None = None  # bool [B', W, W]: a tree step's mask (TreeStep), padded
+
+
+@dataclass
+class TreeStep:
+    """What makes a uniform step a draft-tree step (``AttnMetadata.tree``): every sequence's last
+    ``num_nodes`` cache positions hold tree nodes, its ``n`` query tokens are the last ``n`` of them,
+    rotated at ``positions`` (root position + depth, not their cache positions)."""
+
+    num_nodes: int
+    ancestors: torch.Tensor  # bool [B, num_nodes, num_nodes] (host)
+    positions: torch.Tensor  # int64 [B, n] RoPE positions of the query tokens (host)
 
 
 def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int, bucket: int,
-                     width: int, block_size: int, pad_block: int) -> PaddedStep:
-    """Sequence ``b < B`` queries positions ``starts[b] .. starts[b] + q_len - 1`` through its block
-    table; sequences ``B .. bucket-1`` are padding: ``q_len`` tokens at position 0 in ``pad_block``."""
+                     width: int, block_size: int, pad_block: int, tree: TreeStep | None = None) -> PaddedStep:
+    """Sequence ``b < B`` queries cache positions ``starts[b] .. starts[b] + q_len - 1`` through its
+    block table; sequences ``B .. bucket-1`` are padding: ``q_len`` tokens at position 0 in
+    ``pad_block`` (every column of their tables). A tree step's padding sequences query positions
+    ``num_nodes - q_len ..`` instead: their context holds a whole tree, a chain (each node seeing
+    the ones before it)."""
     b = len(starts)
     if not 0 < b <= bucket:
         raise ValueError(f"{b} sequences do not fit a bucket of {bucket}")
@@ -94,21 +115,30 @@ def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int
             raise ValueError(f"block table of {len(t)} blocks is wider than the static {width}")
         if t:
             tables[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
-    tables[b:, 0] = pad_block
+    tables[b:] = pad_block
     offs = torch.arange(q_len)
     pos = torch.zeros(bucket, q_len, dtype=torch.int64)
     pos[:b] = torch.as_tensor(list(starts), dtype=torch.int64)[:, None] + offs[None, :]
+    if tree is not None:
+        pos[b:] = max(tree.num_nodes - q_len, 0) + offs[None, :]
     blk = tables[:, :].to(torch.int64).gather(1, (pos // block_size).clamp(max=width - 1))
     if bool((blk[:b] < 0).any()):
         raise ValueError("a query position has no KV block allocated")
     slots = blk * block_size + pos % block_size
     slots[b:] = pad_block * block_size  # every padding token writes the pad block's first slot
     ctx = (pos[:, -1] + 1).to(torch.int32)
-    return PaddedStep(pos.reshape(-1), slots.reshape(-1), tables, ctx)
+    anc = None
+    if tree is not None:
+        n = tree.num_nodes
+        anc = torch.ones(n, n, dtype=torch.bool).tril().repeat(bucket, 1, 1)
+        anc[:b] = tree.ancestors
+        pos[:b] = tree.positions
+    return PaddedStep(pos.reshape(-1), slots.reshape(-1), tables, ctx, anc)
 
 
 class StaticBuffers:
-    """The fixed-address inputs every graph of one model reads (sized for the largest bucket)."""
+    """The fixed-address inputs every graph of one model reads (sized for the largest bucket; the
+    draft-tree ancestor masks per tree size, made when a tree step first needs one)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device,
                  extra: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -121,6 +151,8 @@ class StaticBuffers:
             "block_tables": torch.full((max_seqs, width), -1, dtype=torch.int32, **z),
             "context_lens": torch.ones(max_seqs, dtype=torch.int32, **z),
         }
+        # One buffer per tree size (a graph reads its mask contiguous, as an eager step's is).
+        self.ancestors: dict[int, torch.Tensor] = {}
         for name, (shape, dtype) in extra.items():
             self.tensors[name] = torch.zeros(max_tokens, *shape, dtype=dtype, **z)
 
@@ -134,22 +166,33 @@ class StaticBuffers:
         s["slot_mapping"][:tp].copy_(step.slot_mapping, non_blocking=True)
         s["block_tables"][:bp].copy_(step.block_tables, non_blocking=True)
         s["context_lens"][:bp].copy_(step.context_lens, non_blocking=True)
+        if step.ancestors is not None:
+            self._ancestors(step.ancestors.shape[-1])[:bp].copy_(step.ancestors, non_blocking=True)
         for name, x in inputs.items():
             buf = s[name]
             buf[:num_tokens].copy_(x)
             if tp > num_tokens:
                 buf[num_tokens:tp].zero_()
 
-    def meta(self, q_len: int, bucket: int, block_size: int) -> AttnMetadata:
+    def _ancestors(self, n: int) -> torch.Tensor:
+        if n not in self.ancestors:
+            self.ancestors[n] = torch.zeros(self.max_seqs, n, n, dtype=torch.bool,
+                                            device=self.tensors["positions"].device)
+        return self.ancestors[n]
+
+    def meta(self, q_len: int, bucket: int, block_size: int, tree_nodes: int = 0) -> AttnMetadata:
         """The metadata a graph for ``(q_len, bucket)`` is captured with: views of the static buffers
-        plus the constant ``cu_seqlens_q`` (host and device copies) and a device-tensor cache."""
+        plus the constant ``cu_seqlens_q`` (host and device copies) and a device-tensor cache; with
+        ``tree_nodes``, the tree mask of a draft-tree step (its node count is part of the graph's key)."""
         tp = q_len * bucket
         s = self.tensors
         cu = [i * q_len for i in range(bucket + 1)]
         dev = s["positions"].device
+        tree = TreeMask([tree_nodes] * bucket, self._ancestors(tree_nodes)[:bucket]) if tree_nodes else None
         return AttnMetadata(positions=s["positions"][:tp], cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
                             context_lens=s["context_lens"][:bucket], slot_mapping=s["slot_mapping"][:tp],
-                            block_tables=s["block_tables"][:bucket], block_size=block_size, host_cu=cu, cache={})
+                            block_tables=s["block_tables"][:bucket], block_size=block_size, host_cu=cu, cache={},
+                            tree=tree)
 
 
 def copy_out(outputs: Outputs, num_tokens: int) -> Outputs:
@@ -197,7 +240,8 @@ def default_capturer() -> Any:
 
 
 class GraphRunner:
-    """Captured forwards of one model, keyed by (query tokens per sequence, bucket).
+    """Captured forwards of one model, keyed by (query tokens per sequence, bucket), and for
+    draft-tree steps by (query tokens per sequence, bucket, tree nodes per sequence).
 
     ``forward(static, meta)`` runs the model on views of the static buffers (``static[name][:B' n]``)
     and returns its outputs (tensors or None); it must read nothing else that changes per step."""
@@ -205,22 +249,24 @@ class GraphRunner:
     def __init__(self, name: str, forward: ForwardFn, *, device: torch.device, block_size: int, width: int,
                  pad_block: int, max_num_seqs: int, max_q_len: int,
                  extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
-                 capturer: Any = None) -> None:
+                 capturer: Any = None, max_tree_nodes: int = 0) -> None:
         self.name = name
         self.forward = forward
         self.block_size = block_size
         self.pad_block = pad_block
         self.sizes = capture_sizes(max_num_seqs)
         self.max_q_len = max_q_len
+        self.max_tree_nodes = max_tree_nodes  # 0: tree steps run eagerly
         self.static = StaticBuffers(self.sizes[-1] * max_q_len, self.sizes[-1], width, device, extra or {})
         self.capturer = capturer if capturer is not None else default_capturer()
-        self.graphs: dict[tuple[int, int], Callable[[], Outputs]] = {}
+        self.graphs: dict[tuple[int, ...], Callable[[], Outputs]] = {}
         self.failed: str | None = None  # why capture failed (the model then runs eagerly)
         self.replays = 0
 
-    def supports(self, block_tables: Sequence[Sequence[int]], counts: Sequence[int]) -> bool:
-        """Whether a step can replay a graph: uniform, small enough, tables within the static width."""
-        if self.failed is not None or not counts:
+    def supports(self, block_tables: Sequence[Sequence[int]], counts: Sequence[int], tree_nodes: int = 0) -> bool:
+        """Whether a step can replay a graph: uniform, small enough, tables within the static width
+        (a tree step: at most ``max_tree_nodes`` nodes per sequence)."""
+        if self.failed is not None or not counts or tree_nodes > self.max_tree_nodes:
             return False
         n = counts[0]
         return (all(c == n for c in counts) and 1 <= n <= self.max_q_len
@@ -228,19 +274,20 @@ class GraphRunner:
                 and all(len(t) <= self.static.width for t in block_tables))
 
     def run(self, block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int,
-            inputs: dict[str, torch.Tensor]) -> Outputs | None:
+            inputs: dict[str, torch.Tensor], tree: TreeStep | None = None) -> Outputs | None:
         """The step's outputs (real rows only), or None when the graph could not be captured (the
         caller then runs the step eagerly; the static copy-in has no effect on anything else)."""
         b = len(starts)
         bucket = bucket_for(b, self.sizes)
         assert bucket is not None
         step = pad_uniform_step(block_tables, starts, q_len, bucket, self.static.width, self.block_size,
-                                self.pad_block)
+                                self.pad_block, tree)
         self.static.copy_in(step, inputs, b * q_len)
-        key = (q_len, bucket)
+        nodes = 0 if tree is None else tree.num_nodes
+        key = (q_len, bucket) if tree is None else (q_len, bucket, nodes)
         replay = self.graphs.get(key)
         if replay is None:
-            meta = self.static.meta(q_len, bucket, self.block_size)
+            meta = self.static.meta(q_len, bucket, self.block_size, nodes)
             views = {k: v[: q_len * bucket] for k, v in self.static.tensors.items()
                      if k not in ("block_tables", "context_lens")}
             try:

@@ -166,7 +166,7 @@ class LLM:
                                    policy=self.policy, tree_slots=tree_slots)
         # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
         # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
-        self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1 and self.tree is None
+        self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
                             and graphs.available(self.device))
         self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
                                   self.device, self.generator, graphs=self.cuda_graphs,

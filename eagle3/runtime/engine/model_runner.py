@@ -24,7 +24,7 @@ import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata, TreeMask
-from eagle3.runtime.engine.graphs import GraphRunner, capture_sizes
+from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.sampling import SamplingBatch
@@ -168,30 +168,35 @@ class ModelRunner:
         self.aux_layer_ids = tuple(draft.aux_layer_ids) if draft is not None else None
         self.target_graphs: GraphRunner | None = None
         self.draft_graphs: GraphRunner | None = None
+        # Draft trees (topk, nodes with the root; docs/trees.md): a verify of N nodes per sequence,
+        # draft steps of topk frontier nodes over a region of up to (k - 1) * topk nodes.
+        self.tree = tree if draft is not None else None
+        if self.tree is not None and policy is not None:
+            raise UsageError("draft trees run with a static num_speculative_tokens (no auto)")
+        topk, nodes = self.tree if self.tree is not None else (1, 0)
+        region = (self.k - 1) * topk if self.tree is not None else 0
         if graphs:
-            # Widest block table a sequence can have: max_model_len tokens plus the draft-step slots.
-            width = -(-(max_model_len + 2 * self.k + 1) // block_size) + 1
+            # Widest block table a sequence can have: max_model_len tokens plus the draft-step slots
+            # (a tree's nodes, or its draft region after the accepted path).
+            extra = 2 * self.k + 1 + max(nodes, self.k + region)
+            width = -(-(max_model_len + extra) // block_size) + 1
             common = dict(device=self.device, block_size=block_size, width=width, pad_block=num_blocks,
-                          max_num_seqs=max_num_seqs, max_q_len=self.k + 1, capturer=capturer)
+                          max_num_seqs=max_num_seqs, capturer=capturer)
             kv, aux_ids = self.target_kv, self.aux_layer_ids
             self.target_graphs = GraphRunner(
-                "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids), **common)
+                "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids),
+                max_q_len=max(self.k + 1, nodes), max_tree_nodes=nodes, **common)
             if draft is not None:
                 dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
-                    extra={"hidden": ((draft.hidden_size,), _hidden_dtype(draft))}, **common)
+                    extra={"hidden": ((draft.hidden_size,), _hidden_dtype(draft))},
+                    max_q_len=max(self.k + 1, topk), max_tree_nodes=region, **common)
         self.proposer: EagleProposer | None = None
-        # Draft trees (topk, nodes with the root; docs/trees.md): eager steps only.
-        self.tree = tree if draft is not None else None
-        if self.tree is not None and (graphs or policy is not None):
-            raise UsageError("draft trees run eagerly with a static num_speculative_tokens (no CUDA graphs, no auto)")
         if draft is not None:
             tree_drafting = None
             if self.tree is not None:
-                dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
-                tree_drafting = TreeDrafting(self.tree[0], self.k, self.tree[1],
-                                             lambda i, h, m: draft.forward(i, h, m, dkv), self.meta)
+                tree_drafting = TreeDrafting(self.tree[0], self.k, self.tree[1], self.forward_draft_tree)
             self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator, tree_drafting)
 
     @torch.inference_mode()
@@ -259,6 +264,26 @@ class ModelRunner:
                 return out[0], out[1]  # type: ignore[return-value]
         kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
         return self.draft.forward(input_ids, hidden, self.meta(block_tables, starts, counts), kv)
+
+    def forward_draft_tree(self, input_ids: torch.Tensor, hidden: torch.Tensor, block_tables: Seq[Seq[int]],
+                           starts: Seq[int], counts: Seq[int], positions: torch.Tensor,
+                           tree: TreeMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-tree step (``spec.tree_proposer.TreeStepFn``): ``counts[b]`` frontier nodes per
+        sequence at cache positions ``starts[b] ..``, rotated at ``positions`` (host), attending
+        through ``tree``; a graph replay when every sequence has the same counts and tree size."""
+        assert self.draft is not None
+        g = self.draft_graphs
+        n = tree.num_nodes[0] if tree.num_nodes else 0
+        if g is not None and all(m == n for m in tree.num_nodes) and g.supports(block_tables, counts, n):
+            step = TreeStep(n, tree.ancestors[:, :n, :n], positions.view(len(starts), -1))
+            out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids, "hidden": hidden}, step)
+            if out is not None:
+                return out[0], out[1]  # type: ignore[return-value]
+        meta = self.meta(block_tables, starts, counts)
+        meta.positions = positions.to(meta.positions.device)
+        meta.tree = tree
+        kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
+        return self.draft.forward(input_ids, hidden, meta, kv)
 
     # -- auto's cost model: measured step times ------------------------------------------------
     def _uniform_target_shape(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
@@ -356,9 +381,12 @@ class ModelRunner:
         tables, starts = [s.seq.block_table for s in scheduled], [s.start for s in scheduled]
         counts = [s.num_query_tokens for s in scheduled]
         trees = {i: t for i, s in enumerate(scheduled) if (t := _tree_of(s)) is not None}
-        if trees:  # eager, with the trees' attention metadata
-            meta = self._tree_step_meta(self.meta(tables, starts, counts), scheduled, row_starts, trees)
-            hidden, aux = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
+        if trees:
+            out = self._tree_graph(input_ids, scheduled, trees)
+            if out is None:  # eager, with the trees' attention metadata
+                meta = self._tree_step_meta(self.meta(tables, starts, counts), scheduled, row_starts, trees)
+                out = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
+            hidden, aux = out
         else:
             hidden, aux = self.forward_target(input_ids, tables, starts, counts)
 
@@ -373,6 +401,25 @@ class ModelRunner:
             for i, (toks, acc) in self._verify_trees(scheduled, row_starts, trees, hidden).items():
                 emitted[i], nodes[i] = toks, acc
         return TargetStepOutput(emitted, aux, row_starts, nodes)
+
+    def _tree_graph(self, input_ids: torch.Tensor, scheduled: list[ScheduledSeq], trees: dict[int, DraftTree]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A verify step of trees only, the same size each (every query token a tree node), as a
+        graph replay; None when the step does not fit one (it then runs eagerly)."""
+        g = self.target_graphs
+        if g is None or len(trees) != len(scheduled) or any(s.num_tokens != 1 for s in scheduled):
+            return None
+        n = trees[0].parents.shape[1]
+        counts = [s.num_query_tokens for s in scheduled]
+        tables = [s.seq.block_table for s in scheduled]
+        if any(t.parents.shape[1] != n for t in trees.values()) or not g.supports(tables, counts, n):
+            return None
+        starts = [s.start for s in scheduled]  # the root: the last real token
+        ordered = [trees[i] for i in range(len(scheduled))]
+        anc = torch.cat([ancestor_mask(t.parents) for t in ordered])
+        pos = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.cat([t.depth for t in ordered]).to(torch.int64)
+        out = g.run(tables, starts, n, {"input_ids": input_ids}, TreeStep(n, anc, pos))
+        return None if out is None else (out[0], out[1])  # type: ignore[return-value]
 
     def _tree_step_meta(self, meta: AttnMetadata, scheduled: list[ScheduledSeq], row_starts: list[int],
                         trees: dict[int, DraftTree]) -> AttnMetadata:

@@ -63,11 +63,9 @@ def tree_generate(runner: ModelRunner, prompt: list[int], max_tokens: int, topk:
                                      draft.combine_aux(aux), [table], [0], [len(prompt)])
     start = len(prompt)  # the root's position
     run = TreeRun(out)
-    kv = runner.draft_kv[0] if len(runner.draft_kv) == 1 else runner.draft_kv
     while len(out) < max_tokens:
-        tree = draft_tree(draft, lambda i, h, m: draft.forward(i, h, m, kv), runner.meta,
-                          torch.tensor([root], device=runner.device), post[-1:], nxt[-1:], [start - 1], [table],
-                          topk, steps, num_nodes)
+        tree = draft_tree(draft, runner.forward_draft_tree, torch.tensor([root], device=runner.device), post[-1:],
+                          nxt[-1:], [start - 1], [table], topk, steps, num_nodes)
         logits3, aux = runner.verify_tree(tree, [table], [start])
         assert aux is not None
         res = tree_rejection_sample(logits3, tree, batch, None, runner.generator)

@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from eagle3.runtime.context import AttnMetadata, TreeMask
+from eagle3.runtime.context import TreeMask
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.spec.tree import DraftTree, TreeBuilder
 
-# (block_tables, starts, counts) -> causal metadata for counts[b] tokens at cache positions starts[b]..
-MetaFn = Callable[[Sequence[Sequence[int]], Sequence[int], Sequence[int]], AttnMetadata]
-# (target ids [T], hidden [T, H], metadata) -> (post_norm [T, H], next_hidden [T, H]): one draft forward
-DraftStep = Callable[[torch.Tensor, torch.Tensor, AttnMetadata], tuple[torch.Tensor, torch.Tensor]]
+# One draft-tree step: (target ids [T], hidden [T, H], block_tables, cache starts, counts, RoPE
+# positions int64 [T] on the host, tree mask) -> (post_norm [T, H], next_hidden [T, H]). The
+# engine's is ModelRunner.forward_draft_tree (a CUDA graph replay when the step fits one).
+TreeStepFn = Callable[[torch.Tensor, torch.Tensor, Sequence[Sequence[int]], Sequence[int], Sequence[int],
+                       torch.Tensor, TreeMask], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _row_of(cands: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def _grow_ancestors(anc: torch.Tensor, parent_rows: torch.Tensor) -> torch.Tenso
     return out
 
 
-def draft_tree(draft: DraftModel, step: DraftStep, meta_fn: MetaFn, root_tokens: torch.Tensor,
+def draft_tree(draft: DraftModel, step: TreeStepFn, root_tokens: torch.Tensor,
                root_post: torch.Tensor, root_next: torch.Tensor, root_pos: Sequence[int],
                block_tables: Sequence[Sequence[int]], topk: int, steps: int, num_nodes: int,
                target_vocab_size: int | None = None) -> DraftTree:
@@ -73,11 +74,9 @@ def draft_tree(draft: DraftModel, step: DraftStep, meta_fn: MetaFn, root_tokens:
         anc = _grow_ancestors(anc, _row_of(region, builder.frontier_parents()))
         r = region.shape[1]
         region = torch.cat([region, frontier], 1)
-        meta = meta_fn(block_tables, [p + 1 + r for p in root_pos], [k] * b)
-        meta.positions = torch.tensor([p + s for p in root_pos for _ in range(k)], dtype=torch.int64,
-                                      device=meta.positions.device)
-        meta.tree = TreeMask([r + k] * b, anc)
-        post, nxt = step(d2t[tok].reshape(-1), hidden.reshape(b * k, -1), meta)
+        positions = torch.tensor([p + s for p in root_pos for _ in range(k)], dtype=torch.int64)
+        post, nxt = step(d2t[tok].reshape(-1), hidden.reshape(b * k, -1), block_tables,
+                         [p + 1 + r for p in root_pos], [k] * b, positions, TreeMask([r + k] * b, anc))
         logp = draft.compute_logits(post).float().log_softmax(-1).view(b, k, -1)
         tok = builder.expand(logp)
         rows = _row_of(frontier, builder.frontier_parents())  # new frontier's parents: rows of this step
@@ -101,12 +100,11 @@ class TreeDrafting:
     topk: int
     steps: int
     num_nodes: int
-    step: DraftStep
-    meta_fn: MetaFn
+    step: TreeStepFn
 
     def propose(self, draft: DraftModel, roots: torch.Tensor, post: torch.Tensor, nxt: torch.Tensor,
                 root_pos: Sequence[int], seqs: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
         """Per drafting sequence (``seqs``: their block tables): (node tokens, parents)."""
-        tree = draft_tree(draft, self.step, self.meta_fn, roots, post, nxt, root_pos, [s.block_table for s in seqs],
+        tree = draft_tree(draft, self.step, roots, post, nxt, root_pos, [s.block_table for s in seqs],
                           self.topk, self.steps, self.num_nodes)
         return list(zip(tree.tokens[:, 1:].tolist(), tree.parents.tolist(), strict=True))

@@ -111,3 +111,22 @@ def test_speculative_greedy_equals_plain_greedy(plain: tuple[LLM, list[list[int]
     assert isinstance(llm.draft.backend, TritonBackend)
     if kw["num_blocks"] < 32:
         assert sum(o.num_preemptions for o in outs) > 0
+
+
+def test_tree_graph_steps_equal_plain_greedy(plain: tuple[LLM, list[list[int]]], tiny_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft trees through the graph path (``graphs.EagerCapturer`` stands in for CUDA graphs: the
+    same static buffers and captured metadata, whose Triton plan computes each replay's tree
+    arrays by device ops): speculative greedy still equals plain greedy."""
+    from eagle3.runtime.engine import graphs
+
+    target_llm, expected = plain
+    if target_llm.target.dtype == torch.float32:
+        pytest.skip("interpreter time: bf16 only")
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "default_capturer", graphs.EagerCapturer)
+    llm = LLM(target_llm.target, tiny_dir / "kimi-k2.6-eagle3.1-mla", num_speculative_tokens=3, tokenizer=None,
+              num_blocks=32, block_size=4, speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert llm.cuda_graphs and (7, 2, 7) in llm.runner.target_graphs.graphs
+    assert (2, 2, 4) in llm.runner.draft_graphs.graphs

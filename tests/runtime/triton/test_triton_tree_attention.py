@@ -102,3 +102,47 @@ def test_trees_over_64_nodes_are_refused(device: torch.device) -> None:
     bt = _Batch(ctx=[3], pre=[0], trees=[chain], seed=1)
     with pytest.raises(UsageError, match="up to 64 tree nodes"):
         get_backend("triton", device).plan_attention(_to(bt.meta, device))
+
+
+def _graph_meta(meta: AttnMetadata) -> AttnMetadata:
+    """``meta`` as a CUDA graph's metadata carries it: the host ``cu`` and a device-tensor cache."""
+    assert meta.tree is not None
+    return AttnMetadata(meta.positions, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping, meta.block_tables,
+                        meta.block_size, host_cu=meta.cu_seqlens_q.tolist(), cache={}, tree=meta.tree)
+
+
+@pytest.mark.parametrize(("hkv", "g", "d", "dv", "shared"), SHAPES)
+def test_graph_metadata_gives_the_eager_bits(device: torch.device, hkv: int, g: int, d: int, dv: int,
+                                             shared: bool) -> None:
+    """Under a graph every tree query gets a chunk of its own (the tree changes per replay): the
+    same bits as the eager chunks along root-to-node paths."""
+    trees = [_random_tree(12, k=3, steps=3, n=9), None, _random_tree(13, k=2, steps=3, n=5)]
+    bt = _Batch(ctx=[30, 9, 41], pre=[0, 2, 0], trees=trees, seed=14)
+    store, _, _ = _caches(hkv, d, dv, shared, seed=15)
+    store = store.to(device)
+    kc, vc = (store[:, None, :], store[:, None, :dv]) if shared else (store[:, 0], store[:, 1, :, :dv])
+    q = torch.randn(bt.num_tokens, hkv, g, d, generator=torch.Generator().manual_seed(16)).to(device)
+    be = get_backend("triton", device)
+    eager, graph = _to(bt.meta, device), _graph_meta(_to(bt.meta, device))
+    want = be.attention(q, kc, vc, eager, 0.25, be.plan_attention(eager))
+    got = be.attention(q, kc, vc, graph, 0.25, be.plan_attention(graph))
+    assert torch.equal(got, want)
+
+
+def test_graph_metadata_reads_no_device_value() -> None:
+    """A capture may not copy a device value to the host: with every tensor of the metadata on
+    the ``meta`` device (no values at all) the plan of a graph's tree step still builds."""
+    bt = _Batch(ctx=[30, 12], pre=[0, 0], trees=[_random_tree(17, k=2, steps=3, n=6), _random_tree(18, n=6)],
+                seed=19)
+    meta = _graph_meta(bt.meta)
+    dev = torch.device("meta")
+    meta = AttnMetadata(meta.positions.to(dev), meta.cu_seqlens_q.to(dev), meta.context_lens.to(dev),
+                        meta.slot_mapping.to(dev), meta.block_tables.to(dev), meta.block_size, host_cu=meta.host_cu,
+                        cache={}, tree=TreeMask(meta.tree.num_nodes, meta.tree.ancestors.to(dev)))
+    plan = get_backend("triton", torch.device("cpu")).plan_attention(meta)
+    assert plan.tree is not None and plan.tree[1].device == dev
+    assert plan.chunks(2).shape[0] == 12 and plan.order(2).device == dev  # one chunk per tree query
+    with pytest.raises(NotImplementedError):  # what an eager plan does here (it reads the paths back)
+        get_backend("triton", torch.device("cpu")).plan_attention(
+            AttnMetadata(meta.positions, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping, meta.block_tables,
+                         meta.block_size, host_cu=meta.host_cu, tree=meta.tree))

@@ -40,12 +40,18 @@ class TritonAttnPlan:
         # depth) and reads its virtual keys start, start+1, .. at its ancestors' cache positions
         # (``tree_arrays``). A chunk shares one key map, so a tree chunk holds one root-to-node
         # path (``pack_tree_paths``), the deepest query's map serving it; its tokens need not be
-        # consecutive, so chunks index ``order(qt)``, the query tokens in chunk order.
+        # consecutive, so chunks index ``order(qt)``, the query tokens in chunk order. A graph's
+        # metadata gives each tree query a chunk of its own instead: grouping needs the tree's
+        # shape on the host, which changes per replay (a row's bits never depend on its chunk-mates).
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tree_paths: dict[int, list[int]] = {}  # tree query token -> its path (host)
         if meta.tree is not None:
-            self.positions, lo, paths, self._tree_paths = tree_arrays(meta, self.cu)
+            self.positions, lo, paths = tree_arrays(meta, self.cu, self._chunks)
             self.tree = (lo, paths)
+            if meta.cache is None:
+                self._tree_paths = _host_paths(meta, self.cu, self.positions, lo, paths)
+            else:  # a graph's metadata: the tree changes per replay, so no chunk may depend on its shape
+                self._tree_paths = {t: [t] for t, *_ in _tree_tokens(meta, self.cu)}
 
     def chunks(self, qt: int) -> torch.Tensor:
         """int32 ``[C, 3]``: (first row, number of rows <= qt, sequence index). A row is a query
@@ -86,41 +92,76 @@ class TritonAttnPlan:
         return self._chunks[("triton_order", qt)]
 
 
-def tree_arrays(meta: AttnMetadata,
-                cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, list[int]]]:
+def _tree_tokens(meta: AttnMetadata, cu: list[int]) -> list[tuple[int, int, int, int]]:
+    """The query tokens that are tree nodes as (token, sequence, node index, the sequence's node
+    count): host values that follow from ``cu`` and ``num_nodes`` alone, constant for a graph."""
+    assert meta.tree is not None
+    out: list[tuple[int, int, int, int]] = []
+    for b, n in enumerate(meta.tree.num_nodes):
+        if n <= 0:
+            continue
+        if n > TREE_MAX_NODES or n > meta.tree.ancestors.shape[-1]:
+            raise UsageError(f"the triton tree mask holds up to {TREE_MAX_NODES} tree nodes per sequence "
+                             f"(sequence {b}: {n}, ancestor mask width {meta.tree.ancestors.shape[-1]})")
+        t1 = cu[b + 1]
+        m = min(n, t1 - cu[b])  # the query tokens are the last m nodes
+        out += [(t1 - m + i, b, n - m + i, n) for i in range(m)]
+    return out
+
+
+def tree_arrays(meta: AttnMetadata, cu: list[int],
+                cache: dict[object, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query token (on the metadata's device): ``reach`` int32 (its last virtual key
     position: a tree node's start + depth, else its position), ``lo`` int32 (the first tree
     position; :data:`ORDINARY` for other tokens) and ``paths`` int32 ``[T, TREE_MAX_NODES]``
     (the cache positions of a tree node's ancestors and itself in depth order), so that virtual
     key ``k`` of a tree query lives at cache position ``paths[t, k - lo]`` when ``k >= lo``, else
-    at ``k``. Also per tree query token its path on the host. Nodes are topological, so a node's
-    ancestors in node order are in depth order. Built on the host: tree steps run eagerly, never
-    under a CUDA graph."""
+    at ``k``. Nodes are topological, so a node's ancestors in node order are in depth order.
+
+    Device ops over the ancestor mask only (no value comes back to the host): a CUDA graph
+    records them, and each replay computes the arrays of the tree in its static buffers. The
+    index list, which depends on ``cu`` and ``num_nodes`` only, is kept in ``cache`` (a graph's
+    warm-up fills it, as the chunk lists)."""
     assert meta.tree is not None
     dev = meta.positions.device
-    reach = meta.positions.to("cpu", torch.int64).clone()
+    key = ("triton_tree_index",)
+    if key not in cache:
+        rows = _tree_tokens(meta, cu)
+        cache[key] = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(dev) if rows else None
+    reach = meta.positions.to(torch.int32).clone()
     lo = torch.full_like(reach, ORDINARY)
-    paths = torch.zeros(reach.shape[0], TREE_MAX_NODES, dtype=torch.int64)
-    host: dict[int, list[int]] = {}
-    ctx = meta.context_lens.to("cpu", torch.int64).tolist()
+    paths = torch.zeros(reach.shape[0], TREE_MAX_NODES, dtype=torch.int32, device=dev)
+    if cache[key] is None:
+        return reach, lo, paths
+    tok, seq, node, count = cache[key]
+    anc = meta.tree.ancestors
+    cols = torch.arange(anc.shape[-1], device=dev)
+    mine = anc[seq, node] & (cols[None, :] <= node[:, None])  # [M, N]: its ancestors and itself
+    start = meta.context_lens.to(torch.int64)[seq] - count
+    reach[tok] = (start + mine.sum(-1) - 1).to(torch.int32)
+    lo[tok] = start.to(torch.int32)
+    # Path column of ancestor j: the number of ancestors before it; non-ancestors go to a spare
+    # column, dropped.
+    col = torch.where(mine, mine.cumsum(-1) - 1, TREE_MAX_NODES)
+    wide = torch.zeros(tok.shape[0], TREE_MAX_NODES + 1, dtype=torch.int64, device=dev)
+    wide.scatter_(1, col, start[:, None] + cols[None, :])
+    paths[tok] = wide[:, :TREE_MAX_NODES].to(torch.int32)
+    return reach, lo, paths
+
+
+def _host_paths(meta: AttnMetadata, cu: list[int], reach: torch.Tensor, lo: torch.Tensor,
+                paths: torch.Tensor) -> dict[int, list[int]]:
+    """Per tree query token its path on the host (an eager step's chunks group tree queries along
+    root-to-node paths), after checking that every node sees itself."""
+    assert meta.tree is not None
     anc = meta.tree.ancestors.to("cpu", torch.bool)
-    for b, n in enumerate(meta.tree.num_nodes):
-        if n <= 0:
-            continue
-        if n > TREE_MAX_NODES or n > anc.shape[-1]:
-            raise UsageError(f"the triton tree mask holds up to {TREE_MAX_NODES} tree nodes per sequence "
-                             f"(sequence {b}: {n}, ancestor mask width {anc.shape[-1]})")
-        t0, t1 = cu[b], cu[b + 1]
-        start = ctx[b] - n
-        for i in range(n - min(n, t1 - t0), n):  # the query tokens are the last nodes
-            t = t1 - n + i
-            path = torch.nonzero(anc[b, i, : i + 1]).reshape(-1)
-            if path.numel() == 0 or int(path[-1]) != i:
-                raise UsageError(f"tree node {i} of sequence {b} does not see itself in the ancestor mask")
-            reach[t], lo[t] = start + path.numel() - 1, start
-            paths[t, : path.numel()] = start + path
-            host[t] = (start + path).tolist()
-    return reach.to(dev, torch.int32), lo.to(dev, torch.int32), paths.to(dev, torch.int32), host
+    host_reach, host_lo, host_paths = reach.cpu(), lo.cpu(), paths.cpu()
+    out: dict[int, list[int]] = {}
+    for t, b, i, _ in _tree_tokens(meta, cu):
+        if not bool(anc[b, i, i]):
+            raise UsageError(f"tree node {i} of sequence {b} does not see itself in the ancestor mask")
+        out[t] = host_paths[t, : int(host_reach[t] - host_lo[t]) + 1].tolist()
+    return out
 
 
 def plan_attention(meta: AttnMetadata) -> TritonAttnPlan:
