@@ -85,7 +85,7 @@ class PaddedStep:
     slot_mapping: torch.Tensor  # int64 [B' n]
     block_tables: torch.Tensor  # int32 [B', width], -1 padded
     context_lens: torch.Tensor  # int32 [B']
-    ancestors: torch.Tensor | None = None  # bool [B', W, W]: a tree step's mask (TreeStep), padded
+    ancestors: torch.Tensor | None = None  # bool [B', W, W]: a tree step's mask (TreeStep), padded, on its device
 
 
 @dataclass
@@ -95,7 +95,7 @@ class TreeStep:
     rotated at ``positions`` (root position + depth, not their cache positions)."""
 
     num_nodes: int
-    ancestors: torch.Tensor  # bool [B, num_nodes, num_nodes] (host)
+    ancestors: torch.Tensor  # bool [B, num_nodes, num_nodes] (on any device: no host round trip)
     positions: torch.Tensor  # int64 [B, n] RoPE positions of the query tokens (host)
 
 
@@ -130,7 +130,7 @@ def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int
     anc = None
     if tree is not None:
         n = tree.num_nodes
-        anc = torch.ones(n, n, dtype=torch.bool).tril().repeat(bucket, 1, 1)
+        anc = torch.ones(n, n, dtype=torch.bool, device=tree.ancestors.device).tril().repeat(bucket, 1, 1)
         anc[:b] = tree.ancestors
         pos[:b] = tree.positions
     return PaddedStep(pos.reshape(-1), slots.reshape(-1), tables, ctx, anc)
