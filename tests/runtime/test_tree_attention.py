@@ -219,8 +219,9 @@ def test_tree_queries_share_tiles_along_one_path_only() -> None:
 def test_tree_tiles_share_their_context_keys_with_the_same_bits(monkeypatch, hkv: int, g: int, d: int, dv: int,
                                                                  shared: bool) -> None:
     """Where this BLAS allows stacking, a tree's query tiles read each context key tile in one
-    stacked GEMM (blocks of several tiles) while the key tiles of their own virtual positions stay
-    theirs; the outputs are those of the unstacked tiles, bit for bit."""
+    stacked GEMM (blocks of several tiles, their real rows packed without the padding token
+    slots) while the key tiles of their own virtual positions stay theirs; the outputs are those of
+    the unstacked tiles, bit for bit."""
     from eagle3.runtime.kernels.torch_ref import attention as tr
 
     trees = [_random_tree(12, k=3, steps=3, n=12), None, _random_tree(13, k=2, steps=4, n=9)]
@@ -232,7 +233,12 @@ def test_tree_tiles_share_their_context_keys_with_the_same_bits(monkeypatch, hkv
     units = next(iter(plan._schedules.values())).units
     qt = tr.query_tile_tokens(g)
     if len(tr._stack_sizes(q.device, qt * g, d, dv, d if shared else dv)) > 1:
-        sizes = [b.tiles.shape[1] for u in units for b in (u.blocks or [])]
+        blocks = [(b, u.slots.shape[0]) for u in units for b in (u.blocks or [])]
+        sizes = [b.tile.shape[1] // (qt * g) for b, _ in blocks]
         assert max(sizes) > 1 and 1 in sizes  # shared context tiles, and tiles of one path's own keys
+        # packed: some block's rows come from more query tiles than it has row tiles (the one-path
+        # tiles' padding token slots left out; tiles of one token have none)
+        assert qt == 1 or any(len(set(b.tile[i][b.dst[i] < nk].tolist())) > b.tile.shape[1] // (qt * g)
+                   for b, nk in blocks for i in range(b.tile.shape[0]))
     monkeypatch.setattr(tr, "_stack_sizes", lambda *a: (1,))
     assert torch.equal(BE.attention(q, k_cache, v_cache, bt.meta, 0.2, tr.plan_attention(bt.meta)), out)

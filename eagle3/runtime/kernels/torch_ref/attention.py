@@ -72,12 +72,17 @@ def query_tile_tokens(group: int) -> int:
 
 @dataclass
 class _Blocks:
-    """Row tiles that read one identical key tile (a sequence's query tiles over its shared
-    context), ``n`` tiles per block: their rows are stacked into one GEMM against keys gathered
-    once."""
+    """Query rows that read one identical key tile (a sequence's query tiles over its shared
+    context), packed densely into row tiles, the padding token slots of their tiles left out: a
+    block's rows are one GEMM against its keys, gathered once. Packed row ``m`` of block ``b`` is
+    row ``row[b, m]`` of row tile ``tile[b, m]``; ``dst[b, m]`` is the key tile its result belongs
+    to (``jidx[b]``), or one past the last key tile for the rows that pad the last packed tile
+    (computed, then dropped)."""
 
     jidx: torch.Tensor  # [nb] key tile of each block
-    tiles: torch.Tensor  # [nb, n] the row tiles (indices into the group's tiles) of each block
+    tile: torch.Tensor  # [nb, M] the row tile (index into the group's tiles) of each packed row
+    row: torch.Tensor  # [nb, M] its row within that tile
+    dst: torch.Tensor  # [nb, M] key tile of its result (nk: a padding row)
     slots: torch.Tensor  # [nb * KEY_TILE] cache slots of each block's keys
 
 
@@ -158,12 +163,13 @@ class AttnPlan:
                 self.tree_keys[t] = (start, start + path)
 
     def schedule(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...] = (1,),
-                 key_floats: int = 0) -> _Schedule:
+                 key_floats: int = 0, group: int = 1) -> _Schedule:
         """``stack``: the row-tile counts one GEMM may stack (``gemm.stack_sizes``; (1,): none);
-        ``key_floats``: the part of ``unit_floats`` that is a unit's gathered keys."""
-        key = (qt, unit_floats, tile_floats, stack, key_floats)
+        ``key_floats``: the part of ``unit_floats`` that is a unit's gathered keys; ``group``: query
+        heads per kv head (a row tile is ``qt`` tokens x ``group`` heads)."""
+        key = (qt, unit_floats, tile_floats, stack, key_floats, group)
         if key not in self._schedules:
-            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack, key_floats)
+            self._schedules[key] = self._build(qt, unit_floats, tile_floats, stack, key_floats, group)
         return self._schedules[key]
 
     # -- building --------------------------------------------------------------------------
@@ -187,7 +193,7 @@ class AttnPlan:
         return torch.where(ok, blocks * bs + kpos % bs, 0), ok
 
     def _build(self, qt: int, unit_floats: int, tile_floats: int, stack: tuple[int, ...],
-               key_floats: int) -> _Schedule:
+               key_floats: int, group: int) -> _Schedule:
         seqs: list[_SeqChunk] = []
         short: list[int] = []
         for b in range(len(self.cu) - 1):
@@ -202,7 +208,7 @@ class AttnPlan:
                 short.append(b)
             else:
                 seqs.append(chunk)
-        return _Schedule(self._unit_groups(short, qt, unit_floats, key_floats, stack), seqs)
+        return _Schedule(self._unit_groups(short, qt, unit_floats, key_floats, stack, group), seqs)
 
     def _seq_chunk(self, b: int, t0: int, t1: int, pos: torch.Tensor, qt: int, tile_floats: int) -> _SeqChunk | None:
         n = t1 - t0
@@ -237,7 +243,7 @@ class AttnPlan:
         return _SeqChunk(t0, t1, nq, nk, slots.to(self.device), first, masks, groups)
 
     def _unit_groups(self, seqs: list[int], qt: int, unit_floats: int, key_floats: int,
-                     stack: tuple[int, ...]) -> list[_Units]:
+                     stack: tuple[int, ...], group: int) -> list[_Units]:
         if not seqs:
             return []
         t = self.num_tokens
@@ -281,7 +287,11 @@ class AttnPlan:
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
-            blocks = self._shared_blocks(slots, tseq[lo:hi], stack) if len(stack) > 1 else None
+            blocks = None
+            if len(stack) > 1:  # the rows of each tile's real token slots (a row tile: slot-major, then heads)
+                rows = [[x * group + h for x, tk in enumerate(tile) if tk < t for h in range(group)]
+                        for tile in tok.tolist()]
+                blocks = self._shared_blocks(slots, tseq[lo:hi], stack, rows, qt * group)
             if identity:
                 groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None, blocks))
             else:
@@ -312,34 +322,44 @@ class AttnPlan:
         bounds.append((lo, len(tseq)))
         return bounds
 
-    def _shared_blocks(self, slots: torch.Tensor, tseq: list[int], stack: tuple[int, ...]) -> list[_Blocks] | None:
+    def _shared_blocks(self, slots: torch.Tensor, tseq: list[int], stack: tuple[int, ...],
+                       rows: list[list[int]], r: int) -> list[_Blocks] | None:
         """Blocks of the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]``: per key tile
-        and sequence, the row tiles whose keys are its first tile's (a verify's or a tree's shared
-        context) in blocks of ``stack`` sizes, the others alone; None when no pair shares (decode:
-        one row tile per sequence), so the plain pairs run."""
+        and sequence, the real rows (``rows[i]``: the rows of tile ``i`` that hold a query) of the
+        row tiles whose keys are its first tile's (a verify's or a tree's shared context), packed
+        into row tiles in blocks of ``stack`` sizes; the others alone. None when no pair shares
+        (decode: one row tile per sequence), so the plain pairs run.
+
+        Packing leaves out the padding token slots, which a tree's one-path tiles have many of (16
+        tree nodes in 11 tiles of 2); a row's bits do not depend on the tile it is computed in or
+        on the other rows (the probe of ``stack_sizes`` checks stacked tiles, the tests packed ones)."""
         nk, nqt, kt = slots.shape
         first: dict[int, int] = {}
         lead = [first.setdefault(b, i) for i, b in enumerate(tseq)]
         if len(first) == nqt:
             return None  # one row tile per sequence: nothing to share
         same = (slots == slots[:, lead]).all(-1).tolist()  # [nk][nqt]: reads its first tile's keys
-        by_size: dict[int, tuple[list[int], list[list[int]]]] = {}
+        by_size: dict[int, tuple[list[int], list[list[tuple[int, int, int]]]]] = {}
         for j in range(nk):
             members: dict[int, list[int]] = {}
             for i in range(nqt):
                 members.setdefault(lead[i] if same[j][i] else -1 - i, []).append(i)
             for tiles in members.values():
+                packed = [(i, x, j) for i in tiles for x in rows[i]]
                 a = 0
-                for c in split_tiles(len(tiles), stack):
-                    js, ts = by_size.setdefault(c, ([], []))
+                for c in split_tiles(-(-len(packed) // r), stack):
+                    part = packed[a: a + c * r]
+                    part += [(tiles[0], 0, nk)] * (c * r - len(part))  # pad rows: dropped (key tile nk)
+                    js, ps = by_size.setdefault(c, ([], []))
                     js.append(j)
-                    ts.append(tiles[a: a + c])
-                    a += c
+                    ps.append(part)
+                    a += c * r
         out = []
-        for js, ts in by_size.values():
-            jidx, tiles = torch.tensor(js), torch.tensor(ts)
-            out.append(_Blocks(jidx.to(self.device), tiles.to(self.device),
-                               slots[jidx, tiles[:, 0]].reshape(-1).to(self.device)))
+        for js, ps in by_size.values():
+            jidx, packed_t = torch.tensor(js), torch.tensor(ps)  # [nb], [nb, M, 3]
+            tiles = packed_t[:, 0, 0]  # a block's first packed row is a real one
+            out.append(_Blocks(jidx.to(self.device), packed_t[..., 0].to(self.device), packed_t[..., 1].to(self.device),
+                               packed_t[..., 2].to(self.device), slots[jidx, tiles].reshape(-1).to(self.device)))
         return out
 
     def _tree_tiles(self, t0: int, t1: int, qt: int) -> list[list[int]]:
@@ -404,34 +424,38 @@ def _gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: tor
 def _block_scores(qtile: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
                   dv: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Scores ``[nk, nqt, hkv, r, kt]`` of every (key tile, row tile) pair from ``qtile [nqt, hkv,
-    r, d]``, a block's row tiles stacked into one GEMM against its keys (gathered once); also
-    each block size's values for :func:`_block_values`."""
+    r, d]``, a block's packed rows as one GEMM against its keys (gathered once); also each
+    block size's values for :func:`_block_values`. The padding token slots' rows are not computed:
+    they hold score 0, as a zero query row's scores are."""
     nqt, hkv, r, d = qtile.shape
     nk, _, kt = u.slots.shape
     assert u.blocks is not None
-    s = qtile.new_empty(nk, nqt, hkv, r, kt)
+    s = qtile.new_zeros(nk + 1, nqt, hkv, r, kt)  # key tile nk: where padding rows' results go
+    heads = torch.arange(hkv, device=qtile.device)[None, :, None]
     vals = []
     for blk in u.blocks:
-        nb, n = blk.tiles.shape
+        nb, m = blk.tile.shape
         kb, v = _gather_keys(k_cache, v_cache, blk.slots, hkv, kt, d, dv)
-        qb = qtile[blk.tiles].transpose(1, 2).reshape(nb * hkv, n * r, d)
-        sb = torch.bmm(qb, kb.transpose(1, 2)).view(nb, hkv, n, r, kt)
-        s[blk.jidx[:, None], blk.tiles] = sb.transpose(1, 2)
+        tile, row = blk.tile[:, None, :], blk.row[:, None, :]
+        qb = qtile[tile, heads, row].reshape(nb * hkv, m, d)
+        s[blk.dst[:, None, :], tile, heads, row] = torch.bmm(qb, kb.transpose(1, 2)).view(nb, hkv, m, kt)
         vals.append(v)
-    return s, vals
+    return s[:nk], vals
 
 
 def _block_values(p: torch.Tensor, blocks: list[_Blocks], vals: list[torch.Tensor]) -> torch.Tensor:
     """Per-pair numerators ``[nk, nqt, hkv, r, dv]`` from probabilities ``p [nk, nqt, hkv, r, kt]``,
-    a block's rows stacked against its values."""
+    a block's packed rows as one GEMM against its values (padding token slots' rows: 0)."""
     nk, nqt, hkv, r, kt = p.shape
     dv = vals[0].shape[-1]
-    num = p.new_empty(nk, nqt, hkv, r, dv)
+    num = p.new_zeros(nk + 1, nqt, hkv, r, dv)
+    heads = torch.arange(hkv, device=p.device)[None, :, None]
     for blk, v in zip(blocks, vals, strict=True):
-        nb, n = blk.tiles.shape
-        pb = p[blk.jidx[:, None], blk.tiles].transpose(1, 2).reshape(nb * hkv, n * r, kt)
-        num[blk.jidx[:, None], blk.tiles] = torch.bmm(pb, v).view(nb, hkv, n, r, dv).transpose(1, 2)
-    return num
+        nb, m = blk.tile.shape
+        tile, row = blk.tile[:, None, :], blk.row[:, None, :]
+        pb = p[blk.jidx[:, None, None], tile, heads, row].reshape(nb * hkv, m, kt)
+        num[blk.dst[:, None, :], tile, heads, row] = torch.bmm(pb, v).view(nb, hkv, m, dv)
+    return num[:nk]
 
 
 def _attend_units(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, u: _Units,
@@ -549,7 +573,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     key_floats = hkv * KEY_TILE * (d + dv)
     unit_floats = key_floats + hkv * r * (d + 4 * KEY_TILE + dv + 1)
     stack = _stack_sizes(q.device, r, d, dv, k_cache.shape[-1] if vc is None else dv)
-    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack, key_floats)
+    sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack, key_floats, g)
     qs = q.float() * scale
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)
