@@ -15,6 +15,11 @@ compressed-tensors pack-quantized INT4 group-32 routed experts (int32 ``weight_p
 and projector (projecting to 7168), the tiny tokenizer and side files (token ids < 1024 of the
 163840-row embedding are the ones in use).
 
+``make_draft_slice`` writes an EAGLE-3 draft at the real widths for such a slice (lightseek's Llama
+draft for K2.5, or the MLA EAGLE-3.1 draft; full vocabulary, aux layers that exist in the slice),
+with random weights: speculative decoding with it runs every step at its real cost and accepts
+nothing, which is what a GPU benchmark of step costs (chain vs tree, graphs) needs.
+
 Written streaming: the tensor list comes from the config (:func:`eagle3.formats.sizing.config_tensors`,
 the same accounting ``eagle3 plan`` uses), shards are planned up front (:class:`ShardLayout`) and each
 tensor is generated and written a block of rows at a time (at most ~64 MB in memory), so a 2-layer
@@ -42,6 +47,7 @@ from eagle3.checkpoint import (
 )
 from eagle3.errors import UsageError
 from eagle3.formats import sizing
+from eagle3.formats.detect import default_aux_layer_ids
 from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.sizing import TensorSpec
 from eagle3.testing import tiny
@@ -61,6 +67,15 @@ KIMI_K25_DIMS: dict[str, int] = {
     "v_head_dim": 128,
     "n_shared_experts": 1,
 }
+# lightseek's K2.5 EAGLE-3 draft (LlamaForCausalLMEagle3, one decoder layer over 2 x hidden inputs).
+KIMI_EAGLE3_DIMS: dict[str, int] = {
+    "hidden_size": 7168,
+    "intermediate_size": 12288,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "head_dim": 128,
+}
+DRAFT_KINDS = ("eagle3", "eagle3.1-mla")
 MAX_TOP_K = 8
 BLOCK_ELEMENTS = 16 * 1024 * 1024  # values generated per row block (fp32 working set ~64 MB)
 
@@ -155,13 +170,64 @@ def make_slice(out: str | Path, layers: int = 2, experts: int = 8, seed: int = 0
     """Write a full-width Kimi-K2.5 slice into ``out`` (atomically, with ``manifest.json``).
 
     ``progress(name, nbytes)`` is called after each tensor (for a benchmark's or the CLI's log)."""
-    cfg = slice_config(layers, experts, vocab)
+    tokenizer = tiny.build_tokenizer()
+
+    def side_files(tmp: Path) -> None:
+        tiny._write_tokenizer(tmp, tokenizer, "[EOS]", [tiny.EOS_ID, tiny.IM_END_ID, tiny.EOT_ID])
+
+    return _write_checkpoint(out, slice_config(layers, experts, vocab), seed, overwrite, max_shard_bytes, progress,
+                             side_files)
+
+
+def draft_slice_config(kind: str, target_layers: int, vocab: int = KIMI_K25_DIMS["vocab_size"]) -> dict[str, Any]:
+    """config.json of a full-width EAGLE-3 draft for a slice of ``target_layers`` layers: the tiny
+    draft config of that format (``eagle3``: lightseek's Llama draft for K2.5; ``eagle3.1-mla``: the
+    MLA EAGLE-3.1 draft) with the real widths, full vocabulary (its own embedding, as both ship)
+    and aux ids that exist in the slice (input-to-layer: the engines' (2, N//2, N-3) from 4 layers
+    on, else 0, 1, 2)."""
+    if kind not in DRAFT_KINDS:
+        raise UsageError(f"--draft {kind!r}: expected one of {', '.join(DRAFT_KINDS)}")
+    if target_layers < 2:
+        raise UsageError(f"--layers {target_layers}: a draft's three aux states need a target of at least 2 layers")
+    if vocab < tiny.VOCAB_SIZE:
+        raise UsageError(f"--vocab {vocab}: must hold the tokenizer's {tiny.VOCAB_SIZE} ids")
+    ids = list(default_aux_layer_ids(target_layers)) if target_layers >= 4 else [0, 1, 2]
+    eagle = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    if kind == "eagle3":
+        cfg = tiny.eagle3_config()
+        cfg.update(KIMI_EAGLE3_DIMS)
+    else:
+        cfg = tiny.eagle31_mla_config()
+        cfg.update({k: KIMI_K25_DIMS[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                  "qk_rope_head_dim", "v_head_dim")})
+        cfg.update({"intermediate_size": KIMI_K25_DIMS["intermediate_size"], "draft_vocab_size": vocab,
+                    "target_hidden_size": KIMI_K25_DIMS["hidden_size"]})
+    cfg.update({"vocab_size": vocab, "eagle_config": eagle})
+    return cfg
+
+
+def make_draft_slice(out: str | Path, kind: str = "eagle3.1-mla", target_layers: int = 2, seed: int = 0, *,
+                     vocab: int = KIMI_K25_DIMS["vocab_size"], overwrite: bool = False,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     progress: Callable[[str, int], None] | None = None) -> Path:
+    """Write a full-width EAGLE-3 draft (random weights, :func:`draft_slice_config`) into ``out``,
+    streaming as :func:`make_slice`. Its drafts are random, so speculation with it measures what
+    a step costs at the real widths, never what it gains."""
+    return _write_checkpoint(out, draft_slice_config(kind, target_layers, vocab), seed, overwrite, max_shard_bytes,
+                             progress, None)
+
+
+def _write_checkpoint(out: str | Path, cfg: dict[str, Any], seed: int, overwrite: bool, max_shard_bytes: int,
+                      progress: Callable[[str, int], None] | None,
+                      side_files: Callable[[Path], None] | None) -> Path:
+    """The tensors ``cfg`` describes, generated a row block at a time into planned shards, with the
+    index, config.json and ``side_files``; moved into ``out`` when complete."""
     out = check_output(out, overwrite)
     tensors = sizing.config_tensors(cfg, "slice config")
     logical = {t.name[: -len(".weight_packed")]: (t.shape[0], t.shape[1] * 8)
                for t in tensors if t.name.endswith(".weight_packed")}
     shards = _plan_shards(tensors, max_shard_bytes)
-    tokenizer = tiny.build_tokenizer()
     with atomic_output(out, overwrite=overwrite) as tmp:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for fname, group in zip(names, shards, strict=True):
@@ -180,7 +246,8 @@ def make_slice(out: str | Path, layers: int = 2, experts: int = 8, seed: int = 0
                                       for t in group)),
         })
         write_json(tmp / "config.json", cfg)
-        tiny._write_tokenizer(tmp, tokenizer, "[EOS]", [tiny.EOS_ID, tiny.IM_END_ID, tiny.EOT_ID])
+        if side_files is not None:
+            side_files(tmp)
     return out
 
 
@@ -189,4 +256,10 @@ def slice_bytes(layers: int, experts: int, vocab: int = KIMI_K25_DIMS["vocab_siz
     return sum(t.nbytes for t in sizing.config_tensors(slice_config(layers, experts, vocab), "slice config"))
 
 
-__all__ = ["KIMI_K25_DIMS", "slice_config", "make_slice", "slice_bytes"]
+def draft_slice_bytes(kind: str, target_layers: int, vocab: int = KIMI_K25_DIMS["vocab_size"]) -> int:
+    """Tensor bytes of a draft slice (what ``make_draft_slice`` writes)."""
+    return sum(t.nbytes for t in sizing.config_tensors(draft_slice_config(kind, target_layers, vocab), "slice config"))
+
+
+__all__ = ["KIMI_K25_DIMS", "KIMI_EAGLE3_DIMS", "DRAFT_KINDS", "slice_config", "make_slice", "slice_bytes",
+           "draft_slice_config", "make_draft_slice", "draft_slice_bytes"]

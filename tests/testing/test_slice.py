@@ -134,3 +134,58 @@ def test_slice_passes_its_schema_and_each_sampled_change_fails(small_slice: Path
         probs = _problems(small_slice, h)
         assert probs and all("\n" not in p for p in probs), f"{what} {name}: {probs}"
         assert any(name in p for p in probs), f"{what} {name}: {probs}"
+
+
+@pytest.fixture(scope="module")
+def draft_slice(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from eagle3.cli import main
+
+    out = tmp_path_factory.mktemp("slice") / "draft-slice"
+    with pytest.raises(SystemExit) as e:
+        main(["make-slice", str(out), "--layers", "2", "--draft", "eagle3.1-mla", "--vocab", "1024", "--seed", "3"])
+    assert e.value.code == 0
+    return out
+
+
+def test_draft_slice_is_an_eagle31_mla_draft_at_real_widths(draft_slice: Path) -> None:
+    s = detect.detect(draft_slice)
+    assert (s.role, s.family, s.architecture) == ("draft", "eagle3-mla", "Eagle3DeepseekV2ForCausalLM")
+    d = s.dims
+    assert (d.hidden_size, d.num_attention_heads, d.q_lora_rank, d.kv_lora_rank) == (7168, 64, 1536, 512)
+    assert s.warnings == []
+    cfg = json.loads((draft_slice / "config.json").read_text())
+    planned = {t.name: (t.dtype, t.shape) for t in sizing.config_tensors(cfg)}
+    assert {t.name: (t.dtype, t.shape) for t in sizing.header_tensors(draft_slice) or []} == planned
+    assert planned["layers.0.mlp.gate_proj.weight"] == ("BF16", (18432, 7168))
+    assert planned["fc.weight"] == ("BF16", (7168, 3 * 7168))
+    from eagle3.runtime.loader import draft_spec
+
+    assert draft_spec(draft_slice).aux_layer_ids == (0, 1, 2)  # in a 2-layer slice
+    llama = slice_mod.draft_slice_config("eagle3", 61)
+    assert llama["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # Kimi's, at 61 layers
+    assert round(slice_mod.draft_slice_bytes("eagle3", 2) / GiB, 2) > 5  # full vocab: embedding + head 4.4 GiB
+
+
+def test_draft_slice_runs_speculative_decoding_with_a_slice(draft_slice: Path,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The draft drafts trees for a 2-layer slice through ``LLM`` on the CPU (what a GPU benchmark
+    runs at the real widths); its random drafts are rejected."""
+    from eagle3.runtime.engine.llm import LLM
+    from eagle3.runtime.sampling import SamplingParams
+
+    target = slice_mod.make_slice(tmp_path_factory.mktemp("slice") / "t2", layers=2, experts=2, vocab=1024)
+    llm = LLM(target, draft_slice, num_speculative_tokens=2, tokenizer=None, dtype="bfloat16", num_blocks=8,
+              block_size=16, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and llm.stats.num_drafts > 0
+    assert llm.draft.spec.hidden_size == 7168
+
+
+def test_draft_slice_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from eagle3.cli import main
+
+    for args, msg in ((["--layers", "1", "--draft", "eagle3"], "--layers 1"), (["--draft", "medusa"], "--draft 'medusa'")):
+        with pytest.raises(SystemExit) as e:
+            main(["make-slice", str(tmp_path / "d"), *args])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+        assert not (tmp_path / "d").exists()
