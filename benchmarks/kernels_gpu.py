@@ -28,11 +28,20 @@ End to end (``--slice DIR``, made by ``eagle3 make-slice DIR --layers 2 --expert
 enforce_eager=...)`` greedy, ``--e2e-batches`` prompts of 32 random tokens; decode tokens/s =
 batch x (N - 1) / (time of N tokens - time of 1 token), N = ``--e2e-tokens``.
 
+Speculative rows (``--draft DIR``, made by ``eagle3 make-slice DIR --layers 2 --draft eagle3.1-mla``,
+or ``--make-draft eagle3.1-mla`` under ``--work``): the same measurement with the draft, per
+``--spec-shapes`` ``K,S,N`` (K = 1: a chain of S drafts; K > 1: a tree of N tokens with topk K and
+S steps), on ``--spec-backends``, with and without graphs. The draft's weights are random, so it
+accepts nothing: each step emits one token per sequence and TPOT is the cost of one step (target
+verify + draft steps) at the real widths, the number a tree has to earn back with its acceptance
+(measured on the trained tiny pair, docs/trees.md). Printed: each tree's TPOT against the chain's.
+
 Writes a JSON report and a PNG next to it. Without a CUDA / ROCm GPU it says so and exits 2.
 
 Example:
     python benchmarks/kernels_gpu.py --out kernels_gpu.json --make-slice --work /tmp/kgpu
     python benchmarks/kernels_gpu.py --kernels mla_decode,moe_w4a16 --batches 1,16 --skip-e2e
+    python benchmarks/kernels_gpu.py --kernels rmsnorm --make-slice --make-draft eagle3.1-mla --work /tmp/kgpu
 """
 
 from __future__ import annotations
@@ -97,6 +106,19 @@ def _csv_names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for part in text.split():
+        try:
+            k, steps, n = (int(x) for x in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected K,S,N (e.g. 2,5,16)") from None
+        if k < 1 or steps < 1 or n < 2 or (k == 1 and n != steps + 1):
+            raise argparse.ArgumentTypeError(f"{part!r}: K >= 1, S >= 1, N >= 2; a chain (K = 1) has N = S + 1")
+        out.append((k, steps, n))
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kernels_gpu.py", description=__doc__.split("\n\n")[0],
                                 epilog="Example: python benchmarks/kernels_gpu.py --out kernels_gpu.json "
@@ -117,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-batches", type=_csv_ints, default=[1, 16])
     p.add_argument("--e2e-tokens", type=int, default=32)
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--e2e-kv-gib", type=float, default=4.0, help="KV cache per end-to-end engine (GiB)")
+    p.add_argument("--draft", type=Path, default=None, help="full-width draft for the speculative rows")
+    p.add_argument("--make-draft", choices=("eagle3", "eagle3.1-mla"), default=None,
+                   help="write a draft of this format for the slice under --work")
+    p.add_argument("--spec-shapes", type=_shapes, default=[(1, 3, 4), (2, 5, 16)],
+                   help="K,S,N per speculative row, space separated (K = 1: chain)")
+    p.add_argument("--spec-backends", type=_csv_names(BACKENDS), default=["triton"])
     a = p.parse_args(argv)
     if a.iters < 1 or a.context < 1 or a.experts < TOPK or a.e2e_tokens < 2:
         p.error("--iters >= 1, --context >= 1, --experts >= 8 and --e2e-tokens >= 2")
@@ -328,25 +357,43 @@ def _generate_s(llm: Any, prompts: list[list[int]], n: int) -> float:
     from eagle3.runtime.sampling import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     llm.generate(prompts, sp)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
-def e2e_rows(args: argparse.Namespace, slice_dir: Path) -> list[dict[str, Any]]:
+def _spec_kwargs(shape: tuple[int, int, int] | None) -> dict[str, Any]:
+    if shape is None:
+        return {}
+    k, steps, n = shape
+    kw: dict[str, Any] = {"num_speculative_tokens": steps}
+    if k > 1:
+        kw.update(speculative_eagle_topk=k, speculative_num_draft_tokens=n)
+    return kw
+
+
+def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = None) -> list[dict[str, Any]]:
+    """Plain rows per backend (graphs off / on), then with ``draft`` the speculative rows per
+    ``--spec-shapes`` on ``--spec-backends``."""
     import torch
 
     from eagle3.runtime.engine.llm import LLM
 
+    configs: list[tuple[str, tuple[int, int, int] | None]] = [(b, None) for b in args.backends]
+    if draft is not None:
+        configs += [(b, shape) for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
-    for backend in args.backends:
+    for backend, shape in configs:
         for eager in (True, False):
-            row: dict[str, Any] = {"backend": backend, "graphs": not eager}
+            row: dict[str, Any] = {"backend": backend, "graphs": not eager,
+                                   "spec": "plain" if shape is None else ",".join(map(str, shape))}
             try:
-                llm = LLM(slice_dir, None, tokenizer=None, dtype="bfloat16", device="cuda", backend=backend,
-                          enforce_eager=eager, max_num_seqs=max(args.e2e_batches), kv_cache_memory=4 << 30)
+                llm = LLM(slice_dir, None if shape is None else draft, tokenizer=None, dtype="bfloat16", device=DEVICE,
+                          backend=backend, enforce_eager=eager, max_num_seqs=max(args.e2e_batches),
+                          kv_cache_memory=int(args.e2e_kv_gib * 2**30), **_spec_kwargs(shape))
             except Exception as err:  # noqa: BLE001
                 rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
                 continue
@@ -355,18 +402,40 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path) -> list[dict[str, Any]]:
                 prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(batch)]
                 try:
                     _generate_s(llm, prompts, args.e2e_tokens)  # warm-up: graph capture, autotuning
+                    verifies0 = llm.stats.num_drafts if shape is not None else 0
                     t1, tn = _generate_s(llm, prompts, 1), _generate_s(llm, prompts, args.e2e_tokens)
                     tps = batch * (args.e2e_tokens - 1) / max(tn - t1, 1e-9)
                     graphs_ok = llm.runner.target_graphs is not None and llm.runner.target_graphs.failed is None
                     rows.append({**row, "batch": batch, "status": "ok", "decode_tokens_per_s": tps,
-                                 "graphs_captured": graphs_ok,
+                                 "tpot_ms": 1000 * batch / tps, "graphs_captured": graphs_ok,
                                  "graph_failure": getattr(llm.runner.target_graphs, "failed", None)})
+                    if shape is not None:
+                        rows[-1]["tokens_per_forward"] = llm.stats.mean_acceptance_length
+                        rows[-1]["verifies"] = llm.stats.num_drafts - verifies0
                 except Exception as err:  # noqa: BLE001
                     rows.append({**row, "batch": batch, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
             llm.close()
             del llm
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     return rows
+
+
+def spec_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per backend, graphs setting and batch: each tree's TPOT against the chain's (the first chain
+    row), the cost a tree's extra accepted tokens have to pay for."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("spec", "plain") != "plain"]
+    out = []
+    for r in ok:
+        if r["spec"].startswith("1,"):
+            continue
+        chain = next((c for c in ok if c["spec"].startswith("1,") and c["backend"] == r["backend"]
+                      and c["graphs"] == r["graphs"] and c["batch"] == r["batch"]), None)
+        if chain is not None:
+            out.append(f"tree {r['spec']} vs chain {chain['spec']} ({r['backend']}, graphs={r['graphs']}, "
+                       f"b={r['batch']}): TPOT {r['tpot_ms']:.2f} / {chain['tpot_ms']:.2f} ms = "
+                       f"{r['tpot_ms'] / chain['tpot_ms']:.2f}x (random drafts: cost per step only)")
+    return out
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -395,7 +464,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1]
     e2e = [r for r in report.get("e2e", []) if r.get("status") == "ok"]
-    labels = [f"{r['backend']}{' +graphs' if r['graphs'] else ''} b={r['batch']}" for r in e2e]
+    labels = [f"{r['backend']}{' +graphs' if r['graphs'] else ''} {r.get('spec', 'plain')} b={r['batch']}"
+              for r in e2e]
     ax.bar(range(len(e2e)), [r["decode_tokens_per_s"] for r in e2e])
     ax.set_xticks(range(len(e2e)), labels, rotation=30, ha="right")
     ax.set_ylabel("decode tokens/s")
@@ -442,14 +512,27 @@ def main(argv: list[str] | None = None) -> int:
             slice_dir = args.work / "k25-slice-2x8"
             if not (slice_dir / "config.json").is_file():
                 slice_mod.make_slice(slice_dir, layers=2, experts=8, seed=0)
+        draft = args.draft
+        if draft is None and args.make_draft and slice_dir is not None:
+            from eagle3.testing import slice as slice_mod
+
+            layers = json.loads((slice_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+            draft = args.work / f"draft-{args.make_draft}-{layers}"
+            if not (draft / "config.json").is_file():
+                slice_mod.make_draft_slice(draft, args.make_draft, target_layers=layers, seed=0)
         if slice_dir is None:
             report["e2e_note"] = "no --slice / --make-slice: end-to-end rows not run"
         else:
             report["slice"] = str(slice_dir)
-            report["e2e"] = e2e_rows(args, slice_dir)
+            report["draft"] = None if draft is None else str(draft)
+            report["e2e"] = e2e_rows(args, slice_dir, draft)
             for r in report["e2e"]:
-                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} b={r.get('batch', '-')} "
-                      + (f"{r['decode_tokens_per_s']:.1f} tok/s" if r["status"] == "ok" else r["status"]))
+                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} {r['spec']:8s} b={r.get('batch', '-')} "
+                      + (f"{r['decode_tokens_per_s']:.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms" if r["status"] == "ok"
+                         else r["status"]))
+            report["spec_lines"] = spec_lines(report["e2e"])
+            for line in report["spec_lines"]:
+                print(line)
     report["goals"] = goal_lines(report["kernels"], device)
     for line in report["goals"]:
         print(line)
