@@ -31,7 +31,8 @@ batch x (N - 1) / (time of N tokens - time of 1 token), N = ``--e2e-tokens``.
 Speculative rows (``--draft DIR``, made by ``eagle3 make-slice DIR --layers 2 --draft eagle3.1-mla``,
 or ``--make-draft eagle3.1-mla`` under ``--work``): the same measurement with the draft, per
 ``--spec-shapes`` ``K,S,N`` (K = 1: a chain of S drafts; K > 1: a tree of N tokens with topk K and
-S steps), on ``--spec-backends``, with and without graphs. The draft's weights are random, so it
+S steps; ``auto``: ``num_speculative_tokens="auto"`` up to k = 3, which with these drafts should
+settle on k = 0 and run at the plain rows' speed), on ``--spec-backends``, with and without graphs. The draft's weights are random, so it
 accepts nothing: each step emits one token per sequence and TPOT is the cost of one step (target
 verify + draft steps) at the real widths, the number a tree has to earn back with its acceptance
 (measured on the trained tiny pair, docs/trees.md). Printed: each tree's TPOT against the chain's.
@@ -66,6 +67,7 @@ HIDDEN, INTER, EXPERTS, TOPK = 7168, 2048, 384, 8
 MLA_HEADS, D_LAT, D_ROPE = 64, 512, 64
 GROUP = 32
 DEVICE = "cuda"  # the kernel cases' device (a CPU dry run of the case builders sets "cpu")
+AUTO_MAX_K = 3  # --spec-shapes auto: num_speculative_tokens="auto" up to this k
 KERNELS = ("mla_decode", "mla_verify", "moe_w4a16", "linear_w4a16", "linear_bf16", "rmsnorm", "act_quant_int8")
 BACKENDS = ("torch", "triton")
 # TB/s (1e12 bytes/s), vendor figures; matched against torch.cuda.get_device_name, most specific first.
@@ -106,13 +108,16 @@ def _csv_names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def _shapes(text: str) -> list[tuple[int, int, int]]:
-    out = []
+def _shapes(text: str) -> list[tuple[int, int, int] | str]:
+    out: list[tuple[int, int, int] | str] = []
     for part in text.split():
+        if part == "auto":
+            out.append(part)
+            continue
         try:
             k, steps, n = (int(x) for x in part.split(","))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected K,S,N (e.g. 2,5,16)") from None
+            raise argparse.ArgumentTypeError(f"{part!r}: expected K,S,N (e.g. 2,5,16) or auto") from None
         if k < 1 or steps < 1 or n < 2 or (k == 1 and n != steps + 1):
             raise argparse.ArgumentTypeError(f"{part!r}: K >= 1, S >= 1, N >= 2; a chain (K = 1) has N = S + 1")
         out.append((k, steps, n))
@@ -144,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--make-draft", choices=("eagle3", "eagle3.1-mla"), default=None,
                    help="write a draft of this format for the slice under --work")
     p.add_argument("--spec-shapes", type=_shapes, default=[(1, 3, 4), (2, 5, 16)],
-                   help="K,S,N per speculative row, space separated (K = 1: chain)")
+                   help="K,S,N per speculative row, space separated (K = 1: chain), or auto (k <= 3)")
     p.add_argument("--spec-backends", type=_csv_names(BACKENDS), default=["triton"])
     a = p.parse_args(argv)
     if a.iters < 1 or a.context < 1 or a.experts < TOPK or a.e2e_tokens < 2:
@@ -365,9 +370,12 @@ def _generate_s(llm: Any, prompts: list[list[int]], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _spec_kwargs(shape: tuple[int, int, int] | None) -> dict[str, Any]:
+def _spec_kwargs(shape: tuple[int, int, int] | str | None) -> dict[str, Any]:
     if shape is None:
         return {}
+    if shape == "auto":
+        return {"num_speculative_tokens": "auto", "max_speculative_tokens": AUTO_MAX_K}
+    assert isinstance(shape, tuple)
     k, steps, n = shape
     kw: dict[str, Any] = {"num_speculative_tokens": steps}
     if k > 1:
@@ -382,14 +390,15 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
 
     from eagle3.runtime.engine.llm import LLM
 
-    configs: list[tuple[str, tuple[int, int, int] | None]] = [(b, None) for b in args.backends]
+    configs: list[tuple[str, tuple[int, int, int] | str | None]] = [(b, None) for b in args.backends]
     if draft is not None:
         configs += [(b, shape) for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
     for backend, shape in configs:
         for eager in (True, False):
             row: dict[str, Any] = {"backend": backend, "graphs": not eager,
-                                   "spec": "plain" if shape is None else ",".join(map(str, shape))}
+                                   "spec": "plain" if shape is None else shape if isinstance(shape, str)
+                                   else ",".join(map(str, shape))}
             try:
                 llm = LLM(slice_dir, None if shape is None else draft, tokenizer=None, dtype="bfloat16", device=DEVICE,
                           backend=backend, enforce_eager=eager, max_num_seqs=max(args.e2e_batches),

@@ -108,8 +108,8 @@ def test_a_small_run_on_the_gpu(bench, tmp_path: Path) -> None:
 
 
 def test_speculative_arguments_and_lines(bench) -> None:
-    a = bench.parse_args(["--spec-shapes", "1,3,4 2,5,16", "--make-draft", "eagle3.1-mla"])
-    assert a.spec_shapes == [(1, 3, 4), (2, 5, 16)] and a.spec_backends == ["triton"] and a.draft is None
+    a = bench.parse_args(["--spec-shapes", "1,3,4 2,5,16 auto", "--make-draft", "eagle3.1-mla"])
+    assert a.spec_shapes == [(1, 3, 4), (2, 5, 16), "auto"] and a.spec_backends == ["triton"] and a.draft is None
     for bad in (["--spec-shapes", "1,3,5"], ["--spec-shapes", "2,5"], ["--make-draft", "medusa"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
@@ -121,13 +121,13 @@ def test_speculative_arguments_and_lines(bench) -> None:
 
 def test_speculative_rows_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The end-to-end rows' code path with the tiny pair on the CPU (a dry run: nothing is timed
-    against anything): plain, a chain and a tree, each row with its TPOT and tokens per forward."""
+    against anything): plain, a chain, a tree and auto, each row with its TPOT and tokens per forward."""
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     a = bench.parse_args(["--backends", "torch", "--spec-backends", "torch", "--e2e-batches", "1,2",
-                          "--e2e-tokens", "4", "--spec-shapes", "1,2,3 2,2,4", "--e2e-kv-gib", "0.01"])
+                          "--e2e-tokens", "4", "--spec-shapes", "1,2,3 2,2,4 auto", "--e2e-kv-gib", "0.01"])
     rows = bench.e2e_rows(a, tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3")
     assert [(r["spec"], r["graphs"], r["batch"]) for r in rows] == [
-        (spec, g, b) for spec in ("plain", "1,2,3", "2,2,4") for g in (False, True) for b in (1, 2)]
+        (spec, g, b) for spec in ("plain", "1,2,3", "2,2,4", "auto") for g in (False, True) for b in (1, 2)]
     assert all(r["status"] == "ok" and r["tpot_ms"] > 0 for r in rows), rows
     assert all(r["tokens_per_forward"] >= 1 and r["verifies"] > 0 for r in rows if r["spec"] != "plain")
     assert not any(r["graphs_captured"] for r in rows)  # no graphs on the CPU
