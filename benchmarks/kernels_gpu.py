@@ -33,9 +33,11 @@ or ``--make-draft eagle3.1-mla`` under ``--work``): the same measurement with th
 ``--spec-shapes`` ``K,S,N`` (K = 1: a chain of S drafts; K > 1: a tree of N tokens with topk K and
 S steps; ``auto``: ``num_speculative_tokens="auto"`` up to k = 3, which with these drafts should
 settle on k = 0 and run at the plain rows' speed), on ``--spec-backends``, with and without graphs. The draft's weights are random, so it
-accepts nothing: each step emits one token per sequence and TPOT is the cost of one step (target
+accepts nothing: each step emits one token per sequence, so TPOT is the cost of a step (target
 verify + draft steps) at the real widths, the number a tree has to earn back with its acceptance
-(measured on the trained tiny pair, docs/trees.md). Printed: each tree's TPOT against the chain's.
+(measured on the trained tiny pair, docs/trees.md). A tree drafts nothing in its last S steps (a
+chain drafts fewer tokens there), so the printed comparison is per drafting step: the run's time
+less its other steps at the plain row's TPOT, per step in which every sequence drafted.
 
 Writes a JSON report and a PNG next to it. Without a CUDA / ROCm GPU it says so and exits 2.
 
@@ -406,21 +408,27 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
             except Exception as err:  # noqa: BLE001
                 rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
                 continue
+            steps = _count_steps(llm)
             g = torch.Generator().manual_seed(0)
             for batch in args.e2e_batches:
                 prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(batch)]
                 try:
                     _generate_s(llm, prompts, args.e2e_tokens)  # warm-up: graph capture, autotuning
-                    verifies0 = llm.stats.num_drafts if shape is not None else 0
-                    t1, tn = _generate_s(llm, prompts, 1), _generate_s(llm, prompts, args.e2e_tokens)
+                    s0 = steps[0]
+                    t1 = _generate_s(llm, prompts, 1)  # the prefill steps alone
+                    prefill_steps = steps[0] - s0
+                    s0, v0, a0 = steps[0], llm.stats.num_drafts, llm.stats.num_accepted_tokens
+                    tn = _generate_s(llm, prompts, args.e2e_tokens)
                     tps = batch * (args.e2e_tokens - 1) / max(tn - t1, 1e-9)
-                    graphs_ok = llm.runner.target_graphs is not None and llm.runner.target_graphs.failed is None
                     rows.append({**row, "batch": batch, "status": "ok", "decode_tokens_per_s": tps,
-                                 "tpot_ms": 1000 * batch / tps, "graphs_captured": graphs_ok,
-                                 "graph_failure": getattr(llm.runner.target_graphs, "failed", None)})
-                    if shape is not None:
-                        rows[-1]["tokens_per_forward"] = llm.stats.mean_acceptance_length
-                        rows[-1]["verifies"] = llm.stats.num_drafts - verifies0
+                                 "tpot_ms": 1000 * batch / tps, "seconds": tn - t1,
+                                 "decode_steps": steps[0] - s0 - prefill_steps, **_graph_fields(llm)})
+                    if shape is not None:  # this run's counters only (not the warm-up's)
+                        verifies = llm.stats.num_drafts - v0
+                        rows[-1]["verifies"] = verifies
+                        rows[-1]["drafting_steps"] = verifies / batch  # steps whose sequences all drafted
+                        rows[-1]["tokens_per_forward"] = (1 + (llm.stats.num_accepted_tokens - a0) / verifies
+                                                          if verifies else 1.0)
                 except Exception as err:  # noqa: BLE001
                     rows.append({**row, "batch": batch, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
             llm.close()
@@ -430,20 +438,64 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
     return rows
 
 
+def _count_steps(llm: Any) -> list[int]:
+    """A counter of the engine's steps (``runner.step`` calls), wrapped around this engine only."""
+    count = [0]
+    step = llm.runner.step
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        count[0] += 1
+        return step(*a, **kw)
+
+    llm.runner.step = counted
+    return count
+
+
+def _graph_fields(llm: Any) -> dict[str, Any]:
+    """Whether the target's and the draft's graphs captured (and replayed), and why not."""
+    out: dict[str, Any] = {}
+    for name in ("target", "draft"):
+        g = getattr(llm.runner, f"{name}_graphs", None)
+        out[f"{name}_graphs"] = None if g is None else {
+            "failed": g.failed, "tree_failed": g.tree_failed, "replays": g.replays,
+            "keys": sorted(",".join(map(str, k)) for k in g.graphs)}
+    out["graphs_captured"] = out["target_graphs"] is not None and out["target_graphs"]["failed"] is None
+    return out
+
+
+def drafting_step_ms(row: dict[str, Any], plain: dict[str, Any]) -> float | None:
+    """ms of one step in which every sequence drafted: the run's time less its steps without drafts
+    (a tree drafts nothing in its last S steps, a chain fewer tokens), each counted at ``plain``'s
+    TPOT (the drafts accept nothing, so a step emits one token per sequence either way)."""
+    n = row.get("drafting_steps") or 0
+    if n <= 0:
+        return None
+    other = max(row["decode_steps"] - n, 0)
+    return (1000 * row["seconds"] - other * plain["tpot_ms"]) / n
+
+
 def spec_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Per backend, graphs setting and batch: each tree's TPOT against the chain's (the first chain
-    row), the cost a tree's extra accepted tokens have to pay for."""
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("spec", "plain") != "plain"]
+    """Per backend, graphs setting and batch: each tree's cost per drafting step against the chain's
+    (the first chain row): what a tree's extra accepted tokens have to pay for."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return a["backend"] == b["backend"] and a["graphs"] == b["graphs"] and a["batch"] == b["batch"]
+
     out = []
     for r in ok:
-        if r["spec"].startswith("1,"):
+        if r["spec"] in ("plain", "auto") or r["spec"].startswith("1,"):
             continue
-        chain = next((c for c in ok if c["spec"].startswith("1,") and c["backend"] == r["backend"]
-                      and c["graphs"] == r["graphs"] and c["batch"] == r["batch"]), None)
-        if chain is not None:
-            out.append(f"tree {r['spec']} vs chain {chain['spec']} ({r['backend']}, graphs={r['graphs']}, "
-                       f"b={r['batch']}): TPOT {r['tpot_ms']:.2f} / {chain['tpot_ms']:.2f} ms = "
-                       f"{r['tpot_ms'] / chain['tpot_ms']:.2f}x (random drafts: cost per step only)")
+        chain = next((c for c in ok if c["spec"].startswith("1,") and same(c, r)), None)
+        plain = next((p for p in ok if p["spec"] == "plain" and same(p, r)), None)
+        if chain is None or plain is None:
+            continue
+        tree_ms, chain_ms = drafting_step_ms(r, plain), drafting_step_ms(chain, plain)
+        if tree_ms is None or chain_ms is None:
+            continue
+        out.append(f"tree {r['spec']} vs chain {chain['spec']} ({r['backend']}, graphs={r['graphs']}, "
+                   f"b={r['batch']}): {tree_ms:.2f} / {chain_ms:.2f} ms per drafting step = "
+                   f"{tree_ms / chain_ms:.2f}x (plain step {plain['tpot_ms']:.2f} ms; random drafts: cost only)")
     return out
 
 

@@ -126,6 +126,35 @@ def test_tree_steps_replay_graphs_with_the_eager_tokens(tiny_dir: Path, fake_gra
     assert {(2, 4, 2), (2, 4, 4)} <= set(drafts.graphs)  # 2 frontier nodes over regions of 2 and 4 nodes
 
 
+def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graphs: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree step's capture that fails (say, memory for a large tree) sends tree steps to the
+    eager path only: decode and chain graphs keep replaying, and the tokens are the eager engine's."""
+    nodes = {"last": 0}
+    meta = graphs.StaticBuffers.meta
+
+    def spy(self, q_len, bucket, block_size, tree_nodes=0):
+        nodes["last"] = tree_nodes
+        return meta(self, q_len, bucket, block_size, tree_nodes)
+
+    class TreeRefuses(graphs.EagerCapturer):
+        def capture(self, fn):
+            if nodes["last"]:
+                raise RuntimeError("CUDA out of memory")
+            return super().capture(fn)
+
+    monkeypatch.setattr(graphs.StaticBuffers, "meta", spy)
+    monkeypatch.setattr(graphs, "default_capturer", TreeRefuses)
+    tree = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    expected = [o.token_ids for o in _llm(tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True, **tree).generate(PROMPTS, GREEDY)]
+    llm = _llm(tiny_dir, "kimi-k2.5-eagle3", **tree)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    target = llm.runner.target_graphs
+    assert "out of memory" in target.tree_failed and target.failed is None
+    assert target.graphs and all(len(key) == 2 for key in target.graphs)  # chain / decode graphs only
+    assert target.replays > 0
+
+
 def test_tree_step_padding() -> None:
     """A tree step's padding sequences hold a chain of the tree's size before their queries; the
     real rows keep their RoPE positions (root + depth) apart from their cache positions."""

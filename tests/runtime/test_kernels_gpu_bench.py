@@ -113,10 +113,15 @@ def test_speculative_arguments_and_lines(bench) -> None:
     for bad in (["--spec-shapes", "1,3,5"], ["--spec-shapes", "2,5"], ["--make-draft", "medusa"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
-    rows = [{"backend": "triton", "graphs": g, "batch": 1, "status": "ok", "spec": spec, "tpot_ms": ms}
-            for g in (False, True) for spec, ms in (("plain", 5.0), ("1,3,4", 8.0), ("2,5,16", 10.0))]
-    lines = bench.spec_lines(rows)
-    assert len(lines) == 2 and "tree 2,5,16 vs chain 1,3,4" in lines[0] and "1.25x" in lines[0]
+    # 31 decode steps each; the chain drafted in 30 of them, the tree in 26 (none in its last S = 5)
+    spec = {"plain": (31 * 5.0, 0), "1,3,4": (30 * 8.0 + 5.0, 30), "2,5,16": (26 * 10.0 + 5 * 5.0, 26),
+            "auto": (31 * 5.0, 1)}
+    rows = [{"backend": "triton", "graphs": g, "batch": 1, "status": "ok", "spec": name, "tpot_ms": ms / 31,
+             "seconds": ms / 1000, "decode_steps": 31, "drafting_steps": n}
+            for g in (False, True) for name, (ms, n) in spec.items()]
+    lines = bench.spec_lines(rows)  # per drafting step: 10 ms against 8 ms, not the TPOTs' 9.2 / 7.9
+    assert len(lines) == 2 and "tree 2,5,16 vs chain 1,3,4" in lines[0] and "= 1.25x" in lines[0], lines
+    assert bench.drafting_step_ms(rows[2], rows[0]) == pytest.approx(10.0)
 
 
 def test_speculative_rows_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,5 +134,7 @@ def test_speculative_rows_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pyt
     assert [(r["spec"], r["graphs"], r["batch"]) for r in rows] == [
         (spec, g, b) for spec in ("plain", "1,2,3", "2,2,4", "auto") for g in (False, True) for b in (1, 2)]
     assert all(r["status"] == "ok" and r["tpot_ms"] > 0 for r in rows), rows
-    assert all(r["tokens_per_forward"] >= 1 and r["verifies"] > 0 for r in rows if r["spec"] != "plain")
+    spec = [r for r in rows if r["spec"] in ("1,2,3", "2,2,4")]
+    assert all(r["tokens_per_forward"] >= 1 and 0 < r["drafting_steps"] <= r["decode_steps"] == 3 for r in spec), spec
     assert not any(r["graphs_captured"] for r in rows)  # no graphs on the CPU
+    assert bench.spec_lines(rows)  # the tree against the chain, per drafting step

@@ -247,7 +247,8 @@ def test_attention_tile_products_are_row_invariant(r: int, d: int, dv: int) -> N
 def test_row_stacking_probe_stops_where_a_blas_rows_depend_on_m(monkeypatch) -> None:
     """Row tiles are stacked into one GEMM only up to the tile counts whose rows the probe saw
     keep their tile bits; a BLAS that rounds a tall product differently (simulated) stops the
-    stacking below that height, and a GEMM of mixed tile counts is split into probed ones."""
+    stacking below that height, one whose rows depend on their place in the tile stacks nothing,
+    and a GEMM of mixed tile counts is split into probed ones."""
     from eagle3.runtime.kernels.torch_ref import gemm
 
     probe = gemm.stack_sizes.__wrapped__
@@ -261,6 +262,14 @@ def test_row_stacking_probe_stops_where_a_blas_rows_depend_on_m(monkeypatch) -> 
     monkeypatch.setattr(torch, "mm", tall_differs)
     assert max(probe(4, 48, 32, (1, 48), torch.float32, 1)) <= 16
     assert gemm.split_tiles(75, (1, 2, 4, 8, 16, 32, 64)) == [64, 8, 2, 1]
+
+    def first_row_differs(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:  # a row's place matters
+        out = real_mm(a, b, **kw)
+        out[0].mul_(1 + 2 ** -20)
+        return out
+
+    monkeypatch.setattr(torch, "mm", first_row_differs)
+    assert probe(4, 48, 32, (1, 48), torch.float32, 1) == (1,)  # no stacking, so no packed rows either
 
 
 def test_tile_gemm_rows_keep_their_tile_bits() -> None:

@@ -255,21 +255,27 @@ class GraphRunner:
         self.block_size = block_size
         self.pad_block = pad_block
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_q_len = max_q_len
+        self.max_q_len = max_q_len  # query tokens per sequence of a chain / decode step
         self.max_tree_nodes = max_tree_nodes  # 0: tree steps run eagerly
-        self.static = StaticBuffers(self.sizes[-1] * max_q_len, self.sizes[-1], width, device, extra or {})
+        rows = max(max_q_len, max_tree_nodes)  # a tree step queries at most its nodes
+        self.static = StaticBuffers(self.sizes[-1] * rows, self.sizes[-1], width, device, extra or {})
         self.capturer = capturer if capturer is not None else default_capturer()
         self.graphs: dict[tuple[int, ...], Callable[[], Outputs]] = {}
         self.failed: str | None = None  # why capture failed (the model then runs eagerly)
+        # why a tree step's capture failed (tree steps then run eagerly; chain and decode graphs stay)
+        self.tree_failed: str | None = None
         self.replays = 0
 
     def supports(self, block_tables: Sequence[Sequence[int]], counts: Sequence[int], tree_nodes: int = 0) -> bool:
         """Whether a step can replay a graph: uniform, small enough, tables within the static width
-        (a tree step: at most ``max_tree_nodes`` nodes per sequence)."""
-        if self.failed is not None or not counts or tree_nodes > self.max_tree_nodes:
+        (a tree step: at most ``max_tree_nodes`` nodes per sequence, querying at most all of them;
+        any other step at most ``max_q_len`` tokens per sequence)."""
+        if self.failed is not None or not counts:
+            return False
+        if tree_nodes and (self.tree_failed is not None or tree_nodes > self.max_tree_nodes):
             return False
         n = counts[0]
-        return (all(c == n for c in counts) and 1 <= n <= self.max_q_len
+        return (all(c == n for c in counts) and 1 <= n <= (tree_nodes or self.max_q_len)
                 and bucket_for(len(counts), self.sizes) is not None
                 and all(len(t) <= self.static.width for t in block_tables))
 
@@ -293,9 +299,13 @@ class GraphRunner:
             try:
                 replay = self.capturer.capture(lambda: self.forward(views, meta))
             except Exception as err:  # noqa: BLE001 - any capture failure means "run eagerly"
-                self.failed = f"{type(err).__name__}: {err}".splitlines()[0]
-                logger.warning("%s: CUDA graph capture failed, running eagerly from now on (%s)", self.name,
-                               self.failed)
+                why = f"{type(err).__name__}: {err}".splitlines()[0]
+                if tree is None:
+                    self.failed = why
+                else:  # e.g. memory for a large tree's graph: the chain / decode graphs stay
+                    self.tree_failed = why
+                logger.warning("%s: CUDA graph capture failed, running %s eagerly from now on (%s)", self.name,
+                               "every step" if tree is None else "tree steps", why)
                 _reset_capture_state()
                 return None
             self.graphs[key] = replay

@@ -185,13 +185,13 @@ class ModelRunner:
             kv, aux_ids = self.target_kv, self.aux_layer_ids
             self.target_graphs = GraphRunner(
                 "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids),
-                max_q_len=max(self.k + 1, nodes), max_tree_nodes=nodes, **common)
+                max_q_len=self.k + 1, max_tree_nodes=nodes, **common)
             if draft is not None:
                 dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
                     extra={"hidden": ((draft.hidden_size,), _hidden_dtype(draft))},
-                    max_q_len=max(self.k + 1, topk), max_tree_nodes=region, **common)
+                    max_q_len=self.k + 1, max_tree_nodes=region, **common)
         self.proposer: EagleProposer | None = None
         if draft is not None:
             tree_drafting = None

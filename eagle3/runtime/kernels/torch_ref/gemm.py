@@ -45,7 +45,8 @@ def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch
                 threads: int) -> tuple[int, ...]:
     """Tile counts ``m`` (ascending, 1 first) for which a row of ``[m*rows, k] x [k, n]`` - as
     ``mm``, and as an entry of a ``bmm`` with broadcast or distinct operands - has the bits of the
-    same row in a ``[rows, k]`` tile GEMM, the ``[k, n]`` operand with strides ``stride`` and
+    same row in a ``[rows, k]`` tile GEMM (and a tile row the bits it has at another place in the
+    tile: else ``(1,)``), the ``[k, n]`` operand with strides ``stride`` and
     ``dtype``, at ``threads`` intra-op threads; probed once per process on seeded data. ``(1,)``:
     never stack."""
     gen = torch.Generator().manual_seed(20261126)
@@ -55,6 +56,11 @@ def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch
         return torch.randn(span, generator=gen).to(dtype).as_strided((k, n), stride)
 
     w, w2 = operand(), operand()
+    # A row's bits must not depend on its place in the tile either: stacked blocks pack the real
+    # rows of several tiles (attention._Blocks), which moves a row to another place.
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    if rows > 1 and not torch.equal(torch.mm(x.roll(1, 0), w).roll(-1, 0), torch.mm(x, w)):
+        return (1,)
     ok = [1]
     for m in _STACK_PROBE[1:]:
         if m * rows * k * n > _STACK_PROBE_MACS:
