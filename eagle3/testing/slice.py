@@ -87,8 +87,7 @@ def slice_config(layers: int, experts: int, vocab: int = KIMI_K25_DIMS["vocab_si
         raise UsageError(f"--layers {layers}: a slice needs at least one layer")
     if experts < 1:
         raise UsageError(f"--experts {experts}: a slice needs at least one routed expert")
-    if vocab < tiny.VOCAB_SIZE:
-        raise UsageError(f"--vocab {vocab}: must hold the tokenizer's {tiny.VOCAB_SIZE} ids")
+    _check_vocab(vocab)
     cfg = tiny.kimi_k25_config()
     tc = cfg["text_config"]
     tc.update(KIMI_K25_DIMS)
@@ -96,6 +95,11 @@ def slice_config(layers: int, experts: int, vocab: int = KIMI_K25_DIMS["vocab_si
                "n_routed_experts": experts, "num_experts_per_tok": min(MAX_TOP_K, experts)})
     cfg["vision_config"]["text_hidden_size"] = KIMI_K25_DIMS["hidden_size"]
     return cfg
+
+
+def _check_vocab(vocab: int) -> None:
+    if vocab < tiny.VOCAB_SIZE:
+        raise UsageError(f"--vocab {vocab}: must hold the tokenizer's {tiny.VOCAB_SIZE} ids")
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -189,8 +193,7 @@ def draft_slice_config(kind: str, target_layers: int, vocab: int = KIMI_K25_DIMS
         raise UsageError(f"--draft {kind!r}: expected one of {', '.join(DRAFT_KINDS)}")
     if target_layers < 2:
         raise UsageError(f"--layers {target_layers}: a draft's three aux states need a target of at least 2 layers")
-    if vocab < tiny.VOCAB_SIZE:
-        raise UsageError(f"--vocab {vocab}: must hold the tokenizer's {tiny.VOCAB_SIZE} ids")
+    _check_vocab(vocab)
     ids = list(default_aux_layer_ids(target_layers)) if target_layers >= 4 else [0, 1, 2]
     eagle = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     if kind == "eagle3":

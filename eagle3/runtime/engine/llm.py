@@ -60,6 +60,7 @@ from eagle3.runtime.interfaces import DraftModel, TargetModel
 from eagle3.runtime.sampling import SamplingParams, make_generator
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.stats import SpecStats
+from eagle3.runtime.spec.tree import tree_kv_slots
 from eagle3.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("eagle3.runtime")
@@ -149,7 +150,7 @@ class LLM:
         self.tree = self.config.tree if self.draft is not None else None  # (topk, nodes): draft trees
         # KV slots a step may write past a sequence's last token when drafting trees (the tree's
         # nodes, then the draft's tree region after the accepted path; scheduler.slots_needed)
-        tree_slots = (max(self.tree[1] - 1, self.k + (self.k - 1) * self.tree[0]) if self.tree is not None else 0)
+        tree_slots = tree_kv_slots(self.tree[0], self.k, self.tree[1]) if self.tree is not None else 0
         room = num_blocks * self.config.block_size - max(self.k, tree_slots)
         if self.config.max_model_len is not None and self.max_model_len > room:
             raise UsageError(f"max_model_len={self.max_model_len} does not fit the KV cache ({num_blocks} blocks "

@@ -31,7 +31,7 @@ from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
 from eagle3.runtime.spec.rejection import pad_drafts, rejection_sample
-from eagle3.runtime.spec.tree import DraftTree, ancestor_mask, check_parents, depths
+from eagle3.runtime.spec.tree import DraftTree, ancestor_mask, check_parents, depths, tree_kv_slots
 from eagle3.runtime.spec.tree_proposer import TreeDrafting
 from eagle3.runtime.spec.tree_rejection import tree_rejection_sample
 
@@ -177,8 +177,8 @@ class ModelRunner:
         region = (self.k - 1) * topk if self.tree is not None else 0
         if graphs:
             # Widest block table a sequence can have: max_model_len tokens plus the draft-step slots
-            # (a tree's nodes, or its draft region after the accepted path).
-            extra = 2 * self.k + 1 + max(nodes, self.k + region)
+            # (with trees, the slots a tree step writes: scheduler.slots_needed).
+            extra = 2 * self.k + 1 + (tree_kv_slots(topk, self.k, nodes) if self.tree is not None else 0)
             width = -(-(max_model_len + extra) // block_size) + 1
             common = dict(device=self.device, block_size=block_size, width=width, pad_block=num_blocks,
                           max_num_seqs=max_num_seqs, capturer=capturer)

@@ -84,6 +84,13 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return d
 
 
+def tree_kv_slots(topk: int, steps: int, num_nodes: int) -> int:
+    """KV slots a tree step may write past a sequence's last token: the verify's ``num_nodes``
+    nodes after the root, or the draft's region of ``(steps - 1) * topk`` frontier nodes after an
+    accepted path of up to ``steps`` tokens, whichever reaches further."""
+    return max(num_nodes - 1, steps + (steps - 1) * topk)
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """bool [B, N, N]: ``mask[b, i, j]`` iff node j is node i or one of its ancestors: the keys of
     the tree that node i's query may see (tree attention). Padding rows see only themselves."""

@@ -287,11 +287,7 @@ class AttnPlan:
             slots = slots.view(nqt, nk, KEY_TILE).transpose(0, 1).contiguous()
             masked = masked.view(nqt, qt, nk, KEY_TILE).permute(2, 0, 1, 3).contiguous()
             dev = self.device
-            blocks = None
-            if len(stack) > 1:  # the rows of each tile's real token slots (a row tile: slot-major, then heads)
-                rows = [[x * group + h for x, tk in enumerate(tile) if tk < t for h in range(group)]
-                        for tile in tok.tolist()]
-                blocks = self._shared_blocks(slots, tseq[lo:hi], stack, rows, qt * group)
+            blocks = self._shared_blocks(slots, tseq[lo:hi], stack, tok, group) if len(stack) > 1 else None
             if identity:
                 groups.append(_Units(None, slots.to(dev), masked.to(dev), None, None, blocks))
             else:
@@ -322,22 +318,25 @@ class AttnPlan:
         bounds.append((lo, len(tseq)))
         return bounds
 
-    def _shared_blocks(self, slots: torch.Tensor, tseq: list[int], stack: tuple[int, ...],
-                       rows: list[list[int]], r: int) -> list[_Blocks] | None:
+    def _shared_blocks(self, slots: torch.Tensor, tseq: list[int], stack: tuple[int, ...], tok: torch.Tensor,
+                       group: int) -> list[_Blocks] | None:
         """Blocks of the (key tile, row tile) pairs of ``slots [nk, nqt, KEY_TILE]``: per key tile
-        and sequence, the real rows (``rows[i]``: the rows of tile ``i`` that hold a query) of the
-        row tiles whose keys are its first tile's (a verify's or a tree's shared context), packed
-        into row tiles in blocks of ``stack`` sizes; the others alone. None when no pair shares
-        (decode: one row tile per sequence), so the plain pairs run.
+        and sequence, the real rows (those of the token slots of ``tok [nqt, qt]`` that hold a
+        query, ``group`` heads each) of the row tiles whose keys are its first tile's (a verify's or
+        a tree's shared context), packed into row tiles in blocks of ``stack`` sizes; the others
+        alone. None when no pair shares (decode: one row tile per sequence), so the plain pairs run.
 
         Packing leaves out the padding token slots, which a tree's one-path tiles have many of (16
-        tree nodes in 11 tiles of 2); a row's bits do not depend on the tile it is computed in or
-        on the other rows (the probe of ``stack_sizes`` checks stacked tiles, the tests packed ones)."""
+        tree nodes in 11 tiles of 2); a row's bits do not depend on the tile it is computed in, on
+        its place there or on the other rows (what the probe of ``stack_sizes`` checks)."""
         nk, nqt, kt = slots.shape
         first: dict[int, int] = {}
         lead = [first.setdefault(b, i) for i, b in enumerate(tseq)]
         if len(first) == nqt:
             return None  # one row tile per sequence: nothing to share
+        r = tok.shape[1] * group  # a row tile: its token slots in order, each slot's heads in order
+        rows = [[x * group + h for x, tk in enumerate(tile) if tk < self.num_tokens for h in range(group)]
+                for tile in tok.tolist()]
         same = (slots == slots[:, lead]).all(-1).tolist()  # [nk][nqt]: reads its first tile's keys
         by_size: dict[int, tuple[list[int], list[list[tuple[int, int, int]]]]] = {}
         for j in range(nk):

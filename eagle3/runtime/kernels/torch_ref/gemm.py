@@ -45,10 +45,9 @@ def stack_sizes(rows: int, k: int, n: int, stride: tuple[int, int], dtype: torch
                 threads: int) -> tuple[int, ...]:
     """Tile counts ``m`` (ascending, 1 first) for which a row of ``[m*rows, k] x [k, n]`` - as
     ``mm``, and as an entry of a ``bmm`` with broadcast or distinct operands - has the bits of the
-    same row in a ``[rows, k]`` tile GEMM (and a tile row the bits it has at another place in the
-    tile: else ``(1,)``), the ``[k, n]`` operand with strides ``stride`` and
+    same row in a ``[rows, k]`` tile GEMM, the ``[k, n]`` operand with strides ``stride`` and
     ``dtype``, at ``threads`` intra-op threads; probed once per process on seeded data. ``(1,)``:
-    never stack."""
+    never stack (also when a row's bits depend on its place in the tile)."""
     gen = torch.Generator().manual_seed(20261126)
     span = (k - 1) * stride[0] + (n - 1) * stride[1] + 1
 

@@ -46,12 +46,13 @@ class TritonAttnPlan:
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tree_paths: dict[int, list[int]] = {}  # tree query token -> its path (host)
         if meta.tree is not None:
-            self.positions, lo, paths = tree_arrays(meta, self.cu, self._chunks)
+            tokens = _tree_tokens(meta, self.cu)
+            self.positions, lo, paths = tree_arrays(meta, tokens, self._chunks)
             self.tree = (lo, paths)
             if meta.cache is None:
-                self._tree_paths = _host_paths(meta, self.cu, self.positions, lo, paths)
+                self._tree_paths = _host_paths(meta, tokens, self.positions, lo, paths)
             else:  # a graph's metadata: the tree changes per replay, so no chunk may depend on its shape
-                self._tree_paths = {t: [t] for t, *_ in _tree_tokens(meta, self.cu)}
+                self._tree_paths = {t: [t] for t, *_ in tokens}
 
     def chunks(self, qt: int) -> torch.Tensor:
         """int32 ``[C, 3]``: (first row, number of rows <= qt, sequence index). A row is a query
@@ -109,7 +110,7 @@ def _tree_tokens(meta: AttnMetadata, cu: list[int]) -> list[tuple[int, int, int,
     return out
 
 
-def tree_arrays(meta: AttnMetadata, cu: list[int],
+def tree_arrays(meta: AttnMetadata, tokens: list[tuple[int, int, int, int]],
                 cache: dict[object, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query token (on the metadata's device): ``reach`` int32 (its last virtual key
     position: a tree node's start + depth, else its position), ``lo`` int32 (the first tree
@@ -120,14 +121,14 @@ def tree_arrays(meta: AttnMetadata, cu: list[int],
 
     Device ops over the ancestor mask only (no value comes back to the host): a CUDA graph
     records them, and each replay computes the arrays of the tree in its static buffers. The
-    index list, which depends on ``cu`` and ``num_nodes`` only, is kept in ``cache`` (a graph's
-    warm-up fills it, as the chunk lists)."""
+    tree tokens' index (``tokens``, :func:`_tree_tokens`: it depends on ``cu`` and ``num_nodes``
+    only) goes to the device once and is kept in ``cache`` (a graph's warm-up fills it, as the
+    chunk lists)."""
     assert meta.tree is not None
     dev = meta.positions.device
     key = ("triton_tree_index",)
     if key not in cache:
-        rows = _tree_tokens(meta, cu)
-        cache[key] = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(dev) if rows else None
+        cache[key] = torch.tensor(tokens, dtype=torch.int64).t().contiguous().to(dev) if tokens else None
     reach = meta.positions.to(torch.int32).clone()
     lo = torch.full_like(reach, ORDINARY)
     paths = torch.zeros(reach.shape[0], TREE_MAX_NODES, dtype=torch.int32, device=dev)
@@ -149,7 +150,7 @@ def tree_arrays(meta: AttnMetadata, cu: list[int],
     return reach, lo, paths
 
 
-def _host_paths(meta: AttnMetadata, cu: list[int], reach: torch.Tensor, lo: torch.Tensor,
+def _host_paths(meta: AttnMetadata, tokens: list[tuple[int, int, int, int]], reach: torch.Tensor, lo: torch.Tensor,
                 paths: torch.Tensor) -> dict[int, list[int]]:
     """Per tree query token its path on the host (an eager step's chunks group tree queries along
     root-to-node paths), after checking that every node sees itself."""
@@ -157,7 +158,7 @@ def _host_paths(meta: AttnMetadata, cu: list[int], reach: torch.Tensor, lo: torc
     anc = meta.tree.ancestors.to("cpu", torch.bool)
     host_reach, host_lo, host_paths = reach.cpu(), lo.cpu(), paths.cpu()
     out: dict[int, list[int]] = {}
-    for t, b, i, _ in _tree_tokens(meta, cu):
+    for t, b, i, _ in tokens:
         if not bool(anc[b, i, i]):
             raise UsageError(f"tree node {i} of sequence {b} does not see itself in the ancestor mask")
         out[t] = host_paths[t, : int(host_reach[t] - host_lo[t]) + 1].tolist()
