@@ -26,7 +26,7 @@ echo "== vLLM / SGLang / ATOM would serve the pair with:"
 for engine in vllm sglang atom; do
   eagle3 serve "$OUT/target-w4a8" --draft "$OUT/draft-int4" --engine "$engine" --tensor-parallel-size 8 --kv-cache-dtype fp8 --dry-run 2>/dev/null
 done
-# GSM8K from GSM8K_DIR (a directory with train.jsonl + test.jsonl), else the Hub (openai/gsm8k).
+# GSM8K: the copy eagle3 ships (no Hub), or GSM8K_DIR (a directory with train.jsonl + test.jsonl).
 DATASET=()
 if [ -n "${GSM8K_DIR:-}" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then DATASET=(--dataset "$GSM8K_DIR"); fi
 # 5-shot, as lm-eval's gsm8k (~1,600-token prompts with the tiny tokenizer); k = 3 draft tokens per step.

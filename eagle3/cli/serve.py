@@ -58,7 +58,7 @@ def serve(
     limit: Annotated[int | None, typer.Option(help="--validate: first N test questions.")] = None,
     num_fewshot: Annotated[int, typer.Option(help="--validate: few-shot exemplars.")] = 5,
     concurrency: Annotated[int, typer.Option(help="--validate: requests in flight.")] = 1,
-    dataset: Annotated[Path | None, typer.Option(help="--validate: directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    dataset: Annotated[Path | None, typer.Option(help="--validate: directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
     max_tokens: Annotated[int, typer.Option(help="--validate: new tokens per answer (lm-eval: 256).")] = 256,
     report: Annotated[Path | None, typer.Option(help="--validate: write the JSON report here (+ .png figure).")] = None,
     figure: Annotated[Path | None, typer.Option(help="--validate: the figure's path (default: REPORT with .png).")] = None,

@@ -18,7 +18,7 @@ def train_draft(
     arch: Annotated[str | None, typer.Option(help="llama|mla draft layer (default llama; with --init-from: its own).")] = None,
     eagle31: Annotated[bool | None, typer.Option("--eagle31/--no-eagle31", help="EAGLE-3.1: fc_norm + norm_output (post-norm hidden fed back).")] = None,
     data: Annotated[str, typer.Option(help="gsm8k, or a FILE.jsonl with \"text\" or \"prompt\"/\"completion\" rows.")] = "gsm8k",
-    dataset: Annotated[Path | None, typer.Option(help="gsm8k: directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    dataset: Annotated[Path | None, typer.Option(help="gsm8k: directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
     regenerate: Annotated[bool, typer.Option(help="Train on the target's own greedy continuations of the prompts.")] = False,
     regen_tokens: Annotated[int, typer.Option(help="--regenerate: new tokens per prompt.")] = 128,
     draft_vocab_size: Annotated[int | None, typer.Option(help="Reduced draft vocabulary (d2t/t2d from token frequencies).")] = None,

@@ -36,7 +36,7 @@ def validate_cmd(
     limit: Annotated[int | None, typer.Option(help="First N test questions.")] = None,
     num_fewshot: Annotated[int, typer.Option(help="Few-shot exemplars.")] = 5,
     concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 1,
-    dataset: Annotated[Path | None, typer.Option(help="Directory with train.jsonl + test.jsonl (default: Hub openai/gsm8k).")] = None,
+    dataset: Annotated[Path | None, typer.Option(help="Directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
     max_tokens: Annotated[int, typer.Option(help="New tokens per answer (lm-eval: 256).")] = 256,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here (+ .png figure).")] = None,
     figure: Annotated[Path | None, typer.Option(help="The figure's path (default: REPORT with .png).")] = None,

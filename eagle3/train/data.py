@@ -4,7 +4,8 @@ Sources (``--data``):
 
 * ``gsm8k``: the GSM8K train split, one sequence per problem, ``"Question: {q}\\nAnswer: {a}"`` (the
   lm-eval format that ``eagle3 serve --validate gsm8k`` prompts with), from ``--dataset DIR``
-  (``train.jsonl`` + ``test.jsonl``, the ``serve --validate`` convention) or the Hub. Held-out
+  (``train.jsonl`` + ``test.jsonl``, the ``serve --validate`` convention), the copy eagle3 ships
+  (the default) or the Hub (``--dataset hub``). Held-out
   prompts are lm-eval's few-shot prompts of the first test problems: the distribution the draft
   is measured on. ``fewshot`` > 0 puts that many solved train problems (seeded, never the problem
   itself) before each training problem, so the draft also learns at the context lengths it serves.
@@ -91,7 +92,7 @@ def load_data(data: str, tokenizer: Any, *, dataset: Path | None = None, max_len
         prompts = gsm8k.build_prompts(train_docs, test_docs, num_fewshot=num_fewshot, limit=num_heldout)
         heldout = [_encode(tokenizer, p) for p in prompts]
         shots = f"{fewshot}-shot " if fewshot else ""
-        src = f"gsm8k ({dataset or gsm8k.HUB_REPO}): {len(train)} {shots}train problems, {len(heldout)} held-out " \
+        src = f"gsm8k ({gsm8k.dataset_name(dataset)}): {len(train)} {shots}train problems, {len(heldout)} held-out " \
               f"{num_fewshot}-shot test prompts"
         return TrainData(train, heldout, src)
     if fewshot:

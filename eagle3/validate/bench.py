@@ -212,7 +212,7 @@ def random_prompts(tokenizer: Any, num_prompts: int, input_len: int, seed: int =
 @dataclass
 class BenchOptions:
     dataset: str = "random"  # random | gsm8k
-    dataset_path: Any = None  # GSM8K directory (train.jsonl, test.jsonl); None: the Hub
+    dataset_path: Any = None  # GSM8K directory (train.jsonl, test.jsonl); None: the packaged copy; "hub"
     input_len: int = 256
     output_len: int = 128
     num_prompts: int = 32

@@ -1,8 +1,12 @@
 """GSM8K exactly as lm-evaluation-harness's ``gsm8k`` task (version 3.0) defines it.
 
-- Data: ``openai/gsm8k`` ``main`` (train 7473 / test 1319 rows, keys ``question`` / ``answer``), from
-  a local directory in the openai/grade-school-math layout (``train.jsonl``, ``test.jsonl``) or,
-  by default, from the Hub through huggingface_hub.
+- Data: ``openai/gsm8k`` ``main`` (train 7473 / test 1319 rows, keys ``question`` / ``answer``). By
+  default the copy that ships inside this package (``eagle3/validate/data/gsm8k``: the
+  openai/grade-school-math files, gzipped, MIT licence; see the README there), so validation never
+  needs the Hub; or a local directory in the same layout (``train.jsonl``, ``test.jsonl``); or
+  ``"hub"``: the Hub dataset through huggingface_hub. The whole data set ships, not a sample: lm-eval
+  draws each document's few-shot exemplars from the full train split (the draw depends on its
+  length), so only the full split reproduces its prompts.
 - Prompt: ``num_fewshot`` (5) exemplars drawn from the train split with ``random.Random(1234)``
   (lm-eval's default few-shot seed), ``rnd.sample(train, n)`` once per test document in document
   order; each exemplar is ``"Question: {q}\\nAnswer:" + " " + answer + "\\n\\n"``; then
@@ -22,6 +26,7 @@ time: it is an optional, heavy dependency, and these few definitions are its con
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -34,6 +39,8 @@ from typing import Any
 from eagle3.errors import DownloadError, UsageError
 
 HUB_REPO = "openai/gsm8k"
+HUB = "hub"  # ``--dataset hub``: the Hub dataset instead of the packaged copy
+PACKAGED = "eagle3/validate/data/gsm8k"  # how reports name the packaged copy
 HUB_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
 NUM_FEWSHOT = 5
 FEWSHOT_SEED = 1234  # lm_eval.evaluator's default fewshot_random_seed
@@ -60,7 +67,8 @@ def read_jsonl(path: Path, ok: Callable[[Any], bool], expected: str) -> list[Any
     """The rows of a JSON-lines file (blank lines skipped); one line naming the file and line
     number for a row that is not JSON or that ``ok`` refuses (``expected`` says what it wants)."""
     rows = []
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -93,11 +101,29 @@ def _read_parquet(path: Path) -> list[Doc]:
                                       strict=True)]
 
 
+def packaged_files() -> dict[str, Path]:
+    """The packaged copy's files (gzipped JSON lines, the openai/grade-school-math layout), by split."""
+    from importlib import resources
+
+    root = Path(str(resources.files("eagle3.validate") / "data" / "gsm8k"))
+    return {split: root / f"{split}.jsonl.gz" for split in ("train", "test")}
+
+
+def dataset_name(dataset: str | Path | None) -> str:
+    """How a report names where the data came from."""
+    if dataset is None:
+        return PACKAGED
+    return HUB_REPO if str(dataset) == HUB else str(dataset)
+
+
 def load_dataset(dataset: str | Path | None = None) -> tuple[list[Doc], list[Doc]]:
-    """(train, test) from ``dataset`` (a directory with train.jsonl and test.jsonl) or, when
-    None, from the Hub dataset ``openai/gsm8k`` (cached by huggingface_hub; HF_HUB_OFFLINE=1
-    uses the cache only)."""
-    if dataset is not None:
+    """(train, test) from ``dataset``: None for the packaged copy, a directory with train.jsonl and
+    test.jsonl, or ``"hub"`` for the Hub dataset ``openai/gsm8k`` (cached by huggingface_hub;
+    HF_HUB_OFFLINE=1 uses the cache only)."""
+    if dataset is None:
+        files = packaged_files()
+        return _read_jsonl(files["train"]), _read_jsonl(files["test"])
+    if str(dataset) != HUB:
         d = Path(dataset)
         if not d.is_dir():
             raise UsageError(f"--dataset {d}: not a directory (expected train.jsonl and test.jsonl in it)")

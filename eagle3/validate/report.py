@@ -110,7 +110,7 @@ def build_report(run: Any, baseline: Any | None, prep: Any, opts: Any, meta: dic
         "task": opts.task,
         "num_fewshot": opts.num_fewshot,
         "n_samples": len(prep.prompts),
-        "dataset": str(opts.dataset) if opts.dataset is not None else gsm8k.HUB_REPO,
+        "dataset": gsm8k.dataset_name(opts.dataset),
         "generation": {"max_tokens": opts.max_tokens, "temperature": 0.0, "stop": list(gsm8k.STOP),
                        "seed": gsm8k.REQUEST_SEED, "fewshot_seed": gsm8k.FEWSHOT_SEED,
                        "concurrency": opts.concurrency, "endpoint": "/v1/completions (streamed)"},

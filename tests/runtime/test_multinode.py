@@ -128,8 +128,7 @@ def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path
 def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
     from tests.validate import lmeval
 
-    data = next((d for d in (lmeval.GSM8K_DIR, REPO.parents[1] / "shared" / "data" / "gsm8k")
-                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     port = free_port()
     flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "4", "--max-tokens",
@@ -302,8 +301,7 @@ def test_serve_validate_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
     """serve --validate forms two groups (speculative, then baseline): torchrun's rank 1 joins both."""
     from tests.validate import lmeval
 
-    data = next((d for d in (lmeval.GSM8K_DIR, REPO.parents[1] / "shared" / "data" / "gsm8k")
-                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),

@@ -251,8 +251,7 @@ def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[2]
     # shared/ beside the clone (lmeval's place), or beside the worktrees' parent for a worktree
-    data = next((d for d in (lmeval.GSM8K_DIR, repo.parents[1] / "shared" / "data" / "gsm8k")
-                 if (d / "test.jsonl").is_file()), None) or lmeval.need_gsm8k()
+    data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(repo))
     r = subprocess.run([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft",

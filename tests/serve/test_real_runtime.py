@@ -56,7 +56,7 @@ def test_openai_client(kimi_server: Any) -> None:
 def test_lm_eval_local_completions_scores_equal_eagle3s(kimi_server: Any, tiny_dir: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     url, _ = kimi_server
-    data = lmeval.need_gsm8k()
+    data = lmeval.gsm8k_dir()
     report = tmp_path / "ours.json"
     with pytest.raises(SystemExit) as e:
         main(["validate", "--base-url", url, "--limit", str(LIMIT), "--max-tokens", str(MAX_TOKENS),

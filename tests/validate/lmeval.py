@@ -8,23 +8,36 @@ lm-eval's, not a transcription of them.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-GSM8K_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k").resolve()
 TASK = "gsm8k_local"
 
 
-def need_gsm8k() -> Path:
-    if not (GSM8K_DIR / "test.jsonl").is_file():
-        pytest.skip(f"GSM8K data not found at {GSM8K_DIR} (shared/ beside the clone)")
-    return GSM8K_DIR
+@functools.cache
+def gsm8k_dir() -> Path:
+    """The GSM8K copy eagle3 ships, unpacked once per test process into a directory in the
+    openai/grade-school-math layout (``train.jsonl``, ``test.jsonl``): what ``--dataset DIR`` and
+    lm-eval's json loader read."""
+    from eagle3.validate import gsm8k
+
+    out = Path(tempfile.mkdtemp(prefix="eagle3-gsm8k-"))
+    atexit.register(shutil.rmtree, out, True)
+    for split, src in gsm8k.packaged_files().items():
+        with gzip.open(src, "rb") as f:
+            (out / f"{split}.jsonl").write_bytes(f.read())
+    return out
 
 
 def lm_eval_dir() -> Path:
@@ -38,7 +51,7 @@ def lm_eval_dir() -> Path:
 
 def write_task(task_dir: Path) -> Path:
     """A task that is lm-eval's gsm8k with the data read from the local JSONL files."""
-    data = need_gsm8k()
+    data = gsm8k_dir()
     task_dir.mkdir(parents=True, exist_ok=True)
     path = task_dir / f"{TASK}.yaml"
     path.write_text(

@@ -61,7 +61,7 @@ def test_bench_random_against_a_server(spec_server: Any, tiny_dir: Path, tmp_pat
 
 def test_bench_gsm8k_prompts(plain_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _bench(["--base-url", plain_server[0], "--dataset", "gsm8k", "--dataset-path",
-                             str(lmeval.need_gsm8k()), "--num-prompts", "3", "--output-len", "6"], capsys)
+                             str(lmeval.gsm8k_dir()), "--num-prompts", "3", "--output-len", "6"], capsys)
     assert code == 0, out + err
     assert "3 gsm8k prompts" in out
 

@@ -16,7 +16,7 @@ from tests.validate import lmeval
 
 @pytest.fixture(scope="module")
 def data() -> tuple[list[gsm8k.Doc], list[gsm8k.Doc]]:
-    return gsm8k.load_dataset(lmeval.need_gsm8k())
+    return gsm8k.load_dataset(lmeval.gsm8k_dir())
 
 
 def test_dataset_sizes(data: Any) -> None:
@@ -146,7 +146,7 @@ def test_hub_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         return str(files[filename])
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    train, test = gsm8k.load_dataset(None)
+    train, test = gsm8k.load_dataset("hub")
     assert train[0].question == "train q" and test[0].answer == "#### 3"
 
     def offline(*a: Any, **k: Any) -> str:
@@ -154,4 +154,25 @@ def test_hub_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(DownloadError, match="--dataset"):
-        gsm8k.load_dataset(None)
+        gsm8k.load_dataset("hub")
+
+
+def test_packaged_copy_is_the_upstream_files_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default data set is the copy inside the package: the upstream files byte for byte (their
+    published sha256), read without the Hub (a Hub call would fail here)."""
+    import gzip
+    import hashlib
+
+    import huggingface_hub
+
+    def no_hub(*a: Any, **k: Any) -> str:
+        raise AssertionError("the packaged copy must not touch the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    sha = {"train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+           "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"}
+    for split, path in gsm8k.packaged_files().items():
+        assert hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest() == sha[split]
+    train, test = gsm8k.load_dataset(None)
+    assert (len(train), len(test)) == (7473, 1319)
+    assert test[0].answer.endswith("#### 18") and gsm8k.dataset_name(None) == gsm8k.PACKAGED

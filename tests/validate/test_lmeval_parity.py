@@ -26,7 +26,7 @@ LIMIT = 20
 
 @pytest.fixture(scope="module")
 def oracle_server(tiny_dir: Path) -> Iterator[tuple[str, ScriptedLLM]]:
-    _, test = gsm8k.load_dataset(lmeval.need_gsm8k())
+    _, test = gsm8k.load_dataset(lmeval.gsm8k_dir())
     gold = {d.question.strip(): d.answer.split("####")[-1].strip() for d in test}
     llm = ScriptedLLM(load_tiny_tokenizer(tiny_dir), gsm8k_oracle(gold), tokens_per_step=4)
     with serve_llm(llm, "tiny-oracle") as url:
@@ -36,7 +36,7 @@ def oracle_server(tiny_dir: Path) -> Iterator[tuple[str, ScriptedLLM]]:
 def _validate(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
     report = tmp_path / "ours.json"
     with pytest.raises(SystemExit) as e:
-        main(["validate", "--base-url", url, "--limit", str(LIMIT), "--dataset", str(lmeval.need_gsm8k()),
+        main(["validate", "--base-url", url, "--limit", str(LIMIT), "--dataset", str(lmeval.gsm8k_dir()),
               "--report", str(report), "--concurrency", "4", *extra])
     out = capsys.readouterr()
     assert e.value.code == 0, out.out + out.err
@@ -77,7 +77,7 @@ def test_local_completions_scores_equal_eagle3s(oracle_server: Any, tiny_dir: Pa
 
 def _prompts(report: dict[str, Any]) -> list[dict[str, str]]:
     """The prompts eagle3 sent, rebuilt the way validate built them."""
-    train, test = gsm8k.load_dataset(lmeval.need_gsm8k())
+    train, test = gsm8k.load_dataset(lmeval.gsm8k_dir())
     return [{"prompt": p} for p in gsm8k.build_prompts(train, test, report["num_fewshot"], report["n_samples"])]
 
 

@@ -44,7 +44,7 @@ def test_serve_validate_gsm8k(which: str, targets: dict[str, Path], tiny_dir: Pa
     report = tmp_path / "report.json"
     code = _cli(["serve", str(targets[which]), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
                  "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16",
-                 "--concurrency", "4", "--dataset", str(lmeval.need_gsm8k()), "--report", str(report)])
+                 "--concurrency", "4", "--dataset", str(lmeval.gsm8k_dir()), "--report", str(report)])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err
     r = json.loads(report.read_text())

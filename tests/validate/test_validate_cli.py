@@ -16,7 +16,7 @@ COMMON = ["--limit", "6", "--num-fewshot", "1", "--max-tokens", "12", "--concurr
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as e:
-        main(["validate", "--dataset", str(lmeval.need_gsm8k()), *args])
+        main(["validate", "--dataset", str(lmeval.gsm8k_dir()), *args])
     out = capsys.readouterr()
     return int(e.value.code or 0), out.out, out.err
 
