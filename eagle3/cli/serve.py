@@ -12,14 +12,19 @@ import typer
 
 from eagle3.cli.app import app
 from eagle3.cli.options import (
+    CODE_HELP,
+    CONCURRENCY_HELP,
     DIST_INIT_ADDR_HELP,
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    LIMIT_HELP,
     MAX_SPEC_HELP,
+    MAX_TOKENS_HELP,
     NNODES_HELP,
     NODE_RANK_HELP,
     NUM_SPEC_HELP,
+    TASK_HELP,
     TREE_NODES_HELP,
     TREE_TOPK_HELP,
     check_kernel_backend,
@@ -54,18 +59,19 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
     request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
-    validate: Annotated[str | None, typer.Option(help="Run a validation through the HTTP API, then stop: gsm8k.")] = None,
-    limit: Annotated[int | None, typer.Option(help="--validate: first N test questions.")] = None,
-    num_fewshot: Annotated[int, typer.Option(help="--validate: few-shot exemplars.")] = 5,
-    concurrency: Annotated[int, typer.Option(help="--validate: requests in flight.")] = 1,
-    dataset: Annotated[Path | None, typer.Option(help="--validate: directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
-    max_tokens: Annotated[int, typer.Option(help="--validate: new tokens per answer (lm-eval: 256).")] = 256,
+    validate: Annotated[str | None, typer.Option(help="Run a validation through the HTTP API, then stop. " + TASK_HELP)] = None,
+    limit: Annotated[int | None, typer.Option(help="--validate: " + LIMIT_HELP)] = None,
+    num_fewshot: Annotated[int, typer.Option(help="--validate gsm8k: few-shot exemplars.")] = 5,
+    concurrency: Annotated[str, typer.Option(help="--validate: " + CONCURRENCY_HELP)] = "1",
+    dataset: Annotated[Path | None, typer.Option(help="--validate gsm8k: directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="--validate: " + MAX_TOKENS_HELP)] = None,
+    allow_code_execution: Annotated[bool, typer.Option(help="--validate " + CODE_HELP)] = False,
     report: Annotated[Path | None, typer.Option(help="--validate: write the JSON report here (+ .png figure).")] = None,
     figure: Annotated[Path | None, typer.Option(help="--validate: the figure's path (default: REPORT with .png).")] = None,
     overwrite: Annotated[bool, typer.Option(help="--validate: replace an existing report / figure.")] = False,
-    min_accuracy: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this exact match.")] = None,
-    accuracy_filter: Annotated[str, typer.Option(help="--validate: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
-    min_acceptance: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) below this acceptance rate.")] = None,
+    min_accuracy: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) when a workload's accuracy (gsm8k exact match, humaneval pass@1) is below this.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="--validate gsm8k: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) when a workload's acceptance rate is below this.")] = None,
     baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
@@ -90,6 +96,8 @@ def serve(
     eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
 
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
+
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --validate gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32
 
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
 
@@ -151,7 +159,8 @@ def serve(
         vopts = ValidateOptions(task=validate, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
                                 dataset=dataset, max_tokens=max_tokens, model=name, report=report, figure=figure,
                                 overwrite=overwrite, min_accuracy=min_accuracy, min_acceptance=min_acceptance,
-                                accuracy_filter=accuracy_filter, inputs=(target, draft))
+                                accuracy_filter=accuracy_filter, allow_code_execution=allow_code_execution,
+                                inputs=(target, draft), echo=lambda s: typer.echo(s, err=True))
         _serve_and_validate(target, draft, eopts, vopts, name, api_key=api_key, host=host,
                             port=0 if port is None else port, baseline=baseline)
         return

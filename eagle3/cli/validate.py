@@ -9,14 +9,19 @@ import typer
 
 from eagle3.cli.app import app
 from eagle3.cli.options import (
+    CODE_HELP,
+    CONCURRENCY_HELP,
     DIST_INIT_ADDR_HELP,
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    LIMIT_HELP,
     MAX_SPEC_HELP,
+    MAX_TOKENS_HELP,
     NNODES_HELP,
     NODE_RANK_HELP,
     NUM_SPEC_HELP,
+    TASK_HELP,
     TREE_NODES_HELP,
     TREE_TOPK_HELP,
     check_kernel_backend,
@@ -29,28 +34,32 @@ from eagle3.cli.options import (
 @app.command("validate")
 def validate_cmd(
     base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")],
-    task: Annotated[str, typer.Option(help="Validation task.")] = "gsm8k",
+    task: Annotated[str, typer.Option(help=TASK_HELP)] = "gsm8k",
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
     baseline_url: Annotated[str | None, typer.Option(help="The same target without speculation: lossless check and speedup.")] = None,
-    limit: Annotated[int | None, typer.Option(help="First N test questions.")] = None,
-    num_fewshot: Annotated[int, typer.Option(help="Few-shot exemplars.")] = 5,
-    concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 1,
-    dataset: Annotated[Path | None, typer.Option(help="Directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per answer (lm-eval: 256).")] = 256,
+    limit: Annotated[int | None, typer.Option(help=LIMIT_HELP)] = None,
+    num_fewshot: Annotated[int, typer.Option(help="gsm8k: few-shot exemplars.")] = 5,
+    concurrency: Annotated[str, typer.Option(help=CONCURRENCY_HELP)] = "1",
+    dataset: Annotated[Path | None, typer.Option(help="gsm8k: directory with train.jsonl + test.jsonl (default: the copy eagle3 ships; hub: the Hub dataset openai/gsm8k).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help=MAX_TOKENS_HELP)] = None,
+    allow_code_execution: Annotated[bool, typer.Option(help=CODE_HELP)] = False,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here (+ .png figure).")] = None,
     figure: Annotated[Path | None, typer.Option(help="The figure's path (default: REPORT with .png).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing report / figure.")] = False,
-    min_accuracy: Annotated[float | None, typer.Option(help="Fail (exit 1) below this exact match.")] = None,
-    accuracy_filter: Annotated[str, typer.Option(help="strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
-    min_acceptance: Annotated[float | None, typer.Option(help="Fail (exit 1) below this acceptance rate.")] = None,
+    min_accuracy: Annotated[float | None, typer.Option(help="Fail (exit 1) when a workload's accuracy (gsm8k exact match, humaneval pass@1) is below this.")] = None,
+    accuracy_filter: Annotated[str, typer.Option(help="gsm8k: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
+    min_acceptance: Annotated[float | None, typer.Option(help="Fail (exit 1) when a workload's acceptance rate is below this.")] = None,
 ) -> None:
-    """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on GSM8K.
+    """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on one or more workloads.
 
-    Example: eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
+    Examples: eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
 
-    Prompts, stop strings, greedy decoding and scoring are lm-eval's gsm8k task; speculative
-    acceptance is read from the server's /metrics when it has them. Exit code 1 on a missed threshold.
+    eagle3 validate --base-url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 --task gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32 --report r.json
+
+    GSM8K and HumanEval are sent as lm-eval's tasks send them, MT-Bench through the model's chat template;
+    speculative acceptance is read from the server's /metrics around each workload and MT-Bench category.
+    Exit code 1 on a missed threshold, a failed request or (with --baseline-url) a changed greedy answer.
     """
     from eagle3 import validate as val
     from eagle3.validate.report import summary_lines
@@ -58,8 +67,11 @@ def validate_cmd(
     vopts = val.ValidateOptions(task=task, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
                                 dataset=dataset, max_tokens=max_tokens, model=model, api_key=api_key, report=report,
                                 figure=figure, overwrite=overwrite, min_accuracy=min_accuracy,
-                                min_acceptance=min_acceptance, accuracy_filter=accuracy_filter)
+                                min_acceptance=min_acceptance, accuracy_filter=accuracy_filter,
+                                allow_code_execution=allow_code_execution,
+                                echo=lambda s: typer.echo(s, err=True))
     prep = val.prepare(vopts)
+    typer.echo(f"validate: {prep.describe()} item(s), {prep.num_requests} request(s) per pass", err=True)
     run = val.evaluate(base_url, prep, vopts)
     base = val.evaluate(baseline_url, prep, vopts, "baseline") if baseline_url else None
     result = val.finish(run, base, prep, vopts, {"engine": "external"})

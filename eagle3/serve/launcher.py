@@ -214,7 +214,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
                        model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                        baseline: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same
-    prompts again for the lossless check and the speedup. Returns the report."""
+    items again (every concurrency level) for the lossless check and the speedup. Returns the report."""
     from eagle3 import validate
     from eagle3.formats.check import require_valid_pair
 
@@ -235,7 +235,8 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
         app = build_app(llm, model_name, api_key=api_key, root=str(target))
         try:
             with ServerThread(app, host, port) as url:
-                echo(f"{label}: {len(prep.prompts)} GSM8K prompts to {url} at concurrency {vopts.concurrency}")
+                echo(f"{label}: {prep.describe()} item(s) to {url} at concurrency "
+                     f"{','.join(str(c) for c in vopts.levels)}")
                 run = validate.evaluate(url, prep, vopts, label)
             meta.update(engine_info(llm))  # auto: the k it chose over the run
         finally:

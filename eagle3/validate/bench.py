@@ -20,10 +20,11 @@ interpolation, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,25 +119,32 @@ def _error_message(text: str) -> str:
         return text[:300]
 
 
+@contextlib.asynccontextmanager
+async def client(url: str, concurrency: int) -> AsyncIterator[Any]:
+    """An ``httpx.AsyncClient`` for ``concurrency`` requests in flight to ``url``'s server."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # Loopback servers must not go through an HTTP(S)_PROXY from the environment.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(_TIMEOUT_S, connect=30.0), limits=limits,
+                                 trust_env=not is_loopback(url)) as http:
+        yield http
+
+
 async def run_requests(url: str, bodies: Sequence[dict[str, Any]], concurrency: int,
                        api_key: str | None = None) -> tuple[list[RequestResult], float]:
     """Send every body with at most ``concurrency`` in flight; results in body order, and the
     wall time from the first send to the last completion."""
-    import httpx
-
     if concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    # Loopback servers must not go through an HTTP(S)_PROXY from the environment.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(_TIMEOUT_S, connect=30.0), limits=limits,
-                                 trust_env=not is_loopback(url)) as client:
+    async with client(url, concurrency) as http:
         t0 = time.perf_counter()
 
         async def one(body: dict[str, Any]) -> RequestResult:
             async with sem:
                 start = time.perf_counter() - t0
-                r = await stream_request(client, url, body, api_key)
+                r = await stream_request(http, url, body, api_key)
                 r.start = start
                 return r
 

@@ -151,6 +151,35 @@ def parse_shape(text: str) -> dict[str, int] | None:
     return None
 
 
+def merge_summaries(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One summary for several runs' summaries (:func:`spec_delta` of each group run one after
+    another): counters are summed and the rates derived again. SGLang's gauges are a server-side
+    window, not deltas: the last one stands for all."""
+    given = [p for p in parts if p is not None]
+    if not given:
+        return None
+    counted = [p for p in given if "num_drafts" in p]
+    if not counted:
+        return given[-1]
+    k = max(len(p.get("accepted_per_pos") or []) for p in counted)
+    per_pos = [0.0] * k
+    for p in counted:
+        for i, v in enumerate(p.get("accepted_per_pos") or []):
+            per_pos[i] += v
+    total = SpecCounters(counted[0]["source"], sum(p["num_drafts"] for p in counted),
+                         sum(p["num_draft_tokens"] for p in counted),
+                         sum(p["num_accepted_tokens"] for p in counted), per_pos)
+    out = total.summary()
+    hists = [p["chosen_k_histogram"] for p in counted if p.get("chosen_k_histogram") is not None]
+    if hists:
+        width = max(len(h) for h in hists)
+        out["chosen_k_histogram"] = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
+    shape = next((p["shape"] for p in counted if p.get("shape")), None)
+    if shape is not None:
+        out["shape"] = shape
+    return out
+
+
 def scrape(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> str | None:
     """``GET <root>/metrics`` as text, or None when the server has no such endpoint."""
     import httpx
