@@ -58,3 +58,23 @@ def test_serve_validate_gsm8k(which: str, targets: dict[str, Path], tiny_dir: Pa
     assert r["speedup"]["tpot"] is not None
     assert Path(r["figure"]).read_bytes()[:4] == b"\x89PNG"
     assert "result: PASS" in out.out and "lossless" in out.out
+
+
+@pytest.mark.slow
+def test_serve_validate_mtbench_and_concurrency(tiny_dir: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A chat workload through the tiny target's own chat template, per category, and a second
+    concurrency level, with the bundled runtime on both sides (speculative, then the target alone)."""
+    report = tmp_path / "report.json"
+    code = _cli(["serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+                 "--validate", "mtbench", "--limit", "1", "--max-tokens", "3", "--concurrency", "1,4",
+                 "--report", str(report)])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    r = json.loads(report.read_text())
+    mt = r["workloads"]["mtbench"]
+    assert r["passed"] and mt["lossless"]["num_compared"] == 16 and len(mt["categories"]) == 8
+    assert all(c["speculative"]["num_drafts"] > 0 and c["lossless"]["passed"] for c in mt["categories"].values())
+    assert [lv["concurrency"] for lv in r["concurrency"]] == [1, 4]
+    assert all(lv["speedup"]["tpot"] is not None for lv in r["concurrency"])
+    assert "mtbench / humanities" in out.err and "all workloads at concurrency 4" in out.err
