@@ -98,6 +98,7 @@ def draw_speedup_by_concurrency(ax: Any, report: dict[str, Any]) -> None:
     ax.axhline(1.0, color="#444444", lw=0.8, ls="--")
     ax.set_xticks(xs, [str(lv["concurrency"]) for lv in levels])
     ax.set_ylim(0, top * 1.3)
+    ax.set_xlim(-0.9, len(levels) - 0.1)
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("speculative / plain (x)")
     ax.legend(fontsize=8, loc="upper left", ncol=2)
