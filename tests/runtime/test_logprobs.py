@@ -141,3 +141,27 @@ def test_bad_counts_are_usage_errors_naming_the_field(target, prompts) -> None:
     out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2, logprobs=4, prompt_logprobs=0))[0]
     assert all(len(e.top) == 4 for e in out.logprobs)
     assert all(e.top == () for e in out.prompt_logprobs[1:])  # 0: the prompt token's own logprob only
+
+
+@pytest.mark.slow  # two TP=2 engines, a worker process each (~13 s on 2 cores)
+def test_tensor_parallel_logprobs(trained_pair: Path, prompts, plain) -> None:
+    """TP=2 (gloo, 2 ranks): logits rows through ``compute_logits_at`` with the workers, prompt rows
+    included; speculative == plain bit for bit at TP=2, and TP=1's numbers within the cross-rank
+    summation's rounding (tests/runtime/test_tensor_parallel.py: logits within 1e-4)."""
+    from tests.runtime.test_tensor_parallel import LOGITS_ATOL
+
+    outs = {}
+    for draft in (None, trained_pair / DRAFT):
+        llm = LLM(trained_pair / trained.NAME, draft, dtype="float32", tokenizer=None, num_blocks=64,
+                  tensor_parallel_size=2, num_speculative_tokens=3)
+        try:
+            outs[draft is None] = llm.generate(prompts, GREEDY)
+            assert draft is None or llm.stats.num_accepted_tokens > 0
+        finally:
+            llm.close()
+    for tp_plain, tp_spec, one in zip(outs[True], outs[False], plain, strict=True):
+        assert tp_spec.token_ids == tp_plain.token_ids == one.token_ids
+        assert tp_spec.logprobs == tp_plain.logprobs and tp_spec.prompt_logprobs == tp_plain.prompt_logprobs
+        got = [e.logprob for e in tp_plain.logprobs + tp_plain.prompt_logprobs[1:]]
+        want = [e.logprob for e in one.logprobs + one.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGITS_ATOL)
