@@ -89,6 +89,19 @@ def test_speculative_logprobs_equal_plain_bit_for_bit(trained_pair: Path, target
         assert sum(o.num_preemptions for o in outs) > 0  # prompt entries still counted once
 
 
+def test_a_stop_inside_an_accepted_run_drops_the_later_entries(trained_pair: Path, target, prompts, plain) -> None:
+    """A stop token id in the middle of a verified chain: the tokens after it are not emitted, and
+    neither are their entries."""
+    ref = plain[0]
+    stop = ref.token_ids[9]
+    cut = ref.token_ids.index(stop) + 1
+    llm = LLM(target, trained_pair / DRAFT, num_speculative_tokens=3, tokenizer=None, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=TOP, stop_token_ids=[stop])
+    out = llm.generate(prompts[:1], params)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[:cut]
+    assert out.logprobs == ref.logprobs[:cut]
+
+
 def test_logprobs_are_raw_and_follow_every_step(target, prompts) -> None:
     """Sampled at temperature 0.7 / top-p 0.9: the entries are the model's own log_softmax (not the
     tempered, filtered distribution), and each step's output carries its new tokens' entries."""
@@ -116,11 +129,10 @@ def test_requests_without_logprobs_compute_none(monkeypatch: pytest.MonkeyPatch,
     def boom(*args, **kwargs):
         raise AssertionError("logprobs computed for a request that did not ask")
 
-    monkeypatch.setattr(model_runner, "token_logprobs", boom, raising=False)
-    monkeypatch.setattr(model_runner, "step_prompt_logprobs", boom)
     import eagle3.runtime.logprobs as lp
 
-    monkeypatch.setattr(lp, "token_logprobs", boom)
+    monkeypatch.setattr(lp, "token_logprobs", boom)  # every entry is made here
+    monkeypatch.setattr(model_runner, "step_prompt_logprobs", boom)
     llm = LLM(target, trained_pair / DRAFT, num_speculative_tokens=3, tokenizer=None, num_blocks=64)
     out = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))[0]
     assert out.logprobs is None and out.new_logprobs is None and out.prompt_logprobs is None
