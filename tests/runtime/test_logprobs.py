@@ -177,3 +177,20 @@ def test_tensor_parallel_logprobs(trained_pair: Path, prompts, plain) -> None:
         got = [e.logprob for e in tp_plain.logprobs + tp_plain.prompt_logprobs[1:]]
         want = [e.logprob for e in one.logprobs + one.prompt_logprobs[1:]]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 2}], ids=["chain", "tree"])
+def test_graph_replays_give_the_eager_logprobs(monkeypatch: pytest.MonkeyPatch, trained_pair: Path, target,
+                                               prompts, plain, tree: dict) -> None:
+    """The CUDA-graph path on the CPU (tests/runtime/test_graphs.py's eager capturer): the logits are
+    computed from the hidden states a replay returns, so the entries are the eager engine's."""
+    from eagle3.runtime.engine import graphs
+
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "default_capturer", graphs.EagerCapturer)
+    llm = LLM(target, trained_pair / DRAFT, num_speculative_tokens=3, tokenizer=None, num_blocks=64,
+              max_num_seqs=4, **tree)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.cuda_graphs and llm.runner.target_graphs.replays > 0 and llm.stats.num_accepted_tokens > 0
+    for a, b in zip(plain, outs, strict=True):
+        assert (b.token_ids, b.logprobs, b.prompt_logprobs) == (a.token_ids, a.logprobs, a.prompt_logprobs)
