@@ -42,3 +42,15 @@ def tiny_tokenizer(tiny_dir: Path) -> object:
     from tests.serve.fakes import load_tiny_tokenizer
 
     return load_tiny_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``kimi-k2.5-trained`` and its trained EAGLE-3 draft (``kimi-k2.5-trained-eagle3``), written
+    once per session: a target whose drafts are accepted, so speculative steps really verify drafts
+    (the random tiny pair's are almost never accepted)."""
+    from eagle3.testing import tiny, trained
+
+    out = tmp_path_factory.mktemp("trained") / "tiny"
+    tiny.make_tiny(out, only=[trained.NAME, f"{trained.NAME}-eagle3"])
+    return out

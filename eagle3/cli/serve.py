@@ -56,6 +56,7 @@ def serve(
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = ENGINE.max_num_seqs,
     seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = ENGINE.seed,
+    max_logprobs: Annotated[int, typer.Option(help="Most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's default 20).")] = ENGINE.max_logprobs,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
     request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
@@ -147,6 +148,7 @@ def serve(
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
         speculative_eagle_topk=speculative_eagle_topk, speculative_num_draft_tokens=speculative_num_draft_tokens,
+        max_logprobs=max_logprobs,
         **nodes)
     if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
         raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3.errors import UsageError
+from eagle3.runtime.logprobs import valid_count
 
 _INT64_MAX = (1 << 63) - 1
 # torch.Generator.manual_seed accepts exactly this range.
@@ -30,6 +31,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``stop_token_ids`` end the request like EOS does (the stop token is kept in ``token_ids``).
+    ``logprobs=N``: each output token's logprob under the target, with its rank and the ``N`` most
+    likely tokens (0: its own only); ``prompt_logprobs=N`` the same for the prompt tokens (None:
+    off). Raw logprobs, before temperature / top-k / top-p (:mod:`eagle3.runtime.logprobs`); at most
+    ``EngineConfig.max_logprobs``.
     """
 
     temperature: float = 1.0
@@ -39,6 +44,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +72,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
                                       or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise bad("seed", f"an integer in [{_SEED_MIN}, {_SEED_MAX}] (or None)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if not valid_count(getattr(self, name)):
+                raise bad(name, "an integer >= 0 (or None)")
         try:
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         except (TypeError, ValueError) as err:

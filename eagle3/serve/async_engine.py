@@ -13,7 +13,9 @@ a request that arrives after that is refused (503), and ``/health`` answers 503.
 
 Stop *strings* are handled here, on the detokenized text, the way vLLM's output processor does
 it: the engine knows token ids only. While streaming, the last ``max(len(stop)) - 1`` characters
-are held back so that a stop string split across steps is never sent.
+are held back so that a stop string split across steps is never sent. Logprobs follow the text: a
+delta carries the entries of the tokens whose text it completes (an engine step's tokens once the
+step's text is sent), and after a stop string exactly those of the tokens counted in usage.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3.errors import Eagle3Error
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.serve.metrics import ServerMetrics
 from eagle3.serve.protocol import APIError
 
@@ -45,6 +48,11 @@ class Delta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     stop_reason: str | int | None = None  # the matched stop string (vLLM's field)
+    # With SamplingParams.logprobs: the entries of the output tokens this delta completes (the
+    # deltas of a request add up to one per counted output token); else None
+    logprobs: list[Any] | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's entries, on the request's first delta only
+    prompt_logprobs: list[Any] | None = None
 
 
 class OutputTracker:
@@ -62,6 +70,10 @@ class OutputTracker:
         self.engine_done = False
         self.reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.entries: list[Any] | None = None  # the engine's logprob entries, every output token
+        self.marks: list[tuple[int, int]] = []  # (output tokens, text length) after each step
+        self.entries_sent = 0
+        self.prompt_entries: list[Any] | None = None  # until the first delta takes them
 
     def feed(self, out: Any) -> Delta:
         prev_len = len(self.text)
@@ -69,6 +81,11 @@ class OutputTracker:
         prev_tokens = len(ids) - len(out.new_token_ids)
         self.text += out.new_text
         self.num_tokens = len(ids)
+        if getattr(out, "logprobs", None) is not None:
+            self.entries = out.logprobs
+            self._mark(ids, prev_tokens, prev_len)
+        if self.prompt_entries is None:
+            self.prompt_entries = getattr(out, "prompt_logprobs", None)
         if out.finished:
             self.engine_done = True
         hit = self._find_stop(max(0, prev_len - self.hold)) if self.stops else None
@@ -85,11 +102,39 @@ class OutputTracker:
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self.hold)
 
+    def _mark(self, ids: list[int], prev_tokens: int, prev_len: int) -> None:
+        """Where each new token's text ends. Held-back text (stop strings) can end inside a step,
+        so then per token: the step's tokens decoded after a few tokens of context (as the
+        engine's incremental detokenizer does); otherwise the step's text end for all of them."""
+        if not self.hold:
+            self.marks.append((len(ids), len(self.text)))
+            return
+        ctx = max(prev_tokens - 4, 0)
+        base = len(self.decode(ids[ctx:prev_tokens]))
+        for j in range(max(prev_tokens, 0) + 1, len(ids) + 1):
+            self.marks.append((j, prev_len + len(self.decode(ids[ctx:j])) - base))
+
     def _emit(self, upto: int) -> Delta:
         upto = max(upto, self.sent)
         text = self.text[self.sent: upto]
         self.sent = upto
-        return Delta(text, self.num_tokens, self.done, self.reason, self.stop_reason)
+        return Delta(text, self.num_tokens, self.done, self.reason, self.stop_reason, self._release(upto),
+                     self._prompt())
+
+    def _release(self, upto: int) -> list[Any] | None:
+        """The entries of the tokens whose text is now sent: every counted token when done, else
+        those of the steps whose text ends within ``upto``."""
+        if self.entries is None:
+            return None
+        n = self.num_tokens if self.done else max([t for t, end in self.marks if end <= upto], default=0)
+        n = max(n, self.entries_sent)
+        self.marks = [m for m in self.marks if m[0] > n]
+        out, self.entries_sent = self.entries[self.entries_sent: n], n
+        return out
+
+    def _prompt(self) -> list[Any] | None:
+        entries, self.prompt_entries = self.prompt_entries, []  # [] from now on: handed out once
+        return entries if entries else None
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
@@ -127,6 +172,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return int(self.llm.max_model_len)
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs / prompt_logprobs a request may ask for (EngineConfig.max_logprobs)."""
+        return int(getattr(getattr(self.llm, "config", None), "max_logprobs", EngineConfig.max_logprobs))
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle3.serve.async_engine import AsyncEngine, Delta, now
+from eagle3.serve.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs, require
 from eagle3.serve.metrics import CONTENT_TYPE, ServerMetrics
 from eagle3.serve.protocol import (
     APIError,
@@ -53,6 +54,8 @@ class _Outcome:
     stop_reason: str | int | None = None
     ttft: float | None = None
     deltas: list[Delta] = field(default_factory=list)
+    logprobs: list[Any] | None = None  # the deltas' entries, one per counted output token
+    prompt_logprobs: list[Any] | None = None
 
 
 class SSEResponse(StreamingResponse):
@@ -109,6 +112,7 @@ class OpenAIHandlers:
         self.metrics = metrics
         self.model_name = model_name
         self.root = root
+        self.token_text = TokenText(engine.tokenizer)  # token strings of logprobs, cached
 
     def error_response(self, status: int, message: str, param: str | None = None, type_: str | None = None,
                        code: str | None = None) -> JSONResponse:
@@ -142,7 +146,8 @@ class OpenAIHandlers:
             raise APIError(f"The model `{name}` does not exist (this server serves `{self.model_name}`).", 404,
                            param="model", code="model_not_found")
 
-    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> Any:
         from eagle3.errors import Eagle3Error
         from eagle3.runtime.sampling import SamplingParams
 
@@ -154,10 +159,18 @@ class OpenAIHandlers:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=0 if req.top_k in (None, -1) else req.top_k,
                 max_tokens=max_tokens, stop_token_ids=stop_ids,
-                ignore_eos=req.ignore_eos, seed=req.seed)
+                ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except Eagle3Error as err:  # the API's own checks should have caught it: name the field anyway
             field_name = str(err).removeprefix("SamplingParams.").split(" ", 1)[0]
             raise APIError(str(err), 400, param=field_name) from err
+
+    def check_logprob_counts(self, **counts: int | None) -> None:
+        """Each requested logprob count against the engine's cap (400 naming the field)."""
+        cap = self.engine.max_logprobs
+        for name, n in counts.items():
+            if n is not None and n > cap:
+                raise APIError(f"{name}={n} is more than this server returns (at most {cap}; "
+                               f"eagle3 serve --max-logprobs)", 400, param=name)
 
     def resolve_max_tokens(self, num_prompt: int, requested: int | None, what: str) -> int:
         limit = self.engine.context_limit
@@ -192,6 +205,11 @@ class OpenAIHandlers:
                         out.ttft = now() - t0
                     out.text += d.text
                     out.num_tokens = d.num_output_tokens
+                    if d.logprobs is not None:
+                        out.logprobs = out.logprobs if out.logprobs is not None else []
+                        out.logprobs += d.logprobs
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         finally:
@@ -223,9 +241,11 @@ class OpenAIHandlers:
 
     async def stream_events(self, request_id: str, object_name: str, preps: list[_Prepared], stops: list[str],
                             include_stop: bool, include_usage: bool,
-                            make_choice: Callable[[int, str, str | None, bool], dict[str, Any]],
-                            first: Callable[[_Prepared], dict[str, Any] | None]) -> AsyncIterator[str]:
-        """SSE chunks for every prompt of a request, interleaved as the engine produces them."""
+                            make_choice: Callable[[int, Delta], dict[str, Any]],
+                            first: Callable[[_Prepared], dict[str, Any] | None],
+                            count_output: bool = True) -> AsyncIterator[str]:
+        """SSE chunks for every prompt of a request, interleaved as the engine produces them.
+        ``count_output=False``: the output is not returned (echo with max_tokens 0), usage says 0."""
         created = int(time.time())
         queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
@@ -278,11 +298,10 @@ class OpenAIHandlers:
                 # A chunk per engine step that produced tokens, even when they add no text yet
                 # (special tokens, a held-back stop-string prefix): clients time tokens, as vLLM's do.
                 if item.text or item.finished or progressed:
-                    yield _sse(chunk([make_choice(index, item.text, item.finish_reason if item.finished else None,
-                                                  item.finished)]))
+                    yield _sse(chunk([make_choice(index, item)]))
             else:
                 if include_usage:
-                    usage["completion_tokens"] = sum(tokens)
+                    usage["completion_tokens"] = sum(tokens) if count_output else 0
                     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                     yield _sse({"id": request_id, "object": object_name, "created": created, "model": self.model_name,
                                 "choices": [], "usage": usage})
@@ -376,6 +395,12 @@ class OpenAIHandlers:
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        lp, echo = req.logprobs, req.echo
+        # vLLM's rules: echo with logprobs scores the prompt with the same N unless prompt_logprobs
+        # says otherwise; max_tokens 0 (echo only) generates one token and drops it.
+        prompt_n = req.prompt_logprobs if req.prompt_logprobs is not None else (lp if echo else None)
+        self.check_logprob_counts(logprobs=lp, prompt_logprobs=req.prompt_logprobs)
+        echo_only = echo and req.max_tokens == 0
         preps: list[_Prepared] = []
         for i, p in enumerate(req.prompts()):
             if isinstance(p, str):
@@ -385,31 +410,21 @@ class OpenAIHandlers:
             else:
                 ids, text = list(p), None
                 self.check_ids(ids, "prompt")
-            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
-            preps.append(_Prepared(i, ids, text, self.sampling_params(req, max_tokens)))
+            max_tokens = self.resolve_max_tokens(len(ids), 1 if echo_only else req.max_tokens, "prompt")
+            preps.append(_Prepared(i, ids, text, self.sampling_params(req, max_tokens, lp, prompt_n)))
         stops, request_id = req.stop_list(), f"cmpl-{uuid.uuid4().hex}"
-
-        def prompt_text(p: _Prepared) -> str:
-            return p.text if p.text is not None else self.engine.decode(p.ids)
-
+        fmt = _CompletionFormat(self, req, echo_only)
         if req.stream:
-            def choice(index: int, text: str, reason: str | None, finished: bool) -> dict[str, Any]:
-                return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-
-            def first(p: _Prepared) -> dict[str, Any] | None:
-                return choice(p.index, prompt_text(p), None, False) if req.echo else None
-
             return SSEResponse(self.stream_events(request_id, "text_completion", preps, stops,
-                                             req.include_stop_str_in_output, req.include_usage(), choice, first))
+                                                  req.include_stop_str_in_output, req.include_usage(), fmt.chunk,
+                                                  fmt.head, count_output=not echo_only))
 
         outcomes = await self.run_or_abort(request, _gather_or_cancel(
             [self.collect(p, stops, req.include_stop_str_in_output) for p in preps]))
         if outcomes is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        choices = [{"index": p.index, "text": (prompt_text(p) if req.echo else "") + o.text, "logprobs": None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                   for p, o in zip(preps, outcomes, strict=True)]
-        completion_tokens = sum(o.num_tokens for o in outcomes)
+        choices = [fmt.choice(p, o) for p, o in zip(preps, outcomes, strict=True)]
+        completion_tokens = 0 if echo_only else sum(o.num_tokens for o in outcomes)
         prompt_tokens = sum(len(p.ids) for p in preps)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices,
@@ -418,19 +433,28 @@ class OpenAIHandlers:
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        num_top = req.top_logprobs or 0
+        self.check_logprob_counts(top_logprobs=num_top)
         text = await self.render_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                  req.continue_final_message, dict(req.chat_template_kwargs or {}))
         ids = await self.encode(text, False)
         if not ids:
             raise APIError("the rendered conversation is empty", 400, param="messages")
         max_tokens = self.resolve_max_tokens(len(ids), req.max_new_tokens(), "messages")
-        prep = _Prepared(0, ids, text, self.sampling_params(req, max_tokens))
+        prep = _Prepared(0, ids, text, self.sampling_params(req, max_tokens, num_top if req.logprobs else None))
         stops, request_id = req.stop_list(), f"chatcmpl-{uuid.uuid4().hex}"
 
+        def logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
+            if not req.logprobs:
+                return None
+            return {"content": chat_logprobs(require(entries, "logprobs"), num_top, self.token_text,
+                                             req.return_tokens_as_token_ids)}
+
         if req.stream:
-            def choice(index: int, content: str, reason: str | None, finished: bool) -> dict[str, Any]:
-                delta = {"content": content} if content else {}
-                return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            def choice(index: int, d: Delta) -> dict[str, Any]:
+                delta = {"content": d.text} if d.text else {}
+                return {"index": index, "delta": delta, "logprobs": logprobs(d.logprobs),
+                        "finish_reason": d.finish_reason if d.finished else None}
 
             def first(p: _Prepared) -> dict[str, Any]:
                 return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -445,7 +469,63 @@ class OpenAIHandlers:
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                         "logprobs": None, "finish_reason": outcome.finish_reason,
+                         "logprobs": logprobs(outcome.logprobs), "finish_reason": outcome.finish_reason,
                          "stop_reason": outcome.stop_reason}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": outcome.num_tokens,
                       "total_tokens": len(ids) + outcome.num_tokens}})
+
+
+class _CompletionFormat:
+    """A completion request's choices: text (with the echoed prompt) and logprobs, whole or as
+    stream chunks. With echo and logprobs the prompt waits for the engine's first output (its
+    logprobs come with it) and goes out in the first chunk; without logprobs it goes first, at once."""
+
+    def __init__(self, handlers: OpenAIHandlers, req: CompletionRequest, echo_only: bool) -> None:
+        self.h, self.req, self.echo_only = handlers, req, echo_only
+        self.streams: dict[int, CompletionLogprobs] = {}
+        self.pending: dict[int, _Prepared] = {}  # streamed prompts still to echo
+
+    def prompt_text(self, p: _Prepared) -> str:
+        return p.text if p.text is not None else self.h.engine.decode(p.ids)
+
+    def logprobs(self, p: _Prepared, stream: CompletionLogprobs | None, entries: list[Any] | None,
+                 prompt: list[Any] | None, echo: bool) -> dict[str, Any] | None:
+        """The ``logprobs`` object of (the echoed prompt and) these output entries."""
+        if self.req.logprobs is None:
+            return None
+        fmt = stream or CompletionLogprobs(self.h.token_text, self.req.logprobs, self.req.return_tokens_as_token_ids)
+        out = [] if self.echo_only else require(entries, "logprobs")
+        ids, lps = [e.token_id for e in out], out
+        if echo:
+            ids, lps = list(p.ids) + ids, require(prompt, "prompt logprobs") + lps
+        return fmt(ids, lps)
+
+    def choice(self, p: _Prepared, o: _Outcome) -> dict[str, Any]:
+        req = self.req
+        text = (self.prompt_text(p) if req.echo else "") + ("" if self.echo_only else o.text)
+        c: dict[str, Any] = {"index": p.index, "text": text,
+                             "logprobs": self.logprobs(p, None, o.logprobs, o.prompt_logprobs, req.echo),
+                             "finish_reason": "length" if self.echo_only else o.finish_reason,
+                             "stop_reason": None if self.echo_only else o.stop_reason}
+        if req.prompt_logprobs is not None:
+            c["prompt_logprobs"] = prompt_logprobs(require(o.prompt_logprobs, "prompt logprobs"), self.h.token_text)
+        return c
+
+    def head(self, p: _Prepared) -> dict[str, Any] | None:
+        """The stream's first chunk of a prompt: its echo, unless it waits for its logprobs."""
+        if not self.req.echo:
+            return None
+        if self.req.logprobs is not None:
+            self.pending[p.index] = p
+            return None
+        return {"index": p.index, "text": self.prompt_text(p), "logprobs": None, "finish_reason": None}
+
+    def chunk(self, index: int, d: Delta) -> dict[str, Any]:
+        p = self.pending.pop(index, None)
+        stream = self.streams.setdefault(index, CompletionLogprobs(
+            self.h.token_text, self.req.logprobs or 0, self.req.return_tokens_as_token_ids))
+        text = (self.prompt_text(p) if p is not None else "") + ("" if self.echo_only else d.text)
+        reason = ("length" if self.echo_only else d.finish_reason) if d.finished else None
+        return {"index": index, "text": text,
+                "logprobs": self.logprobs(p, stream, d.logprobs, d.prompt_logprobs, p is not None),
+                "finish_reason": reason}

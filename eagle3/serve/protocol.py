@@ -4,9 +4,11 @@ Requests are validated strictly: unknown fields are refused with 400 the way Ope
 ("Unrecognized request argument supplied"), wrong types and out-of-range sampling values give
 400 too (FastAPI's default is 422; OpenAI clients expect 400). A few vLLM extensions that
 benchmark clients and lm-eval send are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``chat_template_kwargs``, ...). Fields that OpenAI defines but
-this server cannot honour (logprobs, penalties, n > 1, tools) are accepted only with their neutral
-value so that a client that sends the defaults explicitly still works.
+``include_stop_str_in_output``, ``chat_template_kwargs``, ``prompt_logprobs``,
+``return_tokens_as_token_ids``, ...). Fields that OpenAI defines but this server cannot honour
+(penalties, n > 1, tools) are accepted only with their neutral value so that a client that sends
+the defaults explicitly still works. Logprob counts are checked here for sign and combination; their
+upper bound is the engine's ``max_logprobs`` (the handlers check it).
 """
 
 from __future__ import annotations
@@ -177,17 +179,27 @@ class CompletionRequest(_SamplingFields):
     (lm-eval's ``local-completions`` sends lists of token-id lists by default)."""
 
     prompt: PromptInput
-    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt's text and logprobs alone)
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = None  # N most likely tokens per token (0: the chosen token's only)
+    prompt_logprobs: StrictInt | None = None  # vLLM's: logprobs of the prompt tokens, top N
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: tokens as "token_id:<id>"
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = False
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
-        if self.logprobs is not None:
-            raise FieldError("logprobs", "logprobs are not supported by this server")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) < 0:
+                raise FieldError(name, f"{name} must be >= 0 (the number of most likely tokens to return), "
+                                       f"got {getattr(self, name)}")
+        if self.prompt_logprobs and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available with stream=true "
+                                                "(echo=true with logprobs streams the prompt's logprobs)")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens=0 needs echo=true (it returns the prompt alone)")
         if self.best_of not in (None, 1):
             raise FieldError("best_of", "only best_of=1 is supported")
         if self.suffix:
@@ -242,6 +254,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: tokens as "token_id:<id>"
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
@@ -252,8 +265,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise FieldError("logprobs", "logprobs are not supported by this server")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise FieldError("top_logprobs", f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.response_format is not None and self.response_format.type != "text":
             raise FieldError("response_format", f"response_format {self.response_format.type!r} is not supported")
         if self.tools:

@@ -159,7 +159,8 @@ def test_a_request_failing_inside_the_step_fails_alone(toy_server: tuple[str, An
     ("seed", 18446744073709551616), ("seed", -9223372036854775809),
     ("presence_penalty", 1.0), ("presence_penalty", "NaN"), ("frequency_penalty", "-Infinity"),
     ("repetition_penalty", 0.0),
-    ("logprobs", 5), ("best_of", 3),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", -1), ("prompt_logprobs", 21),
+    ("best_of", 3),
     ("stop", ["x"] * 65), ("stop", "y" * 1025), ("stop", ""),
     ("stop_token_ids", [9223372036854775808]), ("stop_token_ids", [-1]), ("stop_token_ids", [10 ** 7]),
     ("logit_bias", {"1": 5.0}),
@@ -175,13 +176,13 @@ def test_every_sampling_field_is_range_checked(toy_server: tuple[str, Any], fiel
 
 @pytest.mark.parametrize(("field", "value"), [
     ("temperature", -1), ("top_p", 0), ("top_k", 9223372036854775808), ("max_completion_tokens", 0),
-    ("seed", 2 ** 64), ("top_logprobs", 3),
+    ("seed", 2 ** 64), ("top_logprobs", 3), ("top_logprobs", -1),
 ])
 def test_chat_sampling_fields_are_range_checked(toy_server: tuple[str, Any], field: str, value: Any) -> None:
     url, _ = toy_server
     with _client(url) as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: value})
-    _assert_openai_400(r, "logprobs" if field == "top_logprobs" else field)
+    _assert_openai_400(r, field)  # top_logprobs 3 without logprobs=true: top_logprobs
 
 
 # -- item 6: lone surrogates ---------------------------------------------------------------------

@@ -229,7 +229,7 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, None),
-    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 1}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("POST", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),

@@ -65,6 +65,7 @@ class EngineConfig:
     draft_sampling: str = "sample"  # "sample": drafts drawn from q; "greedy": argmax drafts
     seed: int = 0  # engine generator, used by requests without their own seed
     log_stats: bool = False  # print the acceptance line after generate()
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         self._check_speculative()
@@ -81,6 +82,8 @@ class EngineConfig:
             raise UsageError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise UsageError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
 

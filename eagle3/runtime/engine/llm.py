@@ -57,6 +57,7 @@ from eagle3.runtime.engine.model_runner import ModelRunner, StepOutput, kv_bytes
 from eagle3.runtime.engine.scheduler import Scheduler, fail
 from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
 from eagle3.runtime.interfaces import DraftModel, TargetModel
+from eagle3.runtime.logprobs import TokenLogprob, check_counts
 from eagle3.runtime.sampling import SamplingParams, make_generator
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.stats import SpecStats
@@ -90,6 +91,12 @@ class RequestOutput:
     arrival_time: float = 0.0  # time.monotonic() clock
     first_token_time: float | None = None
     finished_time: float | None = None
+    # With SamplingParams.logprobs (else None): one entry per output token so far (like token_ids),
+    # and those of new_token_ids; with prompt_logprobs: one per prompt token, position 0's None
+    # first (complete from the first output on). runtime/logprobs.py says what they hold.
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -343,6 +350,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise UsageError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # fields may have been changed since construction
+        check_counts(params, self.config.max_logprobs)
         text, ids = self._tokenize(prompt)
         vocab = self.target.vocab_size
         if not ids:
@@ -471,7 +479,8 @@ class LLM:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out_ids = seq.output_token_ids
-        new_ids = out_ids[seq.num_returned_tokens:]
+        returned = seq.num_returned_tokens
+        new_ids = out_ids[returned:]
         seq.num_returned_tokens = len(out_ids)
         if self.tokenizer is None:
             text = new_text = ""
@@ -490,7 +499,10 @@ class LLM:
             new_token_ids=new_ids, new_text=new_text, error=seq.error,
             spec_stats=seq.stats.copy() if self.draft is not None else None, num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            finished_time=seq.finished_time)
+            finished_time=seq.finished_time,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            new_logprobs=None if seq.logprobs is None else seq.logprobs[returned:],
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
 
     # -- batch API ---------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Seq[PromptType],

@@ -27,6 +27,7 @@ from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
+from eagle3.runtime.logprobs import TokenLogprob, emitted_logprobs, step_prompt_logprobs
 from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem
@@ -116,6 +117,9 @@ class TargetStepOutput:
     # per scheduled sequence that verified a draft tree: the accepted nodes (their rows follow the
     # root's, the last real token's, at node offsets); absent for chains
     tree_nodes: dict[int, list[int]] = field(default_factory=dict)
+    # per scheduled sequence that asked (else None): its emitted tokens' / its chunk's prompt entries
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -124,15 +128,24 @@ class StepOutput:
 
     emitted: list[list[int]]  # tokens to append ([] for a non-final prefill chunk)
     proposals: list[Proposal | None]  # the next step's drafts (None: no draft / nothing proposed)
+    # logprob entries per sequence (None: not asked for), see TargetStepOutput; empty: none at all
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.logprobs = self.logprobs or [None] * len(self.emitted)
+        self.prompt_logprobs = self.prompt_logprobs or [None] * len(self.emitted)
 
     @staticmethod
     def join(parts: list[StepOutput | None], sizes: list[int]) -> StepOutput:
         """Concatenate the outputs of sub-batches of ``sizes`` sequences; a failed part (``None``)
-        gives its sequences no tokens and no drafts."""
+        gives its sequences no tokens, no logprobs and no drafts."""
         out = StepOutput([], [])
         for part, n in zip(parts, sizes, strict=True):
             out.emitted += part.emitted if part is not None else [[] for _ in range(n)]
             out.proposals += part.proposals if part is not None else [None] * n
+            out.logprobs += part.logprobs if part is not None else [None] * n
+            out.prompt_logprobs += part.prompt_logprobs if part is not None else [None] * n
         return out
 
 
@@ -204,7 +217,7 @@ class ModelRunner:
         """The target forward and verification, then the proposer over what each sequence emitted."""
         res = self._timed(lambda: self.run_target(scheduled), self._uniform_target_shape(scheduled), "target")
         if self.proposer is None:
-            return StepOutput(res.emitted, [None] * len(scheduled))
+            return StepOutput(res.emitted, [None] * len(scheduled), res.logprobs, res.prompt_logprobs)
         assert res.aux is not None
         # auto: k for the next verification of this batch (0: a plain step; draft step 0 still runs
         # over the committed positions, so the draft's KV cache stays complete).
@@ -218,7 +231,7 @@ class ModelRunner:
         steps = max([it.num_drafts for it in items] + [1])
         shape = (len(items), steps) if self._uniform_target_shape(scheduled) is not None else None
         proposals = self._timed(lambda: proposer.propose(items, self.target.vocab_size), shape, "draft")
-        return StepOutput(res.emitted, proposals)
+        return StepOutput(res.emitted, proposals, res.logprobs, res.prompt_logprobs)
 
     def _propose_item(self, item: ScheduledSeq, emitted: list[int], aux: torch.Tensor, row0: int,
                       k: int, tree_nodes: list[int] | None = None) -> ProposeItem:
@@ -391,16 +404,26 @@ class ModelRunner:
             hidden, aux = self.forward_target(input_ids, tables, starts, counts)
 
         emitted: list[list[int]] = [[] for _ in scheduled]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(scheduled)
         sampling = [i for i, s in enumerate(scheduled) if s.samples and i not in trees]
         if sampling:
-            rows = self._verify([scheduled[i] for i in sampling], [row_starts[i] for i in sampling], hidden)
-            for i, toks in zip(sampling, rows, strict=True):
-                emitted[i] = toks
+            rows, lps = self._verify([scheduled[i] for i in sampling], [row_starts[i] for i in sampling], hidden)
+            for i, toks, lp in zip(sampling, rows, lps, strict=True):
+                emitted[i], logprobs[i] = toks, lp
         nodes: dict[int, list[int]] = {}
         if trees:
-            for i, (toks, acc) in self._verify_trees(scheduled, row_starts, trees, hidden).items():
-                emitted[i], nodes[i] = toks, acc
-        return TargetStepOutput(emitted, aux, row_starts, nodes)
+            for i, (toks, acc, lp) in self._verify_trees(scheduled, row_starts, trees, hidden).items():
+                emitted[i], nodes[i], logprobs[i] = toks, acc, lp
+        prompt: list[list[TokenLogprob | None] | None] = [None] * len(scheduled)
+        if any(s.seq.params.prompt_logprobs is not None for s in scheduled):
+            prompt = step_prompt_logprobs(scheduled, row_starts, lambda r: self._logits_at(hidden, r))
+        return TargetStepOutput(emitted, aux, row_starts, nodes, logprobs, prompt)
+
+    def _logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The target's float32 logits of ``rows`` of ``hidden`` (tensor parallel: with the workers)."""
+        rows = rows.to(hidden.device)
+        at = getattr(self.target, "compute_logits_at", None)
+        return at(hidden, rows) if at is not None else self.target.compute_logits(hidden[rows])
 
     def _tree_graph(self, input_ids: torch.Tensor, scheduled: list[ScheduledSeq], trees: dict[int, DraftTree]
                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -441,10 +464,11 @@ class ModelRunner:
         return meta
 
     def _verify_trees(self, scheduled: list[ScheduledSeq], row_starts: list[int], trees: dict[int, DraftTree],
-                      hidden: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
+                      hidden: torch.Tensor) -> dict[int, tuple[list[int], list[int], list[TokenLogprob] | None]]:
         """Tree acceptance (point-mass children) per tree, then the accepted path's KV moved to
-        chain positions. Returns per tree (emitted tokens, accepted nodes)."""
-        out: dict[int, tuple[list[int], list[int]]] = {}
+        chain positions. Returns per tree (emitted tokens, accepted nodes, logprob entries of the
+        emitted tokens: from the root's row, then the accepted nodes' rows)."""
+        out: dict[int, tuple[list[int], list[int], list[TokenLogprob] | None]] = {}
         at = getattr(self.target, "compute_logits_at", None)
         for i, tree in trees.items():  # one tree at a time: trees of different sizes need no padding
             item = scheduled[i]
@@ -457,7 +481,8 @@ class ModelRunner:
             # tensor parallel: TPTarget.compact_tree_kv moves the workers' copies too
             compact = getattr(self.target, "compact_tree_kv", compact_tree_kv)
             compact(self.target_kv, item.seq.block_table, self.block_size, item.start + item.num_tokens - 1, acc)
-            out[i] = (res.rows()[0], acc)
+            toks = res.rows()[0]
+            out[i] = (toks, acc, emitted_logprobs(logits, [[0] + acc], [toks], [item.seq.params])[0])
         return out
 
     @torch.inference_mode()
@@ -480,9 +505,11 @@ class ModelRunner:
         logits = at(hidden, rows) if at is not None else self.target.compute_logits(hidden)
         return logits.view(b, n, -1), aux
 
-    def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor) -> list[list[int]]:
+    def _verify(self, items: list[ScheduledSeq], row_starts: list[int], hidden: torch.Tensor
+                ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Greedy / rejection-sampling verification of each sampling sequence's drafts (none for
-        plain decode and the last prefill chunk: then this is ordinary sampling)."""
+        plain decode and the last prefill chunk: then this is ordinary sampling). Returns the
+        emitted tokens and, for sequences that asked, their logprob entries (None otherwise)."""
         first = [r + it.num_tokens - 1 for r, it in zip(row_starts, items, strict=True)]
         num_drafts = [len(it.draft_ids) for it in items]
         # Row of the last real token, then one row per draft; padded to k + 1 by repeating. auto
@@ -507,4 +534,10 @@ class ModelRunner:
         batch = SamplingBatch.build([it.seq.params for it in items], [it.seq.generator for it in items],
                                     device=logits.device)
         out = rejection_sample(target_logits, draft_ids, n_drafts, batch, draft_probs, self.generator)
-        return out.rows()
+        emitted = out.rows()
+        params = [it.seq.params for it in items]
+        if all(p.logprobs is None for p in params):
+            return emitted, [None] * len(items)
+        # emitted token j of sequence b came from row offsets[b] + j of ``logits`` (j <= its drafts)
+        rows = [[o + j for j in range(len(e))] for o, e in zip(offsets.tolist(), emitted, strict=True)]
+        return emitted, emitted_logprobs(logits, rows, emitted, params)

@@ -149,15 +149,18 @@ class Scheduler:
     # -- after the forward -----------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, result: StepOutput) -> list[Sequence]:
         """Apply one step's result: commit each sequence's tokens (with stop checks and the
-        acceptance statistics), adopt the proposals of those still running, then free finished
+        acceptance statistics) and their logprobs, adopt the proposals of those still running, then free finished
         sequences' blocks and trim the others'. A sequence whose bookkeeping raises fails alone.
         Returns the sequences that finished."""
-        for item, emitted, proposal in zip(out.scheduled, result.emitted, result.proposals, strict=True):
+        for i, (item, emitted, proposal) in enumerate(zip(out.scheduled, result.emitted, result.proposals,
+                                                          strict=True)):
             seq = item.seq
             if seq.is_finished:  # failed inside the step (LLM._isolated)
                 continue
             try:
+                before = seq.num_tokens
                 self.commit(item, emitted)
+                seq.add_logprobs(result.prompt_logprobs[i], result.logprobs[i], seq.num_tokens - before)
             except Exception as err:
                 fail(seq, err)
                 continue

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle3.runtime.logprobs import TokenLogprob
 from eagle3.runtime.sampling import SamplingParams
 from eagle3.runtime.spec.stats import SpecStats
 
@@ -68,6 +69,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.error: str | None = None  # why it failed, with FinishReason.ERROR
+        # Logprob entries (runtime/logprobs.py), None when not asked for: one per output token, and
+        # one per prompt token (position 0's None first) once the prefill is done.
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -109,6 +114,15 @@ class Sequence:
                 self.finish(reason)
                 break
         return appended
+
+    def add_logprobs(self, prompt: list[TokenLogprob | None] | None, output: list[TokenLogprob] | None,
+                     appended: int) -> None:
+        """Record a step's entries: its prompt entries, and those of the ``appended`` output tokens
+        (a stop inside the step drops the entries of the tokens after it, as it drops the tokens)."""
+        if prompt and self.prompt_logprobs is not None:
+            self.prompt_logprobs += prompt
+        if output and self.logprobs is not None:
+            self.logprobs += output[:appended]
 
     def _stop_reason(self, tok: int, eos_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         if tok in self.params.stop_token_ids or (not self.params.ignore_eos and tok in eos_ids):
