@@ -53,6 +53,9 @@ class Delta:
     logprobs: list[Any] | None = None
     # With SamplingParams.prompt_logprobs: the prompt's entries, on the request's first delta only
     prompt_logprobs: list[Any] | None = None
+    # The output token ids this delta counts (the deltas of a request add up to its counted tokens):
+    # vLLM's and SGLang's ``return_token_ids``
+    token_ids: list[int] | None = None
 
 
 class OutputTracker:
@@ -74,10 +77,13 @@ class OutputTracker:
         self.marks: list[tuple[int, int]] = []  # (output tokens, text length) after each step
         self.entries_sent = 0
         self.prompt_entries: list[Any] | None = None  # until the first delta takes them
+        self.ids: list[int] = []  # every output token id so far
+        self.ids_sent = 0
 
     def feed(self, out: Any) -> Delta:
         prev_len = len(self.text)
         ids = list(out.token_ids)
+        self.ids = ids
         prev_tokens = len(ids) - len(out.new_token_ids)
         self.text += out.new_text
         self.num_tokens = len(ids)
@@ -118,8 +124,9 @@ class OutputTracker:
         upto = max(upto, self.sent)
         text = self.text[self.sent: upto]
         self.sent = upto
+        ids, self.ids_sent = self.ids[self.ids_sent: self.num_tokens], max(self.ids_sent, self.num_tokens)
         return Delta(text, self.num_tokens, self.done, self.reason, self.stop_reason, self._release(upto),
-                     self._prompt())
+                     self._prompt(), ids)
 
     def _release(self, upto: int) -> list[Any] | None:
         """The entries of the tokens whose text is now sent: every counted token when done, else

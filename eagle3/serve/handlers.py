@@ -56,6 +56,7 @@ class _Outcome:
     deltas: list[Delta] = field(default_factory=list)
     logprobs: list[Any] | None = None  # the deltas' entries, one per counted output token
     prompt_logprobs: list[Any] | None = None
+    token_ids: list[int] = field(default_factory=list)  # the counted output tokens
 
 
 class SSEResponse(StreamingResponse):
@@ -210,6 +211,7 @@ class OpenAIHandlers:
                         out.logprobs += d.logprobs
                     if d.prompt_logprobs is not None:
                         out.prompt_logprobs = d.prompt_logprobs
+                    out.token_ids += d.token_ids or []
                     if d.finished:
                         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         finally:
@@ -414,6 +416,7 @@ class OpenAIHandlers:
             preps.append(_Prepared(i, ids, text, self.sampling_params(req, max_tokens, lp, prompt_n)))
         stops, request_id = req.stop_list(), f"cmpl-{uuid.uuid4().hex}"
         fmt = _CompletionFormat(self, req, echo_only)
+        fmt.prompt_ids = {p.index: p.ids for p in preps}
         if req.stream:
             return SSEResponse(self.stream_events(request_id, "text_completion", preps, stops,
                                                   req.include_stop_str_in_output, req.include_usage(), fmt.chunk,
@@ -484,6 +487,8 @@ class _CompletionFormat:
         self.h, self.req, self.echo_only = handlers, req, echo_only
         self.streams: dict[int, CompletionLogprobs] = {}
         self.pending: dict[int, _Prepared] = {}  # streamed prompts still to echo
+        self.prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each prompt's ids, for its first chunk
+        self.ids_started: set[int] = set()
 
     def prompt_text(self, p: _Prepared) -> str:
         return p.text if p.text is not None else self.h.engine.decode(p.ids)
@@ -509,6 +514,9 @@ class _CompletionFormat:
                              "stop_reason": None if self.echo_only else o.stop_reason}
         if req.prompt_logprobs is not None:
             c["prompt_logprobs"] = prompt_logprobs(require(o.prompt_logprobs, "prompt logprobs"), self.h.token_text)
+        if req.return_token_ids:
+            c["prompt_token_ids"] = list(p.ids)
+            c["token_ids"] = [] if self.echo_only else list(o.token_ids)
         return c
 
     def head(self, p: _Prepared) -> dict[str, Any] | None:
@@ -526,6 +534,12 @@ class _CompletionFormat:
             self.h.token_text, self.req.logprobs or 0, self.req.return_tokens_as_token_ids))
         text = (self.prompt_text(p) if p is not None else "") + ("" if self.echo_only else d.text)
         reason = ("length" if self.echo_only else d.finish_reason) if d.finished else None
-        return {"index": index, "text": text,
-                "logprobs": self.logprobs(p, stream, d.logprobs, d.prompt_logprobs, p is not None),
-                "finish_reason": reason}
+        c: dict[str, Any] = {"index": index, "text": text,
+                             "logprobs": self.logprobs(p, stream, d.logprobs, d.prompt_logprobs, p is not None),
+                             "finish_reason": reason}
+        if self.req.return_token_ids:  # vLLM: the prompt's ids in the first chunk, each chunk its new ids
+            if index not in self.ids_started:
+                self.ids_started.add(index)
+                c["prompt_token_ids"] = list(self.prompt_ids[index])
+            c["token_ids"] = [] if self.echo_only else list(d.token_ids or [])
+        return c

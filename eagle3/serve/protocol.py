@@ -185,6 +185,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None  # N most likely tokens per token (0: the chosen token's only)
     prompt_logprobs: StrictInt | None = None  # vLLM's: logprobs of the prompt tokens, top N
     return_tokens_as_token_ids: StrictBool = False  # vLLM's: tokens as "token_id:<id>"
+    # vLLM's and SGLang's: the choice also carries prompt_token_ids and token_ids (the output's)
+    return_token_ids: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = False
