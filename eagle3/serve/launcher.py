@@ -210,15 +210,75 @@ class ServerThread:
         self.thread.join(30.0)
 
 
-def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, *,
-                       model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                       baseline: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same
-    items again (every concurrency level) for the lossless check and the speedup. Returns the report."""
+def _served(path: Path, draft: Path | None, eopts: EngineConfig, work: Callable[[str], Any], *, model_name: str,
+            api_key: str | None, host: str, port: int, echo: Callable[[str], None],
+            meta: dict[str, Any] | None = None, rejoin: bool = False) -> Any:
+    """Load ``path`` (+ ``draft``), serve it in a background thread, run ``work(url)``, and unload it
+    again (one model in memory at a time: a source and its quantized copy never share a node)."""
+    echo(f"loading {path}" + (f" + draft {draft}" if draft is not None else " (no speculation)"))
+    llm = build_llm(path, draft, eopts)
+    if meta is not None:
+        meta.update(engine_info(llm))  # what "auto" resolved to, whether graphs are on
+    app = build_app(llm, model_name, api_key=api_key, root=str(path))
+    try:
+        with ServerThread(app, host, port) as url:
+            out = work(url)
+        if meta is not None:
+            meta.update(engine_info(llm))  # auto: the k it chose over the run
+    finally:
+        # its tensor-parallel workers, before the next run forms its own group (other nodes start their
+        # ranks again for it: rejoin)
+        close_llm(llm, rejoin=rejoin)
+        del app, llm
+        gc.collect()
+        _empty_device_cache(eopts.device)
+    return out
+
+
+def record_reference(source: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, path: Path, *,
+                     model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                     echo: Callable[[str], None] = print, prep: Any = None) -> Any:
+    """Pass 1 with the bundled runtime: serve ``source`` (+ ``draft``: the acceptance on the source)
+    and record its reference to ``path`` (:func:`eagle3.validate.twopass.record`)."""
     from eagle3 import validate
     from eagle3.formats.check import require_valid_pair
+    from eagle3.validate import twopass
+
+    require_valid_pair(source, draft)
+    prep = prep if prep is not None else validate.prepare(vopts)
+    vopts.api_key = api_key
+    info = {"engine": "eagle3", "checkpoint": str(source), "draft": None if draft is None else str(draft),
+            "dtype": eopts.dtype, "kernel_backend": eopts.backend}
+
+    def work(url: str) -> Any:
+        echo(f"reference: recording {prep.describe()} item(s) from the source at {url}")
+        return twopass.record(url, prep, vopts, path, info, model_name)
+
+    return _served(source, draft, eopts, work, model_name=model_name, api_key=api_key, host=host, port=port,
+                   echo=echo, rejoin=eopts.nnodes > 1)
+
+
+def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, *,
+                       model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                       baseline: bool = True, echo: Callable[[str], None] = print,
+                       source: Path | None = None) -> dict[str, Any]:
+    """Serve, validate over HTTP, stop; with a draft, serve the target alone and run the same
+    items again (every concurrency level) for the lossless check and the speedup. Returns the report.
+
+    ``source`` (``--reference SRC_DIR``): first serve the source (+ draft) and record its reference
+    (to ``vopts.record_reference`` when given, else a temporary file), then compare the target with it;
+    ``vopts.reference`` alone: compare with a reference recorded before."""
+    import tempfile
+
+    from eagle3 import validate
+    from eagle3.formats.check import require_valid_pair
+    from eagle3.validate import twopass
 
     require_valid_pair(target, draft)  # before the data set is read and anything is printed
+    if source is not None:
+        require_valid_pair(source, draft)
+    keep = vopts.record_reference
+    vopts.record_reference = None  # serve records only as part of --reference SRC_DIR here
     prep = validate.prepare(vopts)
     vopts.api_key = api_key
     meta = {"target": str(target), "draft": None if draft is None else str(draft),
@@ -227,30 +287,46 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
             "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
             "tensor_parallel_size": eopts.tensor_parallel_size, "kernel_backend": eopts.backend,
             "enforce_eager": eopts.enforce_eager}
+    common = dict(model_name=model_name, api_key=api_key, host=host, port=port, echo=echo)
+    with tempfile.TemporaryDirectory(prefix="eagle3-reference-") as tmp:
+        if source is not None:
+            ref_path = keep if keep is not None else Path(tmp) / "reference.jsonl.gz"
+            # the source under its own name: the reference says which model it is
+            record_reference(source, draft, eopts, vopts, ref_path, prep=prep,  # type: ignore[arg-type]
+                             **dict(common, model_name=source.resolve().name))
+            meta["source"] = str(source)
+            vopts.reference = ref_path
+        loaded = twopass.load(vopts.reference, prep, vopts) if vopts.reference is not None else None
+        forced: list[Any] = []
 
-    def one_run(with_draft: bool, label: str) -> Any:
-        echo(f"loading {target}" + (f" + draft {draft}" if with_draft else " (no speculation)"))
-        llm = build_llm(target, draft if with_draft else None, eopts)
-        meta.update(engine_info(llm))  # what "auto" resolved to, whether graphs are on
-        app = build_app(llm, model_name, api_key=api_key, root=str(target))
-        try:
-            with ServerThread(app, host, port) as url:
+        def work(label: str) -> Callable[[str], Any]:
+            def run_on(url: str) -> Any:
                 echo(f"{label}: {prep.describe()} item(s) to {url} at concurrency "
                      f"{','.join(str(c) for c in vopts.levels)}")
                 run = validate.evaluate(url, prep, vopts, label)
-            meta.update(engine_info(llm))  # auto: the k it chose over the run
-        finally:
-            # its tensor-parallel workers, before the next run forms its own group (other nodes
-            # start their ranks again for it: rejoin)
-            close_llm(llm, rejoin=with_draft and baseline and eopts.nnodes > 1)
-            del app, llm
-            gc.collect()
-            _empty_device_cache(eopts.device)
-        return run
+                if loaded is not None and not forced:  # the served model's side of the comparison
+                    forced.append(twopass.teacher_force(url, loaded, prep, vopts, model_name))
+                return run
+            return run_on
 
-    run = one_run(draft is not None, "speculative" if draft is not None else "run")
-    base = one_run(False, "baseline") if draft is not None and baseline else None
-    return validate.finish(run, base, prep, vopts, meta)
+        with_draft = draft is not None
+        run = _served(target, draft if with_draft else None, eopts, work("speculative" if with_draft else "run"),
+                      meta=meta, rejoin=with_draft and baseline and eopts.nnodes > 1, **common)  # type: ignore[arg-type]
+        base = (_served(target, None, eopts, work("baseline"), meta=meta, **common)  # type: ignore[arg-type]
+                if with_draft and baseline else None)
+        sections = []
+        if loaded is not None:
+            adapt = adapt_command(target, draft) if draft is not None else None
+            sections.append(twopass.section(loaded, forced[0], prep, run, vopts, adapt))
+        return validate.finish(run, base, prep, vopts, meta, sections=sections)
+
+
+def adapt_command(target: Path, draft: Path) -> str:
+    """The command that adapts ``draft`` to ``target`` (``train-draft --adapt``)."""
+    import shlex
+
+    out = Path(draft).with_name(Path(draft).name + "-adapted")
+    return shlex.join(["eagle3", "train-draft", str(target), str(out), "--init-from", str(draft), "--adapt"])
 
 
 def close_llm(llm: Any, rejoin: bool = False) -> None:

@@ -44,6 +44,15 @@ class ValidateOptions:
     min_acceptance: float | None = None
     accuracy_filter: str = "strict-match"
     allow_code_execution: bool = False  # humaneval: run the completions' tests for pass@1
+    # The comparison against the source (eagle3.validate.twopass): pass 1 writes record_reference,
+    # pass 2 reads reference; logprobs is N (pass 1: default 20; pass 2: the reference's).
+    record_reference: Path | None = None
+    reference: Path | None = None
+    logprobs: int | None = None
+    tokenizer: Path | None = None  # prompts tokenized here instead of by the server's /tokenize
+    max_kld: float | None = None  # None: the defaults of reference.Thresholds
+    min_top1: float | None = None
+    max_flips: float | None = None
     inputs: tuple[Path | None, ...] = ()  # what else the run reads (serve: target, draft): no report there
     echo: Callable[[str], None] | None = field(default=None, repr=False)  # progress lines
 
@@ -85,6 +94,7 @@ class ValidateOptions:
         if self.min_accuracy is not None and not scored:
             raise UsageError(f"--min-accuracy: none of {', '.join(tasks)} scores accuracy (gsm8k does; humaneval "
                              f"with --allow-code-execution)")
+        self._check_reference()
         from eagle3.checkpoint import check_output_path
 
         files = [Path(t) for t in tasks if is_file_task(t)]
@@ -96,6 +106,39 @@ class ValidateOptions:
                 raise UsageError(f"{p}: --{flag} names a directory; give a file path")
             if p.exists() and not self.overwrite:
                 raise UsageError(f"{p} exists; pass --overwrite to replace it")
+
+    def _check_reference(self) -> None:
+        from eagle3.checkpoint import check_output_path
+
+        if self.record_reference is not None and self.reference is not None:
+            raise UsageError("--record-reference (pass 1, the source's server) and --reference (pass 2) are two "
+                             "runs; give one")
+        if self.logprobs is not None and not 1 <= self.logprobs <= 100:
+            raise UsageError(f"--logprobs must be in 1..100, got {self.logprobs}")
+        compare = self.reference is not None
+        given = [f for f, v in (("--max-kld", self.max_kld), ("--min-top1", self.min_top1),
+                                ("--max-flips", self.max_flips)) if v is not None]
+        if given and not compare:
+            raise UsageError(f"{', '.join(given)} go with --reference (the comparison against the source)")
+        if self.logprobs is not None and self.record_reference is None and not compare:
+            raise UsageError("--logprobs goes with --record-reference / --reference")
+        self.thresholds().check()
+        p = self.record_reference
+        if p is not None:
+            files = [Path(t) for t in self.tasks() if t.lower().endswith(".jsonl")]
+            check_output_path(p, [self.dataset, *files, *self.inputs], what="record-reference")
+            if p.is_dir():
+                raise UsageError(f"{p}: --record-reference names a directory; give a file path (e.g. ref.jsonl.gz)")
+            if p.exists() and not self.overwrite:
+                raise UsageError(f"{p} exists; pass --overwrite to replace it")
+
+    def thresholds(self) -> Any:
+        from eagle3.validate.reference import Thresholds
+
+        d = Thresholds()
+        return Thresholds(d.max_kld if self.max_kld is None else self.max_kld,
+                          d.min_top1 if self.min_top1 is None else self.min_top1,
+                          d.max_flips if self.max_flips is None else self.max_flips)
 
     def figure_path(self) -> Path | None:
         if self.figure is not None:

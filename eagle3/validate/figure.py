@@ -104,10 +104,30 @@ def draw_speedup_by_concurrency(ax: Any, report: dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="upper left", ncol=2)
 
 
+def draw_kld_histogram(ax: Any, report: dict[str, Any]) -> None:
+    """The comparison against the source: how many generated positions fall in each decade of
+    per-token KLD (the first bar: identical or float-eps close), with the summary in the title."""
+    block = report["reference"]
+    hist = block["kld_histogram"]
+    edges, counts = hist["edges"], hist["counts"]
+    labels = [("0" if lo == 0 else f"{lo:g}") + ("+" if hi is None else f"-{hi:g}")
+              for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
+    xs = list(range(len(counts)))
+    ax.bar(xs, counts, color="#C44E52")
+    ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("per-token KLD (source || served)")
+    ax.set_ylabel("generated positions")
+    k = block["kld"]
+    t1 = block.get("top1_agreement")
+    ax.set_title(f"vs the source: mean KLD {k['mean']:.3g}, top-1 {t1:.3f}" if t1 is not None and k["tokens"]
+                 else "vs the source")
+
+
 PANELS: list[Panel] = [
     Panel("acceptance_by_workload", draw_acceptance_by_workload),
     Panel("acceptance_by_position", draw_acceptance_by_position),
     Panel("speedup_by_concurrency", draw_speedup_by_concurrency),
+    Panel("kld_histogram", draw_kld_histogram, lambda report: bool(report.get("reference"))),
 ]
 
 

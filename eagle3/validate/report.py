@@ -402,6 +402,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if loss.get("checked"):
         lines.append(f"  lossless (greedy output identical without speculation): "
                      f"{'PASS' if loss['passed'] else 'FAIL'} ({loss['num_mismatches']} of {loss['num_compared']} differ)")
+    from eagle3.validate.reference import summary_lines as reference_lines
+
+    lines += reference_lines(report)
     for f in report["failures"]:
         lines.append(f"  FAIL: {f}")
     lines.append(f"  result: {'PASS' if report['passed'] else 'FAIL'}")

@@ -65,13 +65,15 @@ class Scores:
     """A scorer's verdict on one run: ``metrics`` go into the report as they are; ``per_item`` (one
     dict per item, or empty) into its samples; ``accuracy`` is the number ``--min-accuracy`` checks
     (None: this workload scores no accuracy) under the name ``accuracy_name``; ``errors``: what kept
-    the scorer from judging (the report lists them as failures)."""
+    the scorer from judging (the report lists them as failures); ``correct``: per item, whether its
+    answer counts as right (empty: not judged), what answer flips against a source compare."""
 
     metrics: dict[str, Any] = field(default_factory=dict)
     per_item: list[dict[str, Any]] = field(default_factory=list)
     accuracy: float | None = None
     accuracy_name: str | None = None
     errors: list[str] = field(default_factory=list)  # the scoring itself went wrong: failure lines
+    correct: list[bool] = field(default_factory=list)  # per item (empty: not judged)
 
 
 # answers[i][t]: item i's answer to turn t ("" for a failed request)

@@ -29,5 +29,6 @@ def score(items: Sequence[Item], answers: Sequence[Sequence[str]], accuracy_filt
     per_item = [{"question": it.doc.question, "target": it.doc.answer.split("####")[-1].strip(),
                  "strict": s.strict, "flexible": s.flexible, "strict_correct": s.strict_correct,
                  "flexible_correct": s.flexible_correct} for it, s in zip(items, scored, strict=True)]
+    attr = "strict_correct" if accuracy_filter == "strict-match" else "flexible_correct"
     return Scores({"accuracy": acc}, per_item, acc[accuracy_filter]["exact_match"],
-                  f"exact_match ({accuracy_filter})")
+                  f"exact_match ({accuracy_filter})", correct=[bool(getattr(s, attr)) for s in scored])

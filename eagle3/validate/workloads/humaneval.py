@@ -88,7 +88,8 @@ class _Executor:
                     for it, r in zip(items, results, strict=True)]
         not_run = [r["result"] for r in results if r["result"].startswith("not run")]
         errors = [f"{len(not_run)} completion(s) not executed: {not_run[0]}"] if not_run else []
-        return Scores(metrics, per_item, value, "pass@1", errors)
+        return Scores(metrics, per_item, value, "pass@1", errors,
+                      correct=[bool(r["passed"]) for r in results] if not not_run else [])
 
 
 def pass_at_1(passed: Sequence[float]) -> float:
