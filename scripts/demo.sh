@@ -30,13 +30,18 @@ done
 DATASET=()
 if [ -n "${GSM8K_DIR:-}" ] && [ -f "$GSM8K_DIR/test.jsonl" ]; then DATASET=(--dataset "$GSM8K_DIR"); fi
 # 5-shot, as lm-eval's gsm8k (~1,600-token prompts with the tiny tokenizer); k = 3 draft tokens per step.
-echo "== serve --validate gsm8k: W4A8 target + INT4 draft through the OpenAI API, then the same prompts without speculation"
+# --reference: the W4A8 target against its source (the trained INT4 target): the source is served first
+# and its greedy tokens and top-20 logprobs recorded, then the W4A8 target is validated and teacher-forced
+# through them (KLD, top-1 agreement, first divergence, answer flips, acceptance on source vs W4A8).
+echo "== serve --validate gsm8k --reference: W4A8 target + INT4 draft against the source, then without speculation"
 eagle3 serve "$OUT/target-w4a8" --draft "$OUT/draft-int4" --validate gsm8k --num-speculative-tokens 3 \
-  --limit "${LIMIT:-8}" --num-fewshot "${FEWSHOT:-5}" --max-tokens "${MAX_TOKENS:-128}" --concurrency "${CONCURRENCY:-1}" \
+  --reference "$OUT/tiny/$TARGET" --record-reference "$OUT/gsm8k_reference.jsonl.gz" \
+  --limit "${LIMIT:-6}" --num-fewshot "${FEWSHOT:-5}" --max-tokens "${MAX_TOKENS:-96}" --concurrency "${CONCURRENCY:-1}" \
   "${DATASET[@]}" --report "$OUT/gsm8k_report.json"
 echo "   note on exact_match: the tiny target (a few million parameters) is far too small to solve GSM8K, so"
-echo "   an accuracy of 0 is expected here. What the demo shows is the acceptance rate and mean accept length,"
-echo "   the speedup over the same target without speculation, and the lossless check (PASS)."
+echo "   an accuracy of 0 is expected here (and no answer can flip). What the demo shows is the acceptance rate"
+echo "   and mean accept length, the speedup over the same target without speculation, the lossless check"
+echo "   (PASS), and how far W4A8 moved the model from its source (KLD, top-1 agreement, first divergence)."
 # A second workload: MT-Bench (the questions ship inside eagle3), through the model's chat template, one
 # question per category, both turns (the second after the model's own first answer), acceptance per category.
 echo "== serve --validate mtbench: the same pair on chat traffic (one MT-Bench question per category, two turns)"
@@ -44,4 +49,5 @@ eagle3 serve "$OUT/target-w4a8" --draft "$OUT/draft-int4" --validate mtbench --n
   --limit "${MTBENCH_LIMIT:-1}" --max-tokens "${MTBENCH_MAX_TOKENS:-32}" --report "$OUT/mtbench_report.json"
 echo "   the draft was trained on GSM8K answers only: on chat it is accepted less (compare the mean accept"
 echo "   lengths above), as real drafts are (a K2.5 EAGLE-3 draft's card: GSM8K 3.20, MT-Bench 2.69)."
-echo "== done: $OUT/gsm8k_report.json, $OUT/gsm8k_report.png, $OUT/mtbench_report.json, $OUT/mtbench_report.png"
+echo "== done: $OUT/gsm8k_report.json, $OUT/gsm8k_report.png, $OUT/mtbench_report.json, $OUT/mtbench_report.png,"
+echo "   $OUT/gsm8k_reference.jsonl.gz (the source's recording: compare another target with --reference FILE)"
