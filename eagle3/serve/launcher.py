@@ -234,13 +234,16 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
     def one_run(with_draft: bool, label: str) -> Any:
         echo(f"loading {target}" + (f" + draft {draft}" if with_draft else " (no speculation)"))
         llm = build_llm(target, draft if with_draft else None, eopts)
-        meta.update(engine_info(llm))  # what "auto" resolved to, whether graphs are on
+        # the validated server's: what "auto" resolved to, whether graphs are on, its KV cache (the
+        # baseline's differs only by the draft's cache, and is not recorded over it)
+        info = meta if with_draft or draft is None else {}
+        info.update(engine_info(llm))
         app = build_app(llm, model_name, api_key=api_key, root=str(target))
         try:
             with ServerThread(app, host, port) as url:
                 echo(f"{label}: {len(prep.prompts)} GSM8K prompts to {url} at concurrency {vopts.concurrency}")
                 run = validate.evaluate(url, prep, vopts, label)
-            meta.update(engine_info(llm))  # auto: the k it chose over the run
+            info.update(engine_info(llm))  # auto: the k it chose over the run
         finally:
             # its tensor-parallel workers, before the next run forms its own group (other nodes
             # start their ranks again for it: rejoin)

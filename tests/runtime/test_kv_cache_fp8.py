@@ -227,6 +227,10 @@ def test_a_bad_scale_is_one_line(pair: Path, tmp_path: Path, capsys: pytest.Capt
     bad = with_kv_scales(pair / TARGET, tmp_path / "bad", "compressed-tensors", extra={name: value})
     err = _serve_error(capsys, ["serve", str(bad), "--kv-cache-dtype", "fp8", "--port", "0"])
     assert match in err and "k_scale" in err, err
+    from eagle3.runtime.loader import load_target
+
+    with pytest.raises(FormatError, match=r"k_scale'?: a KV cache scale must be"):  # the Python API: the loader's check
+        load_target(bad, kv_cache_dtype="fp8")
 
 
 def test_serve_refusals_are_one_line(pair: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -272,3 +276,25 @@ def test_health_and_plan_show_twice_the_tokens(pair: Path, capsys: pytest.Captur
         tokens[kv] = int(line.rsplit("->", 1)[1].split()[0].replace(",", ""))
         assert ("at fp8" in line) == (kv == "fp8"), line
     assert 1.99 < tokens["fp8"] / tokens["auto"] <= 2.0
+
+
+def test_serve_validate_fp8(pair: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``eagle3 serve T --draft D --kv-cache-dtype fp8 --validate gsm8k`` on the trained pair (the
+    bundled runtime, torch backend): lossless PASS, the fp8 cache in the report's server section.
+    Kept to 2 questions x 24 tokens; docs/kernels.md has the 8 x 96 (and 32 x 96) measurement."""
+    import json
+
+    from eagle3.cli import main
+
+    report = tmp_path / "fp8.json"
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(pair / TARGET), "--draft", str(pair / DRAFT), "--kv-cache-dtype", "fp8", "--validate",
+              "gsm8k", "--limit", "2", "--max-tokens", "24", "--report", str(report)])
+    out = capsys.readouterr()
+    assert not e.value.code, out.out + out.err
+    r = json.loads(report.read_text())
+    assert r["passed"] and r["lossless"]["passed"] and r["lossless"]["num_compared"] == 2
+    server = r["server"]
+    assert server["kv_cache_dtype"] == "fp8_e4m3" and server["kv_cache_storage"] == "float8_e4m3fn"
+    assert server["kv_bytes_per_token"] == 4 * 576 + 2 * 2 * 64  # 4 layers' latents + the Llama draft's K, V
+    assert r["speculative"]["acceptance_rate"] > 0.5
