@@ -93,12 +93,6 @@ class KVFormat:
     def fp8(self) -> bool:
         return is_fp8(self.dtype)
 
-    @property
-    def bytes_per_value(self) -> int:
-        import torch
-
-        return torch.empty((), dtype=self.dtype).element_size()
-
 
 def quantize(values: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
     """fp8 codes of ``values``: ``fp8(clamp(float32(values) / scale, -max, max))`` (round to nearest

@@ -97,8 +97,7 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         for i, layer in enumerate(model.layers):
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
             if model.kv_format.fp8:
-                k, v = _kv_scales(wr, f"{p}model.layers.{i}.self_attn", model.kv_format.dtype)
-                layer.self_attn.kv_scale = max(k, v)  # one latent tensor: the larger keeps both in range
+                layer.self_attn.kv_scale = _kv_scales(wr, f"{p}model.layers.{i}.self_attn", model.kv_format.dtype)[2]
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
@@ -256,9 +255,9 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
                 model.self_attn.load(q[0], k[0], v[0], o[0], q[1], o[1], dtype, dev)
         _load_mlp(wr, model.mlp, lp + "mlp.")
         if model.kv_format.fp8:
-            k, v = _kv_scales(wr, lp + "self_attn", model.kv_format.dtype)
+            k, v, latent = _kv_scales(wr, lp + "self_attn", model.kv_format.dtype)
             if spec.attention == "mla":
-                model.self_attn.kv_scale = max(k, v)
+                model.self_attn.kv_scale = latent
             else:
                 model.self_attn.kv_scales = (k, v)
         wr.norm(model.norm, keys.DRAFT_NORM)
@@ -290,15 +289,20 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
     return model
 
 
-def _kv_scales(wr: WeightReader, attn: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(key scale, value scale) of an fp8 cache for attention module ``attn``: the largest of the
-    checkpoint's kv scales for each (``formats.keys.kv_scale_names``), 1.0 where it has none (vLLM's
-    rule), as the cache stored in ``dtype`` uses them (``kv_cache.storage_scale``: fnuz doubles)."""
-    out = []
+def _kv_scales(wr: WeightReader, attn: str, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(key scale, value scale, latent scale) of an fp8 cache for attention module ``attn``: the
+    largest of the checkpoint's key / value scales (``formats.keys.kv_scale_names``), and for an MLA
+    latent (one tensor that keys and values are both computed from) the largest of all of them;
+    1.0 where the checkpoint has none (vLLM's rule). As the cache stored in ``dtype`` uses them
+    (``kv_cache.storage_scale``: fnuz doubles)."""
+    found: list[list[float]] = []
     for names in keys.kv_scale_names(attn):
-        found = [kv_cache.check_scale(wr.get(n), f"{wr.path}: tensor {n!r}") for n in names if wr.has(n)]
-        out.append(kv_cache.storage_scale(max(found), dtype) if found else 1.0)
-    return out[0], out[1]
+        found.append([kv_cache.check_scale(wr.get(n), f"{wr.path}: tensor {n!r}") for n in names if wr.has(n)])
+
+    def pick(vals: list[float]) -> float:
+        return kv_cache.storage_scale(max(vals), dtype) if vals else 1.0
+
+    return pick(found[0]), pick(found[1]), pick(found[0] + found[1])
 
 
 def load_lm_head(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,

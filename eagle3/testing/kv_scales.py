@@ -50,11 +50,11 @@ def _attention_modules(names: list[str]) -> list[str]:
 
 
 def with_kv_scales(src: str | Path, out: str | Path, style: str,
-                   scale: Callable[[str, str], float] = lambda module, which: 0.05,
+                   scale: Callable[[str, str], float | None] = lambda module, which: 0.05,
                    extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Copy checkpoint ``src`` to ``out`` with ``style``'s kv scales on every attention layer.
-    ``scale(attention_module, "k" | "v")`` (compressed-tensors) or ``scale(projection, "out")`` (Quark)
-    gives each value."""
+    ``scale(attention_module, "k" | "v")`` (compressed-tensors; None leaves that one out) or
+    ``scale(projection, "out")`` (Quark) gives each value."""
     if style not in STYLES:
         raise UsageError(f"kv scale style must be one of {', '.join(STYLES)}, got {style!r}")
     src, out = Path(src), Path(out)
@@ -70,8 +70,10 @@ def with_kv_scales(src: str | Path, out: str | Path, style: str,
             raise UsageError(f"{src}: a compressed-tensors kv-cache scheme goes into a compressed-tensors checkpoint")
         qc["kv_cache_scheme"] = dict(_CT_KV_SCHEME)
         for attn in _attention_modules(names):
-            added[f"{attn}.{keys.K_SCALE}"] = torch.tensor([scale(attn, "k")], dtype=torch.float32)
-            added[f"{attn}.{keys.V_SCALE}"] = torch.tensor([scale(attn, "v")], dtype=torch.float32)
+            for which, param in (("k", keys.K_SCALE), ("v", keys.V_SCALE)):
+                value = scale(attn, which)
+                if value is not None:  # None: this scale left out
+                    added[f"{attn}.{param}"] = torch.tensor([value], dtype=torch.float32)
     else:
         if not qc or qc.get("quant_method") != "quark":
             raise UsageError(f"{src}: Quark kv scales go into a Quark checkpoint (its weights quantized by Quark)")

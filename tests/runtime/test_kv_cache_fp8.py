@@ -186,6 +186,9 @@ def test_kv_scales_are_read_from_checkpoints(pair: Path, tiny_dir: Path, tmp_pat
     model = load_target(ct, kv_cache_dtype="fp8")
     assert model.kv_scales() == pytest.approx([0.02, 0.021, 0.022, 0.023])
     assert load_target(ct).kv_scales() == [1.0] * 4  # auto: a float cache, no scale
+    k_only = with_kv_scales(pair / TARGET, tmp_path / "ct-k", "compressed-tensors",
+                            lambda m, which: 0.25 if which == "k" else None)
+    assert load_target(k_only, kv_cache_dtype="fp8").kv_scales() == [0.25] * 4  # not max(0.25, a default 1.0)
 
     qt = with_kv_scales(requantize_target(tiny_dir / "kimi-k2-thinking", tmp_path / "qt0", "mxfp4"), tmp_path / "qt",
                         "quark", lambda m, which: 0.004 * (1 + int(m.split(".")[2])))

@@ -321,18 +321,19 @@ class AiterBackend(TorchBackend):
                   and dv <= d)
         layout = head_layout(heads)
         fp8 = kv_cache.is_fp8(k_cache.dtype)
-        base = (q, k_cache, v_cache, meta, scale, lazy.base(), k_scale, v_scale)
+
+        def on_base() -> torch.Tensor:
+            self.calls["mla_fallback"] += 1
+            return self.base.attention(q, k_cache, v_cache, meta, scale, lazy.base(), k_scale, v_scale)
+
         if (not latent or layout is None or q.dtype not in ((torch.bfloat16,) if fp8 else (torch.bfloat16, torch.float16))
                 or t == 0 or meta.tree is not None):
-            # MHA (the Llama draft), fp32 models, head counts aiter cannot take, draft trees
-            self.calls["mla_fallback"] += 1
-            return self.base.attention(*base)
+            return on_base()  # MHA (the Llama draft), fp32 models, head counts aiter cannot take, draft trees
         p = lazy.aiter()
         groups, rep = layout
         f = p.folded(groups, q.device) if p.ok else None
         if f is None or (fp8 and f["max_seqlen_q"] > FP8_MAX_QLEN):  # aiter's fp8 MLA: qo_len <= 4
-            self.calls["mla_fallback"] += 1
-            return self.base.attention(*base)
+            return on_base()
         q3 = q.view(t, heads, d)
         if rep > 1:
             q3 = q3.repeat_interleave(rep, dim=1)  # [t, 16, d]: head h at 16 // heads slots
@@ -354,7 +355,6 @@ class AiterBackend(TorchBackend):
         if rep > 1:
             out = out[:, ::rep]
         return out.reshape(t, 1, heads, dv)
-
 
     @staticmethod
     def _fp8_queries(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
