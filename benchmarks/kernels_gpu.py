@@ -9,6 +9,9 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
 ``mla_decode``     MLA attention, absorbed form, 64 heads x (512 + 64) latent, bf16, every sequence
                    ``--context`` keys, 1 query (decode) ; bytes = the latent rows read + q + out
 ``mla_verify``     the same with 4 queries per sequence (EAGLE verify, k = 3)
+``mla_decode_fp8`` ``mla_decode`` over an fp8 (e4m3) latent cache with a per-tensor scale
+                   (``kv_cache_dtype="fp8"``): the latent rows read are 1 byte per value
+``mla_verify_fp8`` ``mla_verify`` over the fp8 latent
 ``moe_w4a16``      routed experts, 384 x (gate+up 2 x 2048, down 2048) x hidden 7168, Moonshot INT4
                    group 32, top-8 (random routing); bytes = the experts the batch touches (codes +
                    scales) + activations. Triton: ``eagle3.runtime.kernels.triton.moe.TritonMoE``
@@ -21,12 +24,14 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
 A Triton row whose kernel module is not in this tree says ``not built`` (the backend would still
 delegate that op to torch). HBM peaks by device name: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL
 3.9, H200 4.8, MI300X 5.3, MI325X 6.0, MI355X 8.0 (vendor figures; ``--hbm-peak`` overrides).
-The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed).
+The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed). The fp8
+cache's rows are printed beside bf16's (``kv_lines``): time per call and bytes/s, same batch and backend.
 
 End to end (``--slice DIR``, made by ``eagle3 make-slice DIR --layers 2 --experts 8``, or
 ``--make-slice`` to write one under ``--work``): ``LLM(slice, backend=torch|triton,
 enforce_eager=...)`` greedy, ``--e2e-batches`` prompts of 32 random tokens; decode tokens/s =
-batch x (N - 1) / (time of N tokens - time of 1 token), N = ``--e2e-tokens``.
+batch x (N - 1) / (time of N tokens - time of 1 token), N = ``--e2e-tokens``; the plain rows once per
+``--e2e-kv-dtypes`` (default ``auto,fp8``: the bf16 and the fp8 KV cache side by side).
 
 Speculative rows (``--draft DIR``, made by ``eagle3 make-slice DIR --layers 2 --draft eagle3.1-mla``,
 or ``--make-draft eagle3.1-mla`` under ``--work``): the same measurement with the draft, per
@@ -70,7 +75,10 @@ MLA_HEADS, D_LAT, D_ROPE = 64, 512, 64
 GROUP = 32
 DEVICE = "cuda"  # the kernel cases' device (a CPU dry run of the case builders sets "cpu")
 AUTO_MAX_K = 3  # --spec-shapes auto: num_speculative_tokens="auto" up to this k
-KERNELS = ("mla_decode", "mla_verify", "moe_w4a16", "linear_w4a16", "linear_bf16", "rmsnorm", "act_quant_int8")
+KERNELS = ("mla_decode", "mla_verify", "mla_decode_fp8", "mla_verify_fp8", "moe_w4a16", "linear_w4a16", "linear_bf16",
+           "rmsnorm", "act_quant_int8")
+KV_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # --e2e-kv-dtypes (the engine's kv_cache_dtype)
+FP8_KV_SCALE = 0.05  # the fp8 kernel rows' per-tensor scale (any value: the kernel's work does not depend on it)
 BACKENDS = ("torch", "triton")
 # TB/s (1e12 bytes/s), vendor figures; matched against torch.cuda.get_device_name, most specific first.
 HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
@@ -82,6 +90,8 @@ HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
 TRITON_KERNEL: dict[str, tuple[str, str]] = {
     "mla_decode": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
     "mla_verify": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
+    "mla_decode_fp8": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
+    "mla_verify_fp8": ("eagle3.runtime.kernels.triton.mla_attention", "mla_attention"),
     "moe_w4a16": ("eagle3.runtime.kernels.triton.moe", "TritonMoE"),
     "linear_w4a16": ("eagle3.runtime.kernels.triton.linear", "launch"),
     "linear_bf16": ("eagle3.runtime.kernels.triton.linear", "launch"),
@@ -147,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-tokens", type=int, default=32)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--e2e-kv-gib", type=float, default=4.0, help="KV cache per end-to-end engine (GiB)")
+    p.add_argument("--e2e-kv-dtypes", type=_csv_names(KV_DTYPES), default=["auto", "fp8"],
+                   help="KV cache dtypes of the plain end-to-end rows (the speculative rows: auto)")
     p.add_argument("--draft", type=Path, default=None, help="full-width draft for the speculative rows")
     p.add_argument("--make-draft", choices=("eagle3", "eagle3.1-mla"), default=None,
                    help="write a draft of this format for the slice under --work")
@@ -183,10 +195,29 @@ def triton_kernel_status(kernel: str) -> str | None:
     return None
 
 
-def mla_bytes(batch: int, q_len: int, context: int, elem: int = 2) -> int:
-    """Latent rows read once per sequence + queries read + outputs written."""
+def mla_bytes(batch: int, q_len: int, context: int, elem: int = 2, kv_elem: int | None = None) -> int:
+    """Latent rows read once per sequence (``kv_elem`` bytes per value: 1 for an fp8 cache) + queries
+    read + outputs written (``elem`` bytes)."""
     rows = batch * q_len
-    return batch * context * (D_LAT + D_ROPE) * elem + rows * MLA_HEADS * ((D_LAT + D_ROPE) + D_LAT) * elem
+    kv = elem if kv_elem is None else kv_elem
+    return batch * context * (D_LAT + D_ROPE) * kv + rows * MLA_HEADS * ((D_LAT + D_ROPE) + D_LAT) * elem
+
+
+def kv_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each fp8 MLA row beside its bf16 row (same kernel shape, backend, batch): time and bytes/s."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    out = []
+    for r in ok:
+        if not r["kernel"].endswith("_fp8"):
+            continue
+        base = next((b for b in ok if b["kernel"] == r["kernel"].removesuffix("_fp8") and b["backend"] == r["backend"]
+                     and b["batch"] == r["batch"]), None)
+        if base is None:
+            continue
+        out.append(f"{r['kernel']} vs bf16 ({r['backend']}, b={r['batch']}): {1e6 * r['seconds']:.1f} / "
+                   f"{1e6 * base['seconds']:.1f} us = {base['seconds'] / r['seconds']:.2f}x faster; "
+                   f"{r['bytes_per_s'] / 1e9:.0f} / {base['bytes_per_s'] / 1e9:.0f} GB/s")
+    return out
 
 
 def int4_bytes(n: int, k: int) -> int:
@@ -243,9 +274,11 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _mla_case(batch: int, q_len: int, context: int) -> tuple[Any, Any, Any]:
+def _mla_case(batch: int, q_len: int, context: int, fp8: Any = None) -> tuple[Any, Any, Any]:
+    """Metadata, latent cache (``fp8``: that torch dtype's codes at :data:`FP8_KV_SCALE`) and queries."""
     import torch
 
+    from eagle3.runtime import kv_cache
     from eagle3.runtime.engine.model_runner import build_attn_metadata
 
     bs = 16
@@ -253,6 +286,8 @@ def _mla_case(batch: int, q_len: int, context: int) -> tuple[Any, Any, Any]:
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
     meta = build_attn_metadata(tables, [context - q_len] * batch, [q_len] * batch, bs, DEVICE)
     cache = torch.randn(batch * blocks * bs, 1, D_LAT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
+    if fp8 is not None:
+        cache = kv_cache.quantize(cache, fp8, FP8_KV_SCALE)
     q = torch.randn(batch * q_len, 1, MLA_HEADS, D_LAT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
     return meta, cache, q
 
@@ -296,13 +331,16 @@ class Kernels:
         be = get_backend(backend, DEVICE)
         dev = torch.device(DEVICE)
         x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
-        if kernel in ("mla_decode", "mla_verify"):
-            q_len = 1 if kernel == "mla_decode" else 4
-            meta, cache, q = _mla_case(batch, q_len, self.args.context)
+        if kernel.startswith(("mla_decode", "mla_verify")):
+            q_len = 1 if kernel.startswith("mla_decode") else 4
+            fp8 = be.kv_storage("fp8_e4m3", torch.bfloat16) if kernel.endswith("_fp8") else None
+            meta, cache, q = _mla_case(batch, q_len, self.args.context, fp8)
             plan = be.plan_attention(meta)  # once per forward, shared by the layers: not timed
             scale = (128 + 64) ** -0.5
-            return (lambda: be.attention(q, cache, cache[..., :D_LAT], meta, scale, plan),
-                    mla_bytes(batch, q_len, self.args.context), {"context": self.args.context, "q_len": q_len})
+            sc = FP8_KV_SCALE if fp8 is not None else 1.0
+            return (lambda: be.attention(q, cache, cache[..., :D_LAT], meta, scale, plan, k_scale=sc, v_scale=sc),
+                    mla_bytes(batch, q_len, self.args.context, kv_elem=1 if fp8 is not None else 2),
+                    {"context": self.args.context, "q_len": q_len, "kv_cache": str(cache.dtype).removeprefix("torch.")})
         if kernel == "moe_w4a16":
             if (kernel, backend) not in self._ops:
                 self._ops = {}  # one backend's experts at a time (8.4 GB each at 384 experts)
@@ -392,19 +430,20 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
 
     from eagle3.runtime.engine.llm import LLM
 
-    configs: list[tuple[str, tuple[int, int, int] | str | None]] = [(b, None) for b in args.backends]
+    configs: list[tuple[str, tuple[int, int, int] | str | None, str]] = [
+        (b, None, kv) for b in args.backends for kv in args.e2e_kv_dtypes]
     if draft is not None:
-        configs += [(b, shape) for b in args.spec_backends for shape in args.spec_shapes]
+        configs += [(b, shape, "auto") for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
-    for backend, shape in configs:
+    for backend, shape, kv in configs:
         for eager in (True, False):
-            row: dict[str, Any] = {"backend": backend, "graphs": not eager,
+            row: dict[str, Any] = {"backend": backend, "graphs": not eager, "kv_cache_dtype": kv,
                                    "spec": "plain" if shape is None else shape if isinstance(shape, str)
                                    else ",".join(map(str, shape))}
             try:
                 llm = LLM(slice_dir, None if shape is None else draft, tokenizer=None, dtype="bfloat16", device=DEVICE,
                           backend=backend, enforce_eager=eager, max_num_seqs=max(args.e2e_batches),
-                          kv_cache_memory=int(args.e2e_kv_gib * 2**30), **_spec_kwargs(shape))
+                          kv_cache_memory=int(args.e2e_kv_gib * 2**30), kv_cache_dtype=kv, **_spec_kwargs(shape))
             except Exception as err:  # noqa: BLE001
                 rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
                 continue
@@ -422,7 +461,8 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
                     tps = batch * (args.e2e_tokens - 1) / max(tn - t1, 1e-9)
                     rows.append({**row, "batch": batch, "status": "ok", "decode_tokens_per_s": tps,
                                  "tpot_ms": 1000 * batch / tps, "seconds": tn - t1,
-                                 "decode_steps": steps[0] - s0 - prefill_steps, **_graph_fields(llm)})
+                                 "decode_steps": steps[0] - s0 - prefill_steps, **_graph_fields(llm),
+                                 "kv_tokens_total": llm.kv_cache_info()["kv_tokens_total"]})
                     if shape is not None:  # this run's counters only (not the warm-up's)
                         verifies = llm.stats.num_drafts - v0
                         rows[-1]["verifies"] = verifies
@@ -480,7 +520,8 @@ def spec_lines(rows: list[dict[str, Any]]) -> list[str]:
     ok = [r for r in rows if r.get("status") == "ok"]
 
     def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        return a["backend"] == b["backend"] and a["graphs"] == b["graphs"] and a["batch"] == b["batch"]
+        return (a["backend"] == b["backend"] and a["graphs"] == b["graphs"] and a["batch"] == b["batch"]
+                and a.get("kv_cache_dtype", "auto") == b.get("kv_cache_dtype", "auto"))
 
     out = []
     for r in ok:
@@ -525,7 +566,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1]
     e2e = [r for r in report.get("e2e", []) if r.get("status") == "ok"]
-    labels = [f"{r['backend']}{' +graphs' if r['graphs'] else ''} {r.get('spec', 'plain')} b={r['batch']}"
+    labels = [f"{r['backend']}{' +graphs' if r['graphs'] else ''} {r.get('spec', 'plain')}"
+              f"{' kv ' + r['kv_cache_dtype'] if r.get('kv_cache_dtype', 'auto') != 'auto' else ''} b={r['batch']}"
               for r in e2e]
     ax.bar(range(len(e2e)), [r["decode_tokens_per_s"] for r in e2e])
     ax.set_xticks(range(len(e2e)), labels, rotation=30, ha="right")
@@ -588,14 +630,16 @@ def main(argv: list[str] | None = None) -> int:
             report["draft"] = None if draft is None else str(draft)
             report["e2e"] = e2e_rows(args, slice_dir, draft)
             for r in report["e2e"]:
-                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} {r['spec']:8s} b={r.get('batch', '-')} "
+                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} {r['spec']:8s} kv={r['kv_cache_dtype']:5s} "
+                      f"b={r.get('batch', '-')} "
                       + (f"{r['decode_tokens_per_s']:.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms" if r["status"] == "ok"
                          else r["status"]))
             report["spec_lines"] = spec_lines(report["e2e"])
             for line in report["spec_lines"]:
                 print(line)
     report["goals"] = goal_lines(report["kernels"], device)
-    for line in report["goals"]:
+    report["kv_lines"] = kv_lines(report["kernels"])
+    for line in report["goals"] + report["kv_lines"]:
         print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".partial")

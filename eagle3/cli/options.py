@@ -20,6 +20,9 @@ TREE_TOPK_HELP = ("Draft trees (EAGLE-2, docs/trees.md): expand the best K nodes
                   "step, --num-speculative-tokens steps deep (1: the chain).")
 TREE_NODES_HELP = ("With --speculative-eagle-topk > 1: tree tokens verified per step, the root included "
                    "(default min(K * steps, 63) + 1, at most 64).")
+KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model dtype) | bf16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2; fp8 "
+                       "stores one byte per value with the checkpoint's kv scales (1.0 without), in the bundled "
+                       "runtime and in --engine's command.")
 ENFORCE_EAGER_HELP = "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only)."
 
 

@@ -20,7 +20,7 @@ def plan(
     gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,
     draft: Annotated[str | None, typer.Option(help="Draft checkpoint directory, config.json or repo id (replicated).")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp16|fp32 -- KV cache element type.")] = "bf16",
+    kv_cache_dtype: Annotated[str, typer.Option(help="bf16|fp8|fp8_e4m3|fp8_e5m2|fp16|fp32 -- KV cache element type (fp8: one byte per value).")] = "bf16",
     reserve: Annotated[str, typer.Option(help="Runtime reserve per GPU (context, buffers, activations).")] = "4GiB",
     embedding: Annotated[str, typer.Option(help="replicated|vocab-split -- how the embedding is placed.")] = "replicated",
     recipe: Annotated[str | None, typer.Option(help="Plan the checkpoint `eagle3 quantize --recipe` would write from TARGET.")] = None,

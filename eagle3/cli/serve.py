@@ -18,6 +18,7 @@ from eagle3.cli.options import (
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    KV_CACHE_DTYPE_HELP,
     LIMIT_HELP,
     LOGPROBS_HELP,
     MAX_FLIPS_HELP,
@@ -92,7 +93,7 @@ def serve(
     dist_init_addr: Annotated[str | None, typer.Option(help=DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
     kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
     enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
-    kv_cache_dtype: Annotated[str, typer.Option(help="--engine: auto|bf16|fp8|fp8_e4m3|fp8_e5m2.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = ENGINE.kv_cache_dtype,
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
     attention_backend: Annotated[str | None, typer.Option(help="--engine sglang: its --attention-backend (draft trees over MLA: triton (default) or fa3, at --page-size 1).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
@@ -105,6 +106,8 @@ def serve(
     Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
 
     eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
+
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kv-cache-dtype fp8
 
     eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
 
@@ -160,8 +163,7 @@ def serve(
         max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
         backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
         speculative_eagle_topk=speculative_eagle_topk, speculative_num_draft_tokens=speculative_num_draft_tokens,
-        max_logprobs=max_logprobs,
-        **nodes)
+        max_logprobs=max_logprobs, kv_cache_dtype=kv_cache_dtype, **nodes)
     if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
         raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
     name = served_model_name or target.resolve().name

@@ -15,6 +15,7 @@ from eagle3.cli.options import (
     ENFORCE_EAGER_HELP,
     ENGINE,
     KERNEL_BACKEND_HELP,
+    KV_CACHE_DTYPE_HELP,
     LIMIT_HELP,
     LOGPROBS_HELP,
     MAX_FLIPS_HELP,
@@ -147,6 +148,7 @@ def bench(
     dist_init_addr: Annotated[str | None, typer.Option(help="With TARGET: " + DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
     kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = ENGINE.backend,
     enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
+    kv_cache_dtype: Annotated[str, typer.Option(help="With TARGET: " + KV_CACHE_DTYPE_HELP)] = ENGINE.kv_cache_dtype,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
@@ -167,7 +169,8 @@ def bench(
                         "--device": device != ENGINE.device, "--dtype": dtype != ENGINE.dtype,
                         "--tensor-parallel-size": tensor_parallel_size != ENGINE.tensor_parallel_size,
                         "--kernel-backend": kernel_backend != ENGINE.backend,
-                        "--enforce-eager": enforce_eager != ENGINE.enforce_eager}
+                        "--enforce-eager": enforce_eager != ENGINE.enforce_eager,
+                        "--kv-cache-dtype": kv_cache_dtype != ENGINE.kv_cache_dtype}
         given = [flag for flag, set_ in engine_flags.items() if set_]
         if given:
             raise UsageError(f"{', '.join(given)} go with TARGET (served in-process), not with --base-url")
@@ -197,7 +200,8 @@ def bench(
                                        trust_remote_code=trust_remote_code,
                                        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
                                        speculative_eagle_topk=speculative_eagle_topk,
-                                       speculative_num_draft_tokens=speculative_num_draft_tokens, **nodes)
+                                       speculative_num_draft_tokens=speculative_num_draft_tokens,
+                                       kv_cache_dtype=kv_cache_dtype, **nodes)
         if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 benchmarks
             raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
         tensor_parallel_size = eopts.tensor_parallel_size

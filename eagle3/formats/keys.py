@@ -163,6 +163,18 @@ QUANT_PARAMS = frozenset({WEIGHT, CT_PACKED, CT_SHAPE, SCALE, SCALE_2, SCALE_INV
                           G_IDX, INPUT_SCALE, OUTPUT_SCALE})
 
 
+def kv_scale_names(attn: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tensors that may hold the static FP8 KV-cache scales of attention module ``attn``
+    (``...self_attn``), as (key scales, value scales): a compressed-tensors kv-cache scheme's
+    ``attn.k_scale`` / ``attn.v_scale``, or Quark's ``output_scale`` on the projections its
+    ``kv_cache_quant_config`` names (``k_proj`` / ``v_proj`` of a Llama layer; on an MLA layer
+    ``kv_b_proj``, whose output holds both keys and values, or ``kv_a_proj_with_mqa``, whose output
+    is the cached latent). Each is a per-tensor dequantization scale (``value = code * scale``)."""
+    both = tuple(f"{attn}.{m}.{OUTPUT_SCALE}" for m in ("kv_b_proj", "kv_a_proj_with_mqa"))
+    return ((f"{attn}.{K_SCALE}", f"{attn}.k_proj.{OUTPUT_SCALE}", *both),
+            (f"{attn}.{V_SCALE}", f"{attn}.v_proj.{OUTPUT_SCALE}", *both))
+
+
 def split_param(name: str) -> tuple[str, str]:
     """``a.b.c.weight_scale`` -> (``a.b.c``, ``weight_scale``); ``d2t`` -> (``""``, ``d2t``)."""
     mod, _, param = name.rpartition(".")

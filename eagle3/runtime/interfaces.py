@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from eagle3.formats.detect import default_aux_layer_ids  # noqa: F401 - the one definition, re-exported
+from eagle3.runtime.kv_cache import bits
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from eagle3.runtime.config import DraftSpec, TargetSpec
@@ -55,8 +56,9 @@ class KVCacheSpec(NamedTuple):
       normalised latent ``c`` followed by the RoPE'd shared key ``k_pe`` (576 for Kimi).
     * MHA (Llama draft): ``shape = (2, num_key_value_heads, head_dim)`` - K then V, K after RoPE.
 
-    ``dtype``: what the cache is stored in (``KernelBackend.kv_cache_dtype``: the model dtype, or the
-    CPU reference's fp32 holding the same bf16-rounded values).
+    ``dtype``: what the cache is stored in (``KernelBackend.kv_storage``: the model dtype, the CPU
+    reference's fp32 holding the same bf16-rounded values, or an fp8 dtype holding codes with the
+    layers' per-tensor scales, ``eagle3.runtime.kv_cache``).
     """
 
     shape: tuple[int, ...]
@@ -151,6 +153,6 @@ def compact_tree_kv(kv_caches: Sequence[torch.Tensor], block_table: Sequence[int
     src = slots([start + int(j) for j in node_ids])
     dst = slots([start + 1 + k for k in range(len(node_ids))])
     for cache in kv_caches:
-        flat = cache.view(-1, *cache.shape[2:])
+        flat = bits(cache).view(-1, *cache.shape[2:])  # an fp8 cache's codes as bytes (no float8 index_put)
         rows = flat[src.to(flat.device)]  # gathered first: a source may be another node's destination
         flat[dst.to(flat.device)] = rows

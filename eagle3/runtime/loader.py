@@ -21,6 +21,7 @@ from torch import nn
 from eagle3.errors import FormatError, ShapeError, UsageError
 from eagle3.formats import detect, keys
 from eagle3.formats.model_config import require_config
+from eagle3.runtime import kv_cache
 from eagle3.runtime.config import DraftSpec, TargetSpec
 from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.kernels import get_backend
@@ -69,19 +70,22 @@ def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = No
 
 def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                 backend: str = "torch", *, act_override: ActQuant = None,
-                latent_norm_eps: float | None = None, tp: TPGroup = SINGLE) -> DeepseekV3Model:
+                latent_norm_eps: float | None = None, tp: TPGroup = SINGLE,
+                kv_cache_dtype: str = "auto") -> DeepseekV3Model:
     """Load a DeepSeek-V3 / Kimi target from any supported format.
 
     ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
     (transformers uses 1e-6 there).
     ``tp``: this process's place in a tensor-parallel group: the model's parallel layers hold only
-    their shard and the reader reads only that (runtime/layers/linear.py)."""
+    their shard and the reader reads only that (runtime/layers/linear.py).
+    ``kv_cache_dtype``: what the latent cache is stored in (runtime/kv_cache.py); fp8 takes each
+    layer's scale from the checkpoint's kv-cache scheme (1.0 without one)."""
     _check_act_override(act_override)
     spec = target_spec(path, latent_norm_eps)
     dev = _device(device)
     be = get_backend(backend, dev)
-    model = DeepseekV3Model(spec, be, dtype, tp)
+    model = DeepseekV3Model(spec, be, dtype, tp, kv_cache_dtype)
     wr = WeightReader(path, spec.quant, dtype, dev, act_override)
     p = spec.prefix
     with torch.no_grad():
@@ -92,6 +96,8 @@ def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         model.embed_tokens = embed.to(device=dev, dtype=dtype)
         for i, layer in enumerate(model.layers):
             _load_target_layer(wr, layer, f"{p}model.layers.{i}.")
+            if model.kv_format.fp8:
+                layer.self_attn.kv_scale = _kv_scales(wr, f"{p}model.layers.{i}.self_attn", model.kv_format.dtype)[2]
         wr.norm(model.norm, f"{p}{keys.TARGET_NORM}")
         head = f"{p}lm_head"
         if wr.has(f"{head}.weight") or wr.has(f"{head}.{keys.CT_PACKED}"):
@@ -188,9 +194,10 @@ def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = Non
 def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, backend: str | None = None, *,
                act_override: ActQuant = None, latent_norm_eps: float | None = None,
-               aux_layer_ids: tuple[int, ...] | None = None, lm_head: Linear | None = None) -> Eagle3DraftModel:
-    """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device and backend default to the
-    target's). Shares the target's embedding (and lm_head) when the draft has none.
+               aux_layer_ids: tuple[int, ...] | None = None, lm_head: Linear | None = None,
+               kv_cache_dtype: str | None = None) -> Eagle3DraftModel:
+    """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device, backend and ``kv_cache_dtype``
+    default to the target's). Shares the target's embedding (and lm_head) when the draft has none.
     ``aux_layer_ids`` overrides the config's ids (input-to-layer convention)."""
     _check_act_override(act_override)
     spec = draft_spec(path, latent_norm_eps)
@@ -210,7 +217,8 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
                           f"{spec.num_aux} aux states and a target with {target.num_layers} layers")
     if not spec.own_lm_head:
         spec = _replace(spec, draft_vocab_size=target.vocab_size)
-    model = Eagle3DraftModel(spec, ids, be, dtype)
+    kv_name = kv_cache_dtype or getattr(getattr(target, "kv_format", None), "name", "auto")
+    model = Eagle3DraftModel(spec, ids, be, dtype, kv_name)
     wr = WeightReader(path, spec.quant, dtype, dev, act_override)
     lp = spec.layer_prefix
     with torch.no_grad():
@@ -246,6 +254,12 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
             with named_errors(wr, lp + "self_attn.q/k/v_proj"):
                 model.self_attn.load(q[0], k[0], v[0], o[0], q[1], o[1], dtype, dev)
         _load_mlp(wr, model.mlp, lp + "mlp.")
+        if model.kv_format.fp8:
+            k, v, latent = _kv_scales(wr, lp + "self_attn", model.kv_format.dtype)
+            if spec.attention == "mla":
+                model.self_attn.kv_scale = latent
+            else:
+                model.self_attn.kv_scales = (k, v)
         wr.norm(model.norm, keys.DRAFT_NORM)
         if spec.own_lm_head:
             wr.load_linear(model.lm_head, "lm_head")
@@ -273,6 +287,22 @@ def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: tor
     model.eval()
     model.checkpoint_bytes = wr.used_bytes
     return model
+
+
+def _kv_scales(wr: WeightReader, attn: str, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(key scale, value scale, latent scale) of an fp8 cache for attention module ``attn``: the
+    largest of the checkpoint's key / value scales (``formats.keys.kv_scale_names``), and for an MLA
+    latent (one tensor that keys and values are both computed from) the largest of all of them;
+    1.0 where the checkpoint has none (vLLM's rule). As the cache stored in ``dtype`` uses them
+    (``kv_cache.storage_scale``: fnuz doubles)."""
+    found: list[list[float]] = []
+    for names in keys.kv_scale_names(attn):
+        found.append([kv_cache.check_scale(wr.get(n), f"{wr.path}: tensor {n!r}") for n in names if wr.has(n)])
+
+    def pick(vals: list[float]) -> float:
+        return kv_cache.storage_scale(max(vals), dtype) if vals else 1.0
+
+    return pick(found[0]), pick(found[1]), pick(found[0] + found[1])
 
 
 def load_lm_head(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,

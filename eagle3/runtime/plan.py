@@ -57,7 +57,8 @@ GPUS: dict[str, Gpu] = {
     "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB),
     "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB),
 }
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+# Bytes per cached value; fp8 (any of its formats, runtime/kv_cache.py) is one byte: twice bf16's tokens.
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
 
 # Categories, in report order: (key, label, how it is placed)
 CATEGORIES: list[tuple[str, str, str]] = [

@@ -335,9 +335,9 @@ class WeightReader:
         """Optional tensors the checkpoint schema lets through but this runtime would silently
         misread: a non-zero zero point (the decode is symmetric) and a group index that is not in
         column order (activation-ordered groups). Each is one small tensor per module: read whole.
-        ``input_scale`` / ``k_scale`` / ``v_scale`` are ignored on purpose: activations are quantized
-        dynamically (or not at all) and the KV cache is kept in the compute dtype, both at least as
-        precise as the static scales."""
+        ``input_scale`` is ignored on purpose: activations are quantized dynamically (or not at all),
+        at least as precise as the static scale. ``k_scale`` / ``v_scale`` (and Quark's kv-cache
+        ``output_scale``) are read by the loader when the KV cache is fp8 (``loader._kv_scales``)."""
         n_gidx = f"{m}.{keys.G_IDX}"
         # Quark's export writes all-zero zero points for symmetric schemes (int4-draft, W4A8's INT4
         # stage with --quark-zero-points): those are fine.

@@ -326,6 +326,9 @@ class OpenAIHandlers:
         bm = getattr(self.engine.llm, "block_manager", None)
         if bm is not None:  # for load tests: blocks all free again once idle = nothing leaked
             body["kv_blocks_free"], body["kv_blocks_total"] = int(bm.num_free_blocks), int(bm.num_blocks)
+        kv_info = getattr(self.engine.llm, "kv_cache_info", None)
+        if callable(kv_info):  # the KV cache's dtype and tokens (fp8: about twice bf16's)
+            body.update(kv_info())
         return JSONResponse(body)
 
     async def version(self) -> dict[str, str]:

@@ -48,6 +48,9 @@ def engine_info(llm: Any) -> dict[str, Any]:
     (/v1/models, the validation report's server section, the bench report)."""
     info = {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
             "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
+    kv_info = getattr(llm, "kv_cache_info", None)
+    if callable(kv_info):  # the cache's dtype and size (about twice the tokens at fp8)
+        info.update(kv_info())
     policy = getattr(llm, "policy", None)
     if policy is not None:  # num_speculative_tokens="auto": what it chose so far (steps per k)
         info.update(num_speculative_tokens="auto", max_speculative_tokens=policy.max_k,
@@ -312,7 +315,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
         with_draft = draft is not None
         run = _served(target, draft if with_draft else None, eopts, work("speculative" if with_draft else "run"),
                       meta=meta, rejoin=with_draft and baseline and eopts.nnodes > 1, **common)  # type: ignore[arg-type]
-        base = (_served(target, None, eopts, work("baseline"), meta=meta, **common)  # type: ignore[arg-type]
+        base = (_served(target, None, eopts, work("baseline"), **common)  # type: ignore[arg-type]
                 if with_draft and baseline else None)
         sections = []
         if loaded is not None:
@@ -347,7 +350,8 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
     if not Path(target).is_dir():
         raise UsageError(f"{target}: not a checkpoint directory")
     device = torch.device(config.device)
-    load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device)}
+    load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device),
+               "kv_cache_dtype": config.kv_cache_dtype}
     layout = Layout(config.tensor_parallel_size, config.nnodes, parse_addr(str(config.dist_init_addr)))
     if torchrun_rank is not None:  # this process is the rank (torchrun started it)
         return run_torchrun_rank(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)))

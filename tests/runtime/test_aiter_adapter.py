@@ -170,3 +170,55 @@ def test_bench_cli_records_aiter(fake_aiter, tiny_dir: Path, tmp_path: Path,
     assert not e.value.code, out.out + out.err
     assert json.loads(report.read_text())["kernel_backend"] == "aiter"
     assert any(n == "fused_moe" for n, _ in fake_aiter.CALLS)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 KV cache (kv_cache_dtype="fp8"): aiter's a8w8 MLA decode over aiter.dtypes.fp8
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mla_over_an_fp8_cache_uses_aiter_a8w8(fake_aiter) -> None:
+    """fp8 queries (one dynamic scale per call) and the latent's fp8 codes with the layer's scale:
+    the result is the reference attention of the dequantized fp8 queries over the same codes
+    (bf16 outputs); the storage is aiter.dtypes.fp8 (the fake: gfx942's e4m3fnuz)."""
+    be, ref = get_backend("aiter"), get_backend("torch")
+    fp8 = be.kv_storage("fp8_e4m3", torch.bfloat16)
+    assert fp8 == fake_aiter.dtypes.fp8 == torch.float8_e4m3fnuz
+    g = torch.Generator().manual_seed(0)
+    d_lat, heads = 32, 64
+    cache = torch.zeros(64, d_lat + 16, dtype=fp8)
+    be.write_cache(cache, torch.arange(64), torch.randn(64, d_lat + 16, generator=g), 0.02)
+    meta = build_attn_metadata([[0, 1, 2], [5, 6], [9, 3, 4, 7]], [9, 4, 12], [1, 4, 2], 4)
+    q = torch.randn(meta.num_tokens, 1, heads, d_lat + 16, generator=g).to(torch.bfloat16)
+    flat = cache[:, None, :]
+    got = be.attention(q, flat, flat[..., :d_lat], meta, 0.125, be.plan_attention(meta), k_scale=0.02, v_scale=0.02)
+    q_scale = q.float().abs().max() / 240.0  # e4m3fnuz's largest value
+    q8 = (q.float() / q_scale).clamp(-240, 240).to(fp8).float() * q_scale
+    want = ref.attention(q8, flat, flat[..., :d_lat], meta, 0.125, k_scale=0.02, v_scale=0.02).to(torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert [c for n, c in fake_aiter.CALLS] == [{"heads": 16, "max_seqlen_q": 4, "batch": 12, "fp8": True}]
+    # a verify window longer than aiter's fp8 limit (4 queries) reads the same codes on the base backend
+    meta5 = build_attn_metadata([[0, 1, 2]], [4], [5], 4)
+    q5 = torch.randn(5, 1, heads, d_lat + 16, generator=g).to(torch.bfloat16)
+    out = be.attention(q5, flat, flat[..., :d_lat], meta5, 0.125, k_scale=0.02, v_scale=0.02)
+    assert torch.equal(out, ref.attention(q5, flat, flat[..., :d_lat], meta5, 0.125, k_scale=0.02, v_scale=0.02))
+    assert be.calls == {"mla": 1, "mla_fallback": 1}
+
+
+def test_e5m2_is_refused_in_one_line(fake_aiter, tiny_dir: Path) -> None:
+    with pytest.raises(UsageError, match=r"'fp8_e5m2': kernel backend 'aiter' cannot hold it \(its MLA kernels read "
+                                         r"e4m3 only"):
+        LLM(tiny_dir / "kimi-k2.5", None, backend="aiter", kv_cache_dtype="fp8_e5m2", tokenizer=None, num_blocks=8)
+
+
+def test_llm_with_an_fp8_cache(fake_aiter, tiny_dir: Path) -> None:
+    """The target's latent and the MLA draft's in aiter.dtypes.fp8; the decode rows go through aiter's
+    a8w8 MLA. Its dynamic query scale follows the batch (not batch invariant, see aiter.py): the
+    tokens are checked for length only, the numbers by the attention test above."""
+    kw = dict(tokenizer=None, dtype="bfloat16", num_blocks=32, block_size=4, kv_cache_dtype="fp8")
+    llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.6-eagle3.1-mla", backend="aiter",
+              num_speculative_tokens=3, **kw)
+    assert llm.target.kv_cache_spec().dtype == llm.draft.kv_cache_spec().dtype == torch.float8_e4m3fnuz
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert any(c.get("fp8") for n, c in fake_aiter.CALLS if n == "mla_decode_fwd")

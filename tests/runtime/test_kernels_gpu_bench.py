@@ -129,7 +129,8 @@ def test_speculative_rows_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pyt
     against anything): plain, a chain, a tree and auto, each row with its TPOT and tokens per forward."""
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     a = bench.parse_args(["--backends", "torch", "--spec-backends", "torch", "--e2e-batches", "1,2",
-                          "--e2e-tokens", "4", "--spec-shapes", "1,2,3 2,2,4 auto", "--e2e-kv-gib", "0.01"])
+                          "--e2e-tokens", "4", "--spec-shapes", "1,2,3 2,2,4 auto", "--e2e-kv-gib", "0.01",
+                          "--e2e-kv-dtypes", "auto"])
     rows = bench.e2e_rows(a, tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3")
     assert [(r["spec"], r["graphs"], r["batch"]) for r in rows] == [
         (spec, g, b) for spec in ("plain", "1,2,3", "2,2,4", "auto") for g in (False, True) for b in (1, 2)]
@@ -138,3 +139,30 @@ def test_speculative_rows_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pyt
     assert all(r["tokens_per_forward"] >= 1 and 0 < r["drafting_steps"] <= r["decode_steps"] == 3 for r in spec), spec
     assert not any(r["graphs_captured"] for r in rows)  # no graphs on the CPU
     assert bench.spec_lines(rows)  # the tree against the chain, per drafting step
+
+
+def test_fp8_kv_rows_dry_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8 KV rows beside bf16 without a GPU: the MLA case over an fp8 latent (1 byte per cached
+    value, the kernel's output that of the dequantized cache), the side-by-side lines, and plain
+    end-to-end rows per --e2e-kv-dtypes on the tiny target. Nothing is timed against anything."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    a = bench.parse_args(["--context", "64", "--backends", "torch", "--e2e-batches", "1", "--e2e-tokens", "3",
+                          "--e2e-kv-dtypes", "auto,fp8", "--e2e-kv-gib", "0.01"])
+    assert a.e2e_kv_dtypes == ["auto", "fp8"] and "mla_decode_fp8" in a.kernels
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--e2e-kv-dtypes", "fp4"])
+    k = bench.Kernels(a, None)
+    fn, nbytes, extra = k.case("mla_decode_fp8", "torch", 2)
+    assert extra["kv_cache"] == "float8_e4m3fn" and nbytes == bench.mla_bytes(2, 1, 64, kv_elem=1)
+    assert bench.mla_bytes(2, 1, 64) - nbytes == 2 * 64 * 576  # the latent rows at one byte instead of two
+    assert fn().shape == (2, 1, 64, 512)
+    rows = [{"kernel": kern, "backend": "triton", "batch": 1, "status": "ok", "seconds": s, "bytes_per_s": bw}
+            for kern, s, bw in (("mla_decode", 2e-4, 1.2e12), ("mla_decode_fp8", 1.25e-4, 1.0e12))]
+    assert bench.kv_lines(rows) == ["mla_decode_fp8 vs bf16 (triton, b=1): 125.0 / 200.0 us = 1.60x faster; "
+                                    "1000 / 1200 GB/s"]
+    e2e = bench.e2e_rows(a, tiny_dir / "kimi-k2.5")
+    assert [(r["kv_cache_dtype"], r["graphs"]) for r in e2e] == [("auto", False), ("auto", True), ("fp8", False),
+                                                                  ("fp8", True)]
+    assert all(r["status"] == "ok" for r in e2e), e2e
+    auto, fp8 = e2e[0]["kv_tokens_total"], e2e[2]["kv_tokens_total"]
+    assert fp8 > auto  # the same memory holds more fp8 tokens (CPU: 4x, its bf16 cache is kept in fp32)

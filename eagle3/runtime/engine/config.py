@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3.errors import UsageError
+from eagle3.runtime.kv_cache import canonical as canonical_kv_dtype
 
 MAX_SPECULATIVE_TOKENS = 8
 MAX_TREE_NODES = 64  # the Triton tree mask's limit (kernels/triton/plan.py)
@@ -53,6 +54,10 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV blocks; None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for target + draft caches; None: a default
+    # What the target's latent and the draft's cache are stored in (runtime/kv_cache.py): auto (the
+    # model dtype) | bf16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2; fp8 with per-tensor scales from
+    # the checkpoint's kv-cache scheme, else 1.0 (vLLM's rule); one byte per value.
+    kv_cache_dtype: str = "auto"
     # -- scheduling
     max_num_seqs: int = 64  # running sequences per step
     # Query tokens per target forward (drafts included). 2048 holds a whole 5-shot GSM8K prompt
@@ -84,6 +89,7 @@ class EngineConfig:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise UsageError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        canonical_kv_dtype(self.kv_cache_dtype)  # one line when unknown
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.engine import graphs
 from eagle3.runtime.engine.block_manager import BlockManager
 from eagle3.runtime.engine.config import EngineConfig
@@ -196,15 +197,16 @@ class LLM:
 
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:
+        kv = self.config.kv_cache_dtype
         if _is_model(target):
             if self.tensor_parallel_size > 1:
                 raise UsageError("tensor_parallel_size > 1 needs the target as a checkpoint directory (each rank "
                                  "loads its own shard), not a loaded model")
-            return target
+            return _check_kv_format(target, kv, "target")
         from eagle3.runtime.loader import load_target
 
         if self.tensor_parallel_size == 1:
-            return load_target(Path(target), dtype=dtype, device=self.device, backend=backend)
+            return load_target(Path(target), dtype=dtype, device=self.device, backend=backend, kv_cache_dtype=kv)
         from eagle3.runtime.engine.worker import TPTarget, TPWorkers
         from eagle3.runtime.parallel import TPGroup, parse_addr
 
@@ -217,14 +219,14 @@ class LLM:
             raise UsageError(f"tensor_parallel_size={world} over {cfg.nnodes} node(s) needs {local} GPUs from "
                              f"{self.device} on each; {torch.cuda.device_count()} visible")
         addr = parse_addr(cfg.dist_init_addr) if cfg.dist_init_addr else None
-        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend}, self.device,
+        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend, "kv_cache_dtype": kv}, self.device,
                             nnodes=cfg.nnodes, addr=addr)
         # The driver loads its shard while the workers start and join the group; the workers' own
         # loads overlap the driver's draft and tokenizer loads, waited for in __init__ (_join_workers).
         try:
             self.device = workers.start_driver_rank(self.device)
             model = load_target(Path(target), dtype=dtype, device=self.device, backend=backend,
-                                tp=TPGroup(0, world))
+                                tp=TPGroup(0, world), kv_cache_dtype=kv)
             workers.join_driver_rank()
         except BaseException:
             workers.close()
@@ -269,7 +271,7 @@ class LLM:
 
     def _load_draft(self, draft: Any) -> DraftModel:
         if _is_model(draft):
-            return draft
+            return _check_kv_format(draft, self.config.kv_cache_dtype, "draft")
         from eagle3.runtime.loader import draft_spec, load_draft, load_lm_head
 
         head = None
@@ -277,7 +279,7 @@ class LLM:
             # The draft (rank 0 only) needs the whole vocabulary projection; the target's is split.
             t = self.target
             head = load_lm_head(self.target_path, t.dtype, t.backend.device, t.backend.name)
-        return load_draft(Path(draft), self.target, lm_head=head)
+        return load_draft(Path(draft), self.target, lm_head=head, kv_cache_dtype=self.config.kv_cache_dtype)
 
     def _load_tokenizer(self, tokenizer: Any, trust_remote_code: bool) -> Any:
         if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
@@ -557,6 +559,16 @@ class LLM:
         bm = self.block_manager
         return 1.0 - bm.num_free_blocks / bm.num_blocks
 
+    def kv_cache_info(self) -> dict[str, Any]:
+        """What the KV cache holds, for a server's ``/health``: its dtype (``auto`` resolved to what
+        the target's cache is stored in), bytes per token (target + draft) and tokens in all / free."""
+        bm, bs = self.block_manager, self.config.block_size
+        per_block = kv_bytes_per_block(self.target, bs) + (kv_bytes_per_block(self.draft, bs) if self.draft else 0)
+        stored = self.target.kv_cache_spec().dtype
+        return {"kv_cache_dtype": kv_cache.canonical(self.config.kv_cache_dtype),
+                "kv_cache_storage": str(stored).removeprefix("torch."), "kv_bytes_per_token": per_block // bs,
+                "kv_tokens_total": int(bm.num_blocks) * bs, "kv_tokens_free": int(bm.num_free_blocks) * bs}
+
     def stats_line(self) -> str:
         """The acceptance line; with ``num_speculative_tokens="auto"`` also the share of steps that
         chose each k (acceptance counts only the steps that drafted); with draft trees also the
@@ -589,4 +601,15 @@ class LLM:
 
 def _is_model(obj: Any) -> bool:
     return not isinstance(obj, (str, os.PathLike))
+
+
+def _check_kv_format(model: Any, kv_cache_dtype: str, role: str) -> Any:
+    """A model loaded outside the engine must already have the cache format asked for (its fp8
+    scales come from its checkpoint, at load): one line when it does not."""
+    want = kv_cache.canonical(kv_cache_dtype)
+    have = getattr(getattr(model, "kv_format", None), "name", "auto")
+    if have != want:
+        raise UsageError(f"kv_cache_dtype={kv_cache_dtype!r}, but the {role} was loaded with kv_cache_dtype={have!r}; "
+                         f"load it with load_{role}(..., kv_cache_dtype={kv_cache_dtype!r}) or pass its directory")
+    return model
 

@@ -27,6 +27,12 @@ and every r-th output head taken. Query windows (verify: last token + k drafts) 
 bottom-right causal convention: the sequence's queries are its last ``n`` positions. Anything else
 (MHA drafts, fp32 models, queries that are not the last positions) runs on the base backend.
 
+fp8 KV cache (``kv_cache_dtype="fp8"``): the latent is stored as ``aiter.dtypes.fp8`` (e4m3fnuz on
+gfx942, e4m3fn on gfx950; e5m2 is refused: aiter's MLA kernels read e4m3 only) and read by aiter's
+a8w8 MLA decode (``mla_a8w8_qh16_qseqlen{1,2,4}``: fp8 queries with a per-call dynamic ``q_scale``,
+the layer's ``kv_scale``), which takes up to 4 queries per sequence: longer query windows, and the
+Llama draft's fp8 cache, run on the base backend over the same fp8 codes.
+
 Batch invariance is aiter's business: its split-KV count depends on the batch (``get_meta_param``
 picks ``num_kv_splits`` from the CU count and the batch size), so the backend is not batch invariant
 and speculative greedy output may differ from plain greedy output in the last bits on real hardware.
@@ -41,6 +47,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.kernels.base import (
     ActQuant,
@@ -58,6 +65,7 @@ from eagle3.runtime.kernels.torch_ref import TorchBackend
 logger = logging.getLogger("eagle3.runtime")
 
 AITER_HEADS = (16, 128)  # query heads per KV head aiter's MLA kernels take (0.1.7 asm_mla.cu)
+FP8_MAX_QLEN = 4  # aiter's fp8 MLA decode: "only support fp8 mla decoding for qo_len <= 4"
 SHUFFLE_ROWS, SHUFFLE_COLS = 16, 32  # shuffle_weight(layout=(16, 16)) tiles N by 16 and K by 2 * 16
 INT4_GROUP = 32
 
@@ -289,6 +297,14 @@ class AiterBackend(TorchBackend):
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # aiter's MLA decode reads the cache in the query's dtype
 
+    def kv_storage(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        if name == "fp8_e5m2":
+            raise UsageError("kv_cache_dtype 'fp8_e5m2': kernel backend 'aiter' cannot hold it (its MLA kernels read "
+                             "e4m3 only, aiter.dtypes.fp8); use fp8 / fp8_e4m3, or --kernel-backend triton")
+        if name == "fp8_e4m3":
+            return self.aiter.dtypes.fp8  # e4m3fnuz on gfx942 (MI300X / MI325X), e4m3fn on gfx950
+        return super().kv_storage(name, dtype)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return self.base.rope(x, cos, sin, interleaved)
 
@@ -297,34 +313,41 @@ class AiterBackend(TorchBackend):
 
     # -- aiter MLA ----------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
-                  scale: float, plan: Any = None) -> torch.Tensor:
+                  scale: float, plan: Any = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         lazy = plan if isinstance(plan, _LazyPlan) else _LazyPlan(meta, self.base)
         t, hkv, heads, d = q.shape
         dv = v_cache.shape[-1]
         latent = (hkv == 1 and v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
                   and dv <= d)
         layout = head_layout(heads)
-        if (not latent or layout is None or q.dtype not in (torch.bfloat16, torch.float16) or t == 0
-                or meta.tree is not None):
-            # MHA (the Llama draft), fp32 models, head counts aiter cannot take, draft trees
+        fp8 = kv_cache.is_fp8(k_cache.dtype)
+
+        def on_base() -> torch.Tensor:
             self.calls["mla_fallback"] += 1
-            return self.base.attention(q, k_cache, v_cache, meta, scale, lazy.base())
+            return self.base.attention(q, k_cache, v_cache, meta, scale, lazy.base(), k_scale, v_scale)
+
+        if (not latent or layout is None or q.dtype not in ((torch.bfloat16,) if fp8 else (torch.bfloat16, torch.float16))
+                or t == 0 or meta.tree is not None):
+            return on_base()  # MHA (the Llama draft), fp32 models, head counts aiter cannot take, draft trees
         p = lazy.aiter()
-        if not p.ok:
-            self.calls["mla_fallback"] += 1
-            return self.base.attention(q, k_cache, v_cache, meta, scale, lazy.base())
         groups, rep = layout
-        f = p.folded(groups, q.device)
+        f = p.folded(groups, q.device) if p.ok else None
+        if f is None or (fp8 and f["max_seqlen_q"] > FP8_MAX_QLEN):  # aiter's fp8 MLA: qo_len <= 4
+            return on_base()
         q3 = q.view(t, heads, d)
         if rep > 1:
             q3 = q3.repeat_interleave(rep, dim=1)  # [t, 16, d]: head h at 16 // heads slots
         qf = q3.view(t, groups, -1, d)[f["rows"], f["groups"]].contiguous()  # [t * groups, 16 | 128, d]
         o = torch.empty(qf.shape[0], qf.shape[1], dv, dtype=q.dtype, device=q.device)
         kv = k_cache.reshape(k_cache.shape[0], d).view(-1, 1, 1, d)  # page size 1
+        scales: dict[str, Any] = {}
+        if fp8:  # aiter's a8w8 MLA: fp8 queries (one dynamic scale for the call) over the fp8 latent
+            qf, scales["q_scale"] = self._fp8_queries(qf, k_cache.dtype)
+            scales["kv_scale"] = torch.full((1,), float(k_scale), dtype=torch.float32, device=q.device)
         self.aiter.mla.mla_decode_fwd(
             q=qf, kv_buffer=kv, o=o, qo_indptr=f["qo_indptr"], kv_indptr=f["kv_indptr"],
             kv_indices=f["kv_indices"], kv_last_page_lens=f["kv_last_page_lens"], max_seqlen_q=f["max_seqlen_q"],
-            sm_scale=float(scale), **self._mla_extra)
+            sm_scale=float(scale), **scales, **self._mla_extra)
         self.calls["mla"] += 1
         out = torch.empty(t, groups, o.shape[1], dv, dtype=q.dtype, device=q.device)
         out[f["rows"], f["groups"]] = o
@@ -332,6 +355,15 @@ class AiterBackend(TorchBackend):
         if rep > 1:
             out = out[:, ::rep]
         return out.reshape(t, 1, heads, dv)
+
+    @staticmethod
+    def _fp8_queries(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` as fp8 codes with one dequantization scale (fp32 ``[1]``, on the device: no host sync):
+        the largest |q| of the call maps to the format's largest value (SGLang's per-tensor
+        ``scaled_fp8_quant``). The scale follows the batch: this path is not batch invariant."""
+        top = torch.finfo(dtype).max
+        q_scale = (q.abs().amax().float() / top).clamp_(min=torch.finfo(torch.float32).tiny).reshape(1)
+        return kv_cache.quantize(q, dtype, q_scale), q_scale
 
 
 class _LazyPlan:

@@ -246,9 +246,36 @@ class KernelBackend(ABC):
         computes attention in a wider dtype stores them so to save a conversion per read."""
         return dtype
 
+    def kv_storage(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a KV cache asked for as ``name`` (``runtime.kv_cache.canonical``) is stored in, for
+        a model in ``dtype``; a dtype this backend (or device) cannot hold is one line, never a
+        silent fallback to another dtype."""
+        from eagle3.runtime import kv_cache
+
+        if name == "auto":
+            return self.kv_cache_dtype(dtype)
+        if name == "bf16":  # stored as bf16 even where auto would widen it (the torch reference on a CPU)
+            if dtype != torch.bfloat16:
+                raise UsageError(f"kv_cache_dtype 'bf16' needs the bfloat16 model dtype (the cache holds the model's "
+                                 f"values), got {dtype}; use auto (the model dtype) or fp8")
+            return torch.bfloat16
+        fp8 = kv_cache.fp8_dtype(name, self.device)
+        why = self.fp8_kv_unsupported(name, fp8)
+        if why is not None:
+            raise UsageError(f"kv_cache_dtype {name!r}: kernel backend {self.name!r} cannot hold it ({why})")
+        return fp8
+
+    def fp8_kv_unsupported(self, name: str, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot keep an fp8 KV cache ``name`` stored as ``dtype`` here (None: it can)."""
+        return None
+
     @abstractmethod
-    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-        """``cache [S, ...]`` (flat slots) ``[slot_mapping[t]] = values[t]``; slot -1 is skipped."""
+    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor,
+                    scale: float | tuple[float, float] = 1.0) -> None:
+        """``cache [S, ...]`` (flat slots) ``[slot_mapping[t]] = values[t]``; slot -1 is skipped. An fp8
+        ``cache`` stores ``runtime.kv_cache.quantize(values, cache.dtype, scale)``; a pair of scales
+        applies to ``values[:, 0]`` and ``values[:, 1]`` (a Llama layer's K and V). A float cache
+        ignores ``scale`` (it is 1.0 there)."""
 
     def plan_attention(self, meta: AttnMetadata) -> Any:
         """Per-forward precomputation shared by every attention layer (gather indices, masks);
@@ -257,12 +284,14 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
-                  scale: float, plan: Any = None) -> torch.Tensor:
+                  scale: float, plan: Any = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Paged causal attention by position. ``q [T, Hkv, G, D]``, ``k_cache [S, Hkv, D]``,
         ``v_cache [S, Hkv, Dv]`` (flat slots; MLA: ``Hkv = 1``, ``v`` a prefix view of ``k``).
         Query ``t`` of sequence ``b`` at position ``p`` attends slots of positions ``0..p``
         through ``meta.block_tables[b]``; with ``meta.tree`` a draft tree's nodes see the context
-        and their ancestors only (``context.TreeMask``). Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``."""
+        and their ancestors only (``context.TreeMask``). Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``.
+        An fp8 cache holds codes: the keys are ``k_scale * code``, the values ``v_scale * code``
+        (the scales folded out of the products as ``runtime.kv_cache`` defines)."""
 
 
 _BACKENDS: dict[str, type[KernelBackend]] = {}

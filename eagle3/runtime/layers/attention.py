@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import ShapeError, UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.config import MHASpec, MLASpec
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.kernels.base import (
@@ -83,6 +84,9 @@ class MLAAttention(nn.Module):
         self.kv_b_packed: LinearWeight | None = None
         self.dtype = torch.float32
         self.absorbed = True
+        # The latent cache's per-tensor scale (an fp8 cache; runtime/kv_cache.py): set by the loader
+        # from the checkpoint's kv scales, 1.0 otherwise.
+        self.kv_scale = 1.0
 
     def load_a(self, q_a: LinearWeight, act_q: ActQuant, kv_a: LinearWeight, act_kv: ActQuant, dtype: torch.dtype,
                device: torch.device) -> None:
@@ -160,13 +164,16 @@ class MLAAttention(nn.Module):
         pe = self.rotary(torch.cat([q_pe, k_pe[:, None, :]], dim=1), cos, sin)
         q_pe, k_pe = pe[:, :nh], pe[:, nh]
         flat = cache.view(-1, self.spec.cache_width)
-        # rounded to the model dtype here, whatever dtype the backend stores the cache in
-        be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1).to(x.dtype))
+        # rounded to the model dtype here, whatever dtype the backend stores the cache in (fp8: then
+        # quantized with the layer's scale)
+        sc = self.kv_scale
+        be.write_cache(flat, meta.slot_mapping, torch.cat([c, k_pe], dim=-1).to(x.dtype), sc)
         if self.absorbed:
             w_uk, w_uv_t = self.absorbed_matrices()
             q_abs = be.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, nh, rkv]
             q_lat = torch.cat([q_abs, q_pe], dim=-1).view(t, 1, nh, self.spec.cache_width)
-            o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan)
+            o_lat = be.attention(q_lat, flat[:, None, :], flat[:, None, : s.kv_lora_rank], meta, s.softmax_scale, plan,
+                                 k_scale=sc, v_scale=sc)
             o = be.bmm(o_lat.view(t, nh, s.kv_lora_rank).transpose(0, 1), w_uv_t).transpose(0, 1)
         else:
             o = self._naive(q_nope, q_pe, flat, meta, plan)
@@ -177,6 +184,8 @@ class MLAAttention(nn.Module):
         """Expand every cached latent into per-head keys/values (the prefill form: one K/V per head, then ordinary attention)."""
         s, be = self.spec, self.backend
         t, nh = q_nope.shape[0], s.num_heads
+        if kv_cache.is_fp8(flat.dtype):  # this test-only form expands the cache: its values first
+            flat = kv_cache.dequantize(flat, self.kv_scale, q_nope.dtype)
         kv = be.matmul(flat[:, : s.kv_lora_rank].contiguous(), self.kv_b_matrix().t()).view(-1, nh, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
         k_pe = flat[:, None, s.kv_lora_rank:].expand(-1, nh, s.qk_rope_head_dim)
@@ -199,6 +208,7 @@ class MHAAttention(nn.Module):
         self.sizes = [nq, nkv, nkv]
         self.qkv_proj = Linear(in_dim, nq + 2 * nkv, backend, name + ".qkv_proj")
         self.o_proj = Linear(nq, out_dim, backend, name + ".o_proj")
+        self.kv_scales = (1.0, 1.0)  # K and V scales of an fp8 cache (runtime/kv_cache.py), set by the loader
 
     def load(self, q: LinearWeight, k: LinearWeight, v: LinearWeight, o: LinearWeight, act_qkv: ActQuant,
              act_o: ActQuant, dtype: torch.dtype, device: torch.device) -> None:
@@ -214,7 +224,9 @@ class MHAAttention(nn.Module):
         k = self.rotary(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
         flat = cache.view(-1, 2, s.num_kv_heads, s.head_dim)
         kv = torch.stack([k, v.view(t, s.num_kv_heads, s.head_dim)], dim=1).to(x.dtype)  # the model dtype's values
-        be.write_cache(flat, meta.slot_mapping, kv)
+        ks, vs = self.kv_scales
+        be.write_cache(flat, meta.slot_mapping, kv, (ks, vs))
         g = s.num_heads // s.num_kv_heads
-        o = be.attention(q.view(t, s.num_kv_heads, g, s.head_dim), flat[:, 0], flat[:, 1], meta, s.softmax_scale, plan)
+        o = be.attention(q.view(t, s.num_kv_heads, g, s.head_dim), flat[:, 0], flat[:, 1], meta, s.softmax_scale, plan,
+                         k_scale=ks, v_scale=vs)
         return self.o_proj(o.reshape(t, s.num_heads * s.head_dim))

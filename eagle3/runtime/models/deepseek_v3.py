@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.config import TargetSpec
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.interfaces import KVCacheSpec
@@ -46,11 +47,14 @@ class DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     """The runtime's :class:`~eagle3.runtime.interfaces.TargetModel` for DeepSeek-V3 / Kimi."""
 
-    def __init__(self, spec: TargetSpec, backend: KernelBackend, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, spec: TargetSpec, backend: KernelBackend, dtype: torch.dtype, tp: TPGroup = SINGLE,
+                 kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.spec = spec
         self.backend = backend
         self.dtype = dtype
+        name = kv_cache.canonical(kv_cache_dtype)
+        self.kv_format = kv_cache.KVFormat(name, backend.kv_storage(name, dtype))  # refused here, before any weight
         self.num_layers = spec.num_layers
         self.vocab_size = spec.vocab_size
         self.hidden_size = spec.hidden_size
@@ -64,7 +68,11 @@ class DeepseekV3Model(nn.Module):
         self.lm_head = VocabParallelLMHead(spec.hidden_size, spec.vocab_size, backend, f"{spec.prefix}lm_head", tp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec((self.spec.mla.cache_width,), self.backend.kv_cache_dtype(self.dtype))
+        return KVCacheSpec((self.spec.mla.cache_width,), self.kv_format.dtype)
+
+    def kv_scales(self) -> list[float]:
+        """Each layer's latent-cache scale (1.0 unless an fp8 cache took the checkpoint's)."""
+        return [layer.self_attn.kv_scale for layer in self.layers]
 
     def set_absorbed(self, absorbed: bool) -> None:
         """Absorbed MLA (default) or the naive per-head expansion (tests)."""

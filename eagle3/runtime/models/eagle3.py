@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.config import DraftSpec
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.interfaces import KVCacheSpec
@@ -37,12 +38,14 @@ class Eagle3DraftModel(nn.Module):
     num_layers = 1
 
     def __init__(self, spec: DraftSpec, aux_layer_ids: tuple[int, ...], backend: KernelBackend,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.spec = spec
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.backend = backend
         self.dtype = dtype
+        name = kv_cache.canonical(kv_cache_dtype)
+        self.kv_format = kv_cache.KVFormat(name, backend.kv_storage(name, dtype))
         self.hidden_size = h = spec.hidden_size
         self.vocab_size = spec.draft_vocab_size
         ht, n = spec.target_hidden_size, spec.num_aux
@@ -73,9 +76,14 @@ class Eagle3DraftModel(nn.Module):
         s = self.spec
         if s.attention == "mla":
             assert s.mla is not None
-            return KVCacheSpec((s.mla.cache_width,), self.backend.kv_cache_dtype(self.dtype))
+            return KVCacheSpec((s.mla.cache_width,), self.kv_format.dtype)
         assert s.mha is not None
-        return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.backend.kv_cache_dtype(self.dtype))
+        return KVCacheSpec((2, s.mha.num_kv_heads, s.mha.head_dim), self.kv_format.dtype)
+
+    def kv_scales(self) -> tuple[float, float]:
+        """The cache's (K, V) scales (the MLA latent's one scale twice); 1.0 unless fp8 took the checkpoint's."""
+        a = self.self_attn
+        return (a.kv_scale, a.kv_scale) if self.spec.attention == "mla" else a.kv_scales
 
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
         want = self.spec.num_aux * self.spec.target_hidden_size

@@ -558,8 +558,10 @@ def _stack_sizes(device: torch.device, r: int, d: int, dv: int, v_row: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttnPlan,
-                    scale: float) -> torch.Tensor:
-    """fp32 causal attention over the paged cache with batch-invariant numerics (see above)."""
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """fp32 causal attention over the paged cache with batch-invariant numerics (see above). An fp8
+    cache is read as its codes widened to fp32 (exact); ``k_scale`` joins the query's softmax scale
+    and ``v_scale`` multiplies the normalised output (runtime/kv_cache.py: the fp8 numbers)."""
     t, hkv, g, d = q.shape
     dv = v_cache.shape[-1]
     out = q.new_empty(t, hkv, g, dv, dtype=torch.float32)
@@ -573,9 +575,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     unit_floats = key_floats + hkv * r * (d + 4 * KEY_TILE + dv + 1)
     stack = _stack_sizes(q.device, r, d, dv, k_cache.shape[-1] if vc is None else dv)
     sched = plan.schedule(qt, unit_floats, 2 * r * KEY_TILE, stack, key_floats, g)
-    qs = q.float() * scale
+    qs = q.float() * (scale * k_scale)  # k_scale 1.0 (a float cache): the same number as scale
     for u in sched.units:
         _attend_units(qs, k_cache, vc, u, out)
     for c in sched.seqs:
         _attend_seq(qs, k_cache, vc, c, qt, out, stack)
+    if v_scale != 1.0:
+        out.mul_(v_scale)
     return out.to(q.dtype)

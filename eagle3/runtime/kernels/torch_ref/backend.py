@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from eagle3.runtime import kv_cache
 from eagle3.runtime.kernels.base import (
     KernelBackend,
     LinearOp,
@@ -73,23 +74,32 @@ class TorchBackend(KernelBackend):
         # decode step of the tiny target (measured: 55.9 -> 48.6 ms). Same numbers, twice the bytes.
         return compute_dtype(dtype, self.device)
 
-    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    def write_cache(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor,
+                    scale: float | tuple[float, float] = 1.0) -> None:
         slots = slot_mapping.to(device=cache.device, dtype=torch.int64)
-        vals = values.to(cache.dtype)
+        if kv_cache.is_fp8(cache.dtype):  # quantized on write (runtime/kv_cache.py defines the numbers)
+            if isinstance(scale, tuple):
+                vals = torch.stack([kv_cache.quantize(values[:, i], cache.dtype, s) for i, s in enumerate(scale)], 1)
+            else:
+                vals = kv_cache.quantize(values, cache.dtype, scale)
+        else:
+            vals = values.to(cache.dtype)
         keep = slots >= 0
         # Under CUDA-graph capture there is no -1 slot (engine/graphs.py pads into a spare block) and
         # the check, a device sync, is not allowed.
         capturing = slots.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and not bool(keep.all()):
             slots, vals = slots[keep], vals[keep]
-        cache.index_copy_(0, slots, vals)
+        kv_cache.bits(cache).index_copy_(0, slots, kv_cache.bits(vals))  # bits: no float8 index_copy on CPU
 
     def plan_attention(self, meta: AttnMetadata) -> AttnPlan:
         return plan_attention(meta)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
-                  scale: float, plan: AttnPlan | None = None) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, plan if plan is not None else plan_attention(meta), scale)
+                  scale: float, plan: AttnPlan | None = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan if plan is not None else plan_attention(meta), scale,
+                               k_scale, v_scale)
 
 
 register_backend("torch", TorchBackend)

@@ -77,17 +77,28 @@ class TritonBackend(TorchBackend):
     def plan_attention(self, meta: AttnMetadata) -> TritonAttnPlan:
         return plan_attention(meta)
 
+    def fp8_kv_unsupported(self, name: str, dtype: torch.dtype) -> str | None:
+        """The kernels load fp8 codes natively; on NVIDIA GPUs Triton converts e4m3 from sm_89 on."""
+        dev = self.device
+        if dev.type == "cuda" and not getattr(torch.version, "hip", None):
+            major, minor = torch.cuda.get_device_capability(dev)
+            if (major, minor) < (8, 9):
+                return f"{torch.cuda.get_device_name(dev)} is sm_{major}{minor}; Triton's fp8 needs sm_89 or newer"
+        return None
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
-                  scale: float, plan: Any = None) -> torch.Tensor:
+                  scale: float, plan: Any = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         p = plan if isinstance(plan, TritonAttnPlan) else plan_attention(meta)
         t, hkv, g, d = q.shape
         dv = v_cache.shape[-1]
         latent = (hkv == 1 and v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
                   and dv <= d)
-        if latent:  # MLA: the values are the first kv_lora dims of the cached latent row
-            o = mla_attention.mla_attention(q.view(t, g, d), k_cache[:, 0], dv, p, scale)
+        if latent:  # MLA: the values are the first kv_lora dims of the cached latent row (one scale)
+            if k_scale != v_scale:
+                raise UsageError(f"MLA latent cache with two scales ({k_scale}, {v_scale}): the latent has one")
+            o = mla_attention.mla_attention(q.view(t, g, d), k_cache[:, 0], dv, p, scale, k_scale)
             return o.view(t, 1, g, dv)
-        return paged_attention.paged_attention(q, k_cache, v_cache, p, scale)
+        return paged_attention.paged_attention(q, k_cache, v_cache, p, scale, k_scale, v_scale)
 
 
 register_backend("triton", TritonBackend)

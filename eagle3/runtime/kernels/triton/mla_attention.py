@@ -52,7 +52,7 @@ def tile_shape(heads: int, d_lat: int) -> tuple[int, int]:
 
 @triton.jit
 def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, path_ptr, order_ptr, stride_qt, stride_qh,
-                stride_kv, stride_ot, stride_oh, stride_bt, heads, d_lat, d_rope, block_size, scale,
+                stride_kv, stride_ot, stride_oh, stride_bt, heads, d_lat, d_rope, block_size, scale, v_scale,
                 DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_H: tl.constexpr, QT: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, TREE: tl.constexpr,
                 PATH: tl.constexpr):
@@ -99,15 +99,16 @@ def _mla_kernel(q_ptr, kv_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, path_p
         den = den * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(p.to(DOT), k_lat, IEEE)
         m = m_new
-    o = acc / den[:, None]
+    o = acc / den[:, None] * v_scale  # an fp8 cache's value scale (1.0 otherwise: exact)
     tl.store(o_ptr + tid[:, None] * stride_ot + h[:, None] * stride_oh + dl[None, :],
              o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & (dl[None, :] < d_lat))
 
 
 def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: TritonAttnPlan,
-                  scale: float) -> torch.Tensor:
+                  scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """``q [T, H, d_lat + d_rope]`` against ``kv_cache [S, d_lat + d_rope]`` (flat slots) ->
-    ``[T, H, d_lat]`` in ``q.dtype``."""
+    ``[T, H, d_lat]`` in ``q.dtype``. An fp8 cache is loaded as its codes (exact in the dot dtype)
+    with ``kv_scale`` folded into the score scale and the output (runtime/kv_cache.py)."""
     t, heads, d = q.shape
     dtype = q.dtype
     qs = widen(q)
@@ -127,7 +128,7 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
         _mla_kernel[(chunks.shape[0], triton.cdiv(heads, bh))](
             qs, kv, out, chunks, plan.positions, plan.block_tables, lo, paths, order, qs.stride(0), qs.stride(1),
             kv.stride(0), out.stride(0), out.stride(1), plan.block_tables.stride(0), heads, d_lat, d - d_lat,
-            plan.block_size, float(scale), DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_H=bh, QT=qt,
+            plan.block_size, float(scale * kv_scale), float(kv_scale), DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_H=bh, QT=qt,
             BLOCK_N=BLOCK_N, BLOCK_L=block(d_lat), BLOCK_R=block(d - d_lat), TREE=plan.tree is not None,
             PATH=TREE_MAX_NODES, num_warps=8 if big else 4)
     return out if out.dtype == dtype else out.to(dtype)

@@ -31,7 +31,7 @@ def tile_shape(group: int) -> tuple[int, int]:
 @triton.jit
 def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr, path_ptr, order_ptr, stride_qt,
                   stride_qh, stride_qg, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_og,
-                  stride_bt, group, d, dv, block_size, scale, DOT: tl.constexpr, IEEE: tl.constexpr,
+                  stride_bt, group, d, dv, block_size, scale, v_scale, DOT: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_G: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_V: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr):
     c = tl.program_id(0)
@@ -77,14 +77,15 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, chunk_ptr, pos_ptr, bt_ptr, lo_ptr
         den = den * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(p.to(DOT), vt, IEEE)
         m = m_new
-    o = acc / den[:, None]
+    o = acc / den[:, None] * v_scale  # an fp8 cache's value scale (1.0 otherwise: exact)
     tl.store(o_ptr + tid[:, None] * stride_ot + kh * stride_oh + g[:, None] * stride_og + dvv[None, :],
              o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & (dvv[None, :] < dv))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonAttnPlan,
-                    scale: float) -> torch.Tensor:
-    """Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``."""
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Returns ``[T, Hkv, G, Dv]`` in ``q.dtype``. fp8 caches: codes loaded as they are, ``k_scale``
+    folded into the score scale, ``v_scale`` into the output (runtime/kv_cache.py)."""
     t, hkv, group, d = q.shape
     dv = v_cache.shape[-1]
     dtype = q.dtype
@@ -106,7 +107,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_kernel[(chunks.shape[0], hkv)](
             qs, kc, vc, out, chunks, plan.positions, plan.block_tables, lo, paths, order, qs.stride(0),
             qs.stride(1), qs.stride(2), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), out.stride(0),
-            out.stride(1), out.stride(2), plan.block_tables.stride(0), group, d, dv, plan.block_size, float(scale),
+            out.stride(1), out.stride(2), plan.block_tables.stride(0), group, d, dv, plan.block_size,
+            float(scale * k_scale), float(v_scale),
             DOT=tl_dtype(dd), IEEE=dd == torch.float32, BLOCK_G=bg, QT=qt, BLOCK_N=BLOCK_N, BLOCK_D=block(d),
             BLOCK_V=block(dv), TREE=plan.tree is not None, PATH=TREE_MAX_NODES)
     return out if out.dtype == dtype else out.to(dtype)

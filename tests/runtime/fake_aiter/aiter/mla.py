@@ -30,7 +30,15 @@ def mla_decode_fwd(*, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
     contract(nhead_kv == 1, "MLA has one KV head")
     contract(q.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fnuz, torch.float8_e4m3fn),
              f"q dtype {q.dtype}")
-    contract(kv_buffer.dtype == q.dtype or q.dtype.itemsize == 1, f"kv dtype {kv_buffer.dtype} vs q {q.dtype}")
+    contract(kv_buffer.dtype == q.dtype or (q.dtype.itemsize == 1 and kv_buffer.dtype in (q.dtype, torch.bfloat16)),
+             f"kv dtype {kv_buffer.dtype} vs q {q.dtype} (bf16 q over an fp8 cache is persistent mode only)")
+    fp8_q, fp8_kv = q.dtype.itemsize == 1, kv_buffer.dtype.itemsize == 1
+    for name, t, need in (("q_scale", q_scale, fp8_q), ("kv_scale", kv_scale, fp8_kv)):
+        contract(not need or (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == 1
+                              and t.device == q.device), f"an fp8 {name[:-6]} needs {name}: an fp32 [1] tensor")
+    from aiter import dtypes
+
+    contract(not fp8_kv or kv_buffer.dtype == dtypes.fp8, f"an fp8 kv_buffer must be aiter.dtypes.fp8, got {kv_buffer.dtype}")
     contract(o.dim() == 3 and o.shape[:2] == q.shape[:2] and o.shape[2] < d and o.dtype in (torch.bfloat16, q.dtype),
              f"o must be [total_q, heads, d_v] in the model dtype, got {o.dtype} {list(o.shape)}")
     b = qo_indptr.shape[0] - 1
@@ -46,7 +54,8 @@ def mla_decode_fwd(*, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
     contract(all(n <= k for n, k in zip(q_lens, kv_lens, strict=True)), "a sequence has more queries than keys")
     contract(sm_scale is not None and isinstance(sm_scale, float), "pass sm_scale (a float)")
     contract(logit_cap <= 0, "logit_cap is not supported")
-    CALLS.append(("mla_decode_fwd", {"heads": heads, "max_seqlen_q": max_seqlen_q, "batch": b}))
+    CALLS.append(("mla_decode_fwd", {"heads": heads, "max_seqlen_q": max_seqlen_q, "batch": b,
+                                     **({"fp8": True} if fp8_kv else {})}))
 
     # The torch reference over the same keys: pseudo-sequence b is a sequence whose block table is
     # its kv_indices (block size 1); its queries are its last q_len positions (bottom-right causal).
@@ -67,7 +76,10 @@ def mla_decode_fwd(*, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
                         block_tables=tables.to(dev), block_size=1)
     flat = kv_buffer.view(-1, 1, d)
     dv = o.shape[2]
-    out = torch_ref.paged_attention(q.view(total_q, 1, heads, d), flat, flat[..., :dv], torch_ref.AttnPlan(meta),
-                                    sm_scale)
+    # fp8: q_scale / kv_scale are dequantization scales (value = code * scale)
+    qd = q.float() * q_scale if fp8_q else q
+    ks = float(kv_scale) if fp8_kv else 1.0
+    out = torch_ref.paged_attention(qd.view(total_q, 1, heads, d), flat, flat[..., :dv], torch_ref.AttnPlan(meta),
+                                    sm_scale, k_scale=ks, v_scale=ks)
     o.copy_(out.view(total_q, heads, dv))
     return torch.empty(0), torch.empty(0)
