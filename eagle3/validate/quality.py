@@ -66,7 +66,7 @@ def topn_kld(source: TopLogprobs, served: TopLogprobs) -> float:
 
 
 def argmax_key(top: TopLogprobs) -> TokenKey | None:
-    """The most likely token of a top-N map (ties: the first listed, as servers list best first)."""
+    """The most likely token of a top-N map (ties: the first listed)."""
     best: TokenKey | None = None
     best_lp = -math.inf
     for k, lp in top.items():
@@ -75,12 +75,20 @@ def argmax_key(top: TopLogprobs) -> TokenKey | None:
     return best
 
 
+def is_top1(token: TokenKey, top: TopLogprobs) -> bool:
+    """``token`` is a served top-1: no token of ``top`` is strictly more likely. An exact tie (bf16
+    logits tie at the top now and then) counts as agreement whatever the order the server lists
+    them in: vLLM and eagle3 list the forced prompt token first in echo logprobs, not by rank."""
+    lp = top.get(token)
+    return lp is not None and all(v <= lp for v in top.values())
+
+
 @dataclass
 class SequenceComparison:
     """One prompt's continuation, source vs served."""
 
     kld: list[float]  # per position
-    top1: list[bool]  # per position: the served argmax is the source's token
+    top1: list[bool]  # per position: no served token is more likely than the source's (:func:`is_top1`)
     first_divergence: int | None  # first position with top1 False; None: all agree
 
 
@@ -92,7 +100,7 @@ def compare_sequence(tokens: Sequence[TokenKey], source: Sequence[TopLogprobs],
         raise ValueError(f"positions differ: {len(tokens)} tokens, {len(source)} source and {len(served)} "
                          f"served distributions")
     kld = [topn_kld(s, q) for s, q in zip(source, served, strict=True)]
-    top1 = [argmax_key(q) == t for t, q in zip(tokens, served, strict=True)]
+    top1 = [is_top1(t, q) for t, q in zip(tokens, served, strict=True)]
     first = next((i for i, ok in enumerate(top1) if not ok), None)
     return SequenceComparison(kld, top1, first)
 

@@ -73,6 +73,15 @@ def test_sequence_comparison_top1_and_first_divergence() -> None:
         quality.compare_sequence(tokens, source, served[:2])
 
 
+def test_an_exact_tie_at_the_top_is_agreement_in_any_listed_order() -> None:
+    # vLLM lists the forced prompt token first in echo logprobs: {forced, then the top N by rank}
+    for served in ({543: -2.0126, 361: -2.0126, 50: -2.1}, {361: -2.0126, 543: -2.0126, 50: -2.1}):
+        for tok in (361, 543):
+            assert quality.compare_sequence([tok], [{tok: -2.0}], [served]).top1 == [True]
+    assert quality.is_top1(50, {50: -2.1, 361: -2.0126}) is False  # listed first, but less likely
+    assert quality.is_top1(7, {361: -0.1}) is False  # not among the served tokens
+
+
 def test_flips_and_the_paired_interval_match_numpy() -> None:
     src = [True, True, False, False, True, False, True, True]
     got = [True, False, True, False, True, False, False, True]
