@@ -518,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    out = run_all(args, work)
+    try:
+        out = run_all(args, work)
+    except VllmStartError as err:  # the source's server: nothing to compare without it
+        raise SystemExit(f"vLLM did not serve the source's bf16 text stack: {err}") from None
     result = {"label": args.label, "source": str(args.source), "draft": None if args.draft is None else str(args.draft),
               "task": args.task, "limit": args.limit, "max_tokens": args.max_tokens, "work": str(work),
               **out, "versions": versions(args.vllm_python), "seconds": round(time.perf_counter() - t0, 1),
