@@ -52,7 +52,10 @@ def topn_kld(source: TopLogprobs, served: TopLogprobs) -> float:
     missing = [k for k in p if k not in q_known]
     q = {k: q_known[k] for k in p if k in q_known}
     if missing:
-        floor = min(q_known.values()) if q_known else 1.0
+        # the served N-th probability bounds a token outside its top N; the forced token a server adds
+        # beside its top N may be smaller still, so take the N-th largest, not the smallest
+        vals = sorted(q_known.values(), reverse=True)
+        floor = vals[min(len(p), len(vals)) - 1] if vals else 1.0
         rest = max(0.0, 1.0 - sum(q_known.values()))
         share = min(floor, rest / (len(missing) + 1))
         for k in missing:
