@@ -1,6 +1,6 @@
 """Acceptance of draft trees against the chain, on the CPU, with the reference tree driver.
 
-Runs ``eagle3.runtime.spec.tree_driver.tree_generate`` (one request at a time, torch reference
+Runs ``eagle3.runtime.engine.tree_driver.tree_generate`` (one request at a time, torch reference
 backend, greedy unless ``--temperature``) for each tree shape ``K,S,N`` (``speculative_eagle_topk``,
 ``num_speculative_tokens``, ``speculative_num_draft_tokens``; ``1,S,S+1`` is the chain) over the
 same prompts and reports the mean acceptance length (tokens per target verify, bonus included),
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.engine.model_runner import ModelRunner
+    from eagle3.runtime.engine.tree_driver import tree_generate
     from eagle3.runtime.loader import load_draft, load_target
     from eagle3.runtime.sampling import SamplingParams
-    from eagle3.runtime.spec.tree_driver import tree_generate
     from eagle3.testing import tiny, trained
 
     torch.set_num_threads(1)

@@ -11,10 +11,10 @@ import torch
 
 from eagle3.runtime.engine.model_runner import ModelRunner
 from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.engine.tree_driver import tree_generate
 from eagle3.runtime.sampling import SamplingParams
 from eagle3.runtime.spec.proposer import ProposeItem
 from eagle3.runtime.spec.tree import check_parents, path
-from eagle3.runtime.spec.tree_driver import tree_generate
 from eagle3.runtime.spec.tree_proposer import draft_tree
 from tests.runtime.model_kit import single_thread
 
@@ -136,7 +136,7 @@ def _gsm8k_prompt() -> list[int]:
                          [("random", 3, 3, 8), ("trained", 1, 3, 4), ("trained", 3, 3, 10), ("trained", 2, 4, 12)])
 def test_greedy_tree_generation_equals_plain_greedy(request: pytest.FixtureRequest, pair: str, topk: int, steps: int,
                                                     nodes: int) -> None:
-    """The whole target + draft tree loop (spec/tree_driver.py): greedy output is the target's,
+    """The whole target + draft tree loop (engine/tree_driver.py): greedy output is the target's,
     with drafts accepted along real branches (the trained pair)."""
     target, draft = request.getfixturevalue("models" if pair == "random" else "trained_pair")
     prompt = _gsm8k_prompt() if pair == "trained" else torch.randint(0, 768, (9,), generator=torch.Generator().manual_seed(5)).tolist()

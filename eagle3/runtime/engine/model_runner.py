@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
@@ -102,9 +103,10 @@ def _hidden_dtype(draft: DraftModel) -> torch.dtype:
 
 
 def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
+    """Bytes of one KV block of ``model``'s cache as stored (its per-token shape and storage dtype)."""
     spec = model.kv_cache_spec()
-    per_token = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
-    return per_token * block_size * model.num_layers
+    return kv_cache.cache_bytes(torch.Size(spec.shape).numel(), model.num_layers,
+                                torch.empty((), dtype=spec.dtype).element_size(), block_size)
 
 
 @dataclass

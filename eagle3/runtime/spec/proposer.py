@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from eagle3.runtime.engine.sequence import Sequence as Seq
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
 from eagle3.runtime.spec.tree_proposer import TreeDrafting
+
+if TYPE_CHECKING:  # the engine's sequence type, for annotations only: spec/ never imports engine/
+    from eagle3.runtime.engine.sequence import Sequence as Seq
 
 
 @dataclass
