@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="> 0: sampled decoding (seeded per prompt; 'lossless' then only means 'not checked')")
     args = ap.parse_args(argv)
 
+    from eagle3.runtime.engine.config import EngineConfig
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.engine.model_runner import ModelRunner
     from eagle3.runtime.engine.tree_driver import tree_generate
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = [o.token_ids for o in LLM(target, None, tokenizer=None, num_blocks=4 * blocks).generate(prompts, greedy)]
     results = []
     for k, s, n in args.shapes:
-        runner = ModelRunner(target, draft, num_blocks=blocks, block_size=16, num_speculative_tokens=s)
+        runner = ModelRunner(target, draft, EngineConfig(num_speculative_tokens=s, block_size=16), blocks)
         t0 = time.perf_counter()
         runs = [tree_generate(runner, p, args.max_tokens, k, s, n, sampling(i)) for i, p in enumerate(prompts)]
         dt = time.perf_counter() - t0

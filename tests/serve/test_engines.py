@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eagle3.cli import app, main
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.serve import engines
 
 runner = CliRunner()
@@ -198,6 +199,6 @@ def test_vllm_tree_refused_for_mha_target_too(tmp_path: Path) -> None:
     """A multi-head-attention target: vLLM's trees are static (speculative_token_tree), not topk trees."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(engines.UsageError, match="static speculative_token_tree"):
-        engines.build_command("vllm", tmp_path, tmp_path / "draft", speculative_eagle_topk=2)
-    argv = engines.build_command("sglang", tmp_path, tmp_path / "draft", speculative_eagle_topk=2).argv
+        engines.build_command("vllm", tmp_path, tmp_path / "draft", EngineConfig(speculative_eagle_topk=2))
+    argv = engines.build_command("sglang", tmp_path, tmp_path / "draft", EngineConfig(speculative_eagle_topk=2)).argv
     assert "--page-size" not in argv  # the MLA-only constraint is not applied to MHA
