@@ -5,6 +5,7 @@
   around a longer loop (a package contains its subpackages; `if TYPE_CHECKING:` imports do not count);
 - no product file over 800 lines;
 - no function over 150 lines (Triton kernels excepted);
+- docs/architecture.md's layer diagrams match the imports;
 - the repository never cites documents that a clone does not have, nor a path of the machine it was
   written on.
 
@@ -15,6 +16,7 @@ offending module, file or function rather than crashing on import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -343,3 +345,46 @@ def test_no_test_or_doc_names_a_path_outside_the_repository():
             if any(n in line for n in _MACHINE_PATHS):
                 hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not hits, "paths outside the repository (use a placeholder such as $VLLM_PYTHON):\n" + "\n".join(hits)
+
+
+def drawn_layers(text: str) -> list[list[list[str]]]:
+    """The layer diagrams of docs/architecture.md's "Layers" section: per code block, its rows from
+    the top, each row the packages it names (``runtime/engine/`` -> ``eagle3.runtime.engine``)."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```")[1::2]
+    out = []
+    for block in blocks:
+        rows = []
+        for line in block.splitlines():
+            names = []
+            for token in line.split():
+                if not re.fullmatch(r"[a-z_]+(/[a-z_]+)*/", token):
+                    break
+                names.append("eagle3." + token.rstrip("/").replace("/", "."))
+            if names:
+                rows.append(names)
+        out.append(rows)
+    return out
+
+
+def test_drawn_layers_parse() -> None:
+    text = "# x\n\n## Layers\n\n```\ncli/   the CLI\n  |\nserve/  plan/   two\n```\n\n## Next\n"
+    assert drawn_layers(text) == [[["eagle3.cli"], ["eagle3.serve", "eagle3.plan"]]]
+
+
+def test_architecture_md_draws_the_imports_as_they_are() -> None:
+    """Every import between two drawn packages goes from a row to a row below it, and every top-level
+    package is drawn (docs/architecture.md, "Layers")."""
+    diagrams = drawn_layers((ROOT / "docs" / "architecture.md").read_text())
+    pg = package_graph(import_graph())
+    top = {p for p in _packages() if p.count(".") == 1}
+    assert diagrams and top == {name for row in diagrams[0] for name in row}, "docs/architecture.md's first diagram"
+    wrong = []
+    for rows in diagrams:
+        row_of = {name: i for i, row in enumerate(rows) for name in row}
+        assert set(row_of) <= set(_packages()), f"drawn but not a package: {sorted(set(row_of) - set(_packages()))}"
+        for p in row_of:
+            for q in pg[p]:
+                if q in row_of and row_of[q] <= row_of[p]:
+                    wrong.append(f"{p} (row {row_of[p] + 1}) imports {q} (row {row_of[q] + 1})")
+    assert not wrong, "docs/architecture.md draws these imports the other way round:\n" + "\n".join(wrong)
