@@ -155,7 +155,7 @@ def _print_serve_plan(target: Path, draft: Path | None, config: Any, gpu: str | 
     """``--plan``: the same projection as `eagle3 plan`, for the serve command's own target, draft, GPU
     count, nodes, KV cache dtype and context length (its EngineConfig); printed first (stdout for
     --dry-run, else stderr before the load)."""
-    kv = {"auto": "bf16"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
+    kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
     gpus = config.tensor_parallel_size
     with contextlib.redirect_stdout(sys.stdout if to_stdout else sys.stderr):
         print_plan(str(target), gpus=gpus, gpus_per_node=max(1, gpus // config.nnodes), gpu=gpu, gpu_memory=gpu_memory,

@@ -2,9 +2,10 @@
 and the tensor layout each quantized Linear has on disk (file side), which must agree. The exact
 tensors of every layout are in :mod:`eagle3.formats.sizing`.
 
-This module is the one reader of ``quantization_config``: :func:`quantization_config` finds it (for
-``sizing``, the schema, the loader, ``convert`` and ``serve --engine``), :func:`_config_schemes`
-describes it for ``inspect``, and :class:`QuantSpec` is what the runtime takes from it."""
+This module is the one reader of ``quantization_config``: :func:`quantization_config` finds it (the
+lookup itself lives in ``sizing``, which must stay torch-free; the schema, the loader, ``convert``
+and ``serve --engine`` use it), :func:`_config_schemes` describes it for ``inspect``, and
+:class:`QuantSpec` is what the runtime takes from it."""
 
 from __future__ import annotations
 
@@ -16,19 +17,11 @@ from typing import Any, Literal
 from eagle3.checkpoint import TensorInfo
 from eagle3.errors import FormatError
 from eagle3.formats import keys
+from eagle3.formats.sizing import find_quantization_config
 from eagle3.formats.summary import QuantInfo
 
-
-def quantization_config(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(quantization_config, where): the top-level one wins, as every engine reads it after
-    Moonshot's and ATOM's config classes copy ``text_config.quantization_config`` up."""
-    top = cfg.get("quantization_config")
-    if isinstance(top, dict):
-        return top, "top-level"
-    tc = cfg.get("text_config")
-    if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-        return tc["quantization_config"], "text_config"
-    return None, None
+# (quantization_config, where): the one lookup of the field (formats/sizing.py, torch-free).
+quantization_config = find_quantization_config
 
 # ---------------------------------------------------------------------------------------------
 # What the runtime needs from quantization_config (activation quantization, Quark's pack order)

@@ -359,12 +359,22 @@ def kv_values_per_layer(tc: dict[str, Any], where: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantization_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The config's quantization_config (:func:`eagle3.formats.quant_detect.quantization_config`: the
-    one lookup, top level first as engines copy a nested one up)."""
-    from eagle3.formats.quant_detect import quantization_config as lookup
+def find_quantization_config(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(quantization_config, where): the one lookup of that field (here, so that sizing stays
+    torch-free). The top-level one wins, as every engine reads it after Moonshot's and ATOM's config
+    classes copy ``text_config.quantization_config`` up."""
+    top = cfg.get("quantization_config")
+    if isinstance(top, dict):
+        return top, "top-level"
+    tc = cfg.get("text_config")
+    if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
+        return tc["quantization_config"], "text_config"
+    return None, None
 
-    return lookup(cfg)[0]
+
+def quantization_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's quantization_config (:func:`find_quantization_config`)."""
+    return find_quantization_config(cfg)[0]
 
 
 def _model_dtype(cfg: dict[str, Any]) -> str:
