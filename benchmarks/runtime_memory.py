@@ -8,7 +8,7 @@ side by side:
 * load time vs the time to read the checkpoint's shard files (both after dropping the files' pages
   from the page cache with ``posix_fadvise(DONTNEED)``: cold-ish, the VM's host may still cache);
 * peak resident memory of the whole process tree (every process sampled, plus each one's kernel
-  ``VmHWM``), per rank, vs the checkpoint bytes per rank (``eagle3.runtime.plan``'s accounting);
+  ``VmHWM``), per rank, vs the checkpoint bytes per rank (``eagle3.plan``'s accounting);
 * the loaded model's resident weight bytes (``eagle3.runtime.loader.resident_weight_bytes``) vs the
   checkpoint bytes it was built from;
 * decode tokens/s at batch 1 and 16: ``batch x decode steps / their wall time``, every engine step
@@ -478,7 +478,7 @@ def prepare(args: argparse.Namespace, log: Any = print) -> dict[str, Path]:
 
 def ckpt_per_rank(ckpt: Path, tp: int) -> tuple[int, int]:
     """(bytes the fullest rank loads, bytes every rank together loads) from the plan's accounting."""
-    from eagle3.runtime.plan import plan
+    from eagle3.plan import plan
 
     p = plan(ckpt, gpus=tp, gpu_memory=1 << 50)
     return p.max_weights_per_rank, p.loaded_bytes

@@ -1,6 +1,6 @@
 """Acceptance of draft trees against the chain, on the CPU, with the reference tree driver.
 
-Runs ``eagle3.runtime.spec.tree_driver.tree_generate`` (one request at a time, torch reference
+Runs ``eagle3.runtime.engine.tree_driver.tree_generate`` (one request at a time, torch reference
 backend, greedy unless ``--temperature``) for each tree shape ``K,S,N`` (``speculative_eagle_topk``,
 ``num_speculative_tokens``, ``speculative_num_draft_tokens``; ``1,S,S+1`` is the chain) over the
 same prompts and reports the mean acceptance length (tokens per target verify, bonus included),
@@ -45,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="> 0: sampled decoding (seeded per prompt; 'lossless' then only means 'not checked')")
     args = ap.parse_args(argv)
 
+    from eagle3.runtime.engine.config import EngineConfig
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.engine.model_runner import ModelRunner
+    from eagle3.runtime.engine.tree_driver import tree_generate
     from eagle3.runtime.loader import load_draft, load_target
     from eagle3.runtime.sampling import SamplingParams
-    from eagle3.runtime.spec.tree_driver import tree_generate
     from eagle3.testing import tiny, trained
 
     torch.set_num_threads(1)
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = [o.token_ids for o in LLM(target, None, tokenizer=None, num_blocks=4 * blocks).generate(prompts, greedy)]
     results = []
     for k, s, n in args.shapes:
-        runner = ModelRunner(target, draft, num_blocks=blocks, block_size=16, num_speculative_tokens=s)
+        runner = ModelRunner(target, draft, EngineConfig(num_speculative_tokens=s, block_size=16), blocks)
         t0 = time.perf_counter()
         runs = [tree_generate(runner, p, args.max_tokens, k, s, n, sampling(i)) for i, p in enumerate(prompts)]
         dt = time.perf_counter() - t0

@@ -5,7 +5,7 @@ Everything goes through ``huggingface_hub.snapshot_download``; this module only 
 several-hundred-GB checkpoint needs on top of it:
 
 * allow-patterns per role (weights, index, configs, tokenizer, chat template) from
-  :mod:`eagle3.formats.files`; ``*.py`` remote code only with ``trust_remote_code``;
+  :mod:`eagle3.checkpoint.files`; ``*.py`` remote code only with ``trust_remote_code``;
 * a plan before any byte moves: ``snapshot_download(dry_run=True)`` lists the files with their sizes
   from the Hub's file metadata (``X-Linked-Size`` for LFS files) and which ones are already present.
   ``--dry-run`` prints it; otherwise it feeds a free-disk preflight that refuses up front instead of
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.checkpoint import CheckpointReader
+from eagle3.checkpoint.files import INDEX_FILE, REMOTE_CODE_PATTERNS, download_patterns
 from eagle3.errors import DownloadError, UsageError
-from eagle3.formats.files import INDEX_FILE, REMOTE_CODE_PATTERNS, download_patterns
 from eagle3.units import human_bytes
 
 __all__ = ["DownloadResult", "FileEntry", "download", "header_view", "is_local", "print_result", "resolve"]

@@ -1,9 +1,13 @@
 """Structural rules of the codebase, checked from the source (see docs/architecture.md).
 
-- no import cycle between modules of `eagle3/` (function-level imports included);
+- no import cycle between modules of `eagle3/` (function-level imports included), and none between
+  its packages (directories with an `__init__.py`): no two packages import each other, directly or
+  around a longer loop (a package contains its subpackages; `if TYPE_CHECKING:` imports do not count);
 - no product file over 800 lines;
 - no function over 150 lines (Triton kernels excepted);
-- the repository never cites documents that a clone does not have.
+- docs/architecture.md's layer diagrams match the imports;
+- the repository never cites documents that a clone does not have, nor a path of the machine it was
+  written on.
 
 Each test reads the source with `ast`; nothing is imported, so a failure names the
 offending module, file or function rather than crashing on import.
@@ -12,6 +16,7 @@ offending module, file or function rather than crashing on import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +233,49 @@ def test_no_import_cycle_in_eagle3():
     assert not lines, f"import cycles in eagle3/ (function-level imports count):\n{msg}"
 
 
+def _packages() -> list[str]:
+    return sorted(m for m, p in _modules().items() if p.name == "__init__.py")
+
+
+def _contains(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def package_graph(graph: dict[str, set[str]], packages: list[str] | None = None) -> dict[str, set[str]]:
+    """package -> the packages it imports, from the module graph: P imports Q when a module inside P
+    (its subpackages included) imports a module inside Q. Only pairs where neither package contains
+    the other count: a package may use its own parent's modules (``runtime/layers`` -> ``runtime/
+    config.py``) and a parent its subpackages; between siblings and cousins the imports go one way."""
+    packages = _packages() if packages is None else packages
+    out: dict[str, set[str]] = {p: set() for p in packages}
+    for mod, targets in graph.items():
+        src = [p for p in packages if _contains(p, mod)]
+        for t in targets:
+            for q in packages:
+                if not _contains(q, t):
+                    continue
+                for p in src:
+                    if not _contains(p, q) and not _contains(q, p):
+                        out[p].add(q)
+    return out
+
+
+def test_package_graph_of_a_planted_pair():
+    graph = {"eagle3.a.x": {"eagle3.b.y"}, "eagle3.b.y": {"eagle3.a.z"}, "eagle3.a.z": set(),
+             "eagle3.a.sub.w": {"eagle3.a.x"}, "eagle3.a.x2": {"eagle3.a.sub.w"}}
+    pg = package_graph(graph, ["eagle3", "eagle3.a", "eagle3.a.sub", "eagle3.b"])
+    assert pg["eagle3.a"] == {"eagle3.b"} and pg["eagle3.b"] == {"eagle3.a"}  # a pair: a cycle
+    assert pg["eagle3.a.sub"] == set() and pg["eagle3"] == set()  # parent <-> child: not counted
+    assert find_cycles(pg) == [["eagle3.a", "eagle3.b"]]
+
+
+def test_no_import_cycle_between_packages():
+    pg = package_graph(import_graph())
+    lines = [line.replace("import cycle", "package cycle") for line in describe_cycles(pg)]
+    assert not lines, ("packages importing each other in eagle3/ (move the module to the package it belongs "
+                       "to, or put a typing-only import under `if TYPE_CHECKING:`):\n" + "\n".join(lines))
+
+
 def test_no_product_file_over_800_lines():
     long = []
     for p in _product_files():
@@ -272,3 +320,71 @@ def test_no_citation_of_documents_outside_the_repository():
         "citations of documents a clone does not have (cite docs/architecture.md or files in the repo):\n"
         + "\n".join(hits)
     )
+
+
+# Paths of the machine the repository was written on: a clone has none of them.
+_MACHINE_PATHS = ("/work/", "../shared", "/home/", "/root/", "/Users/")
+
+
+def test_no_test_or_doc_names_a_path_outside_the_repository():
+    files = [p for p in (ROOT / "tests").rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".json")]
+    files += [p for p in (ROOT / "docs").rglob("*") if p.is_file() and p.suffix in (".md", ".txt", ".py")]
+    files += [p for p in (ROOT / "benchmarks").rglob("*.py")]
+    files += [p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts]
+    files.append(ROOT / "README.md")
+    me = Path(__file__).resolve()
+    hits = []
+    for p in files:
+        if p.resolve() == me or "__pycache__" in p.parts:
+            continue
+        try:
+            text = p.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if any(n in line for n in _MACHINE_PATHS):
+                hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
+    assert not hits, "paths outside the repository (use a placeholder such as $VLLM_PYTHON):\n" + "\n".join(hits)
+
+
+def drawn_layers(text: str) -> list[list[list[str]]]:
+    """The layer diagrams of docs/architecture.md's "Layers" section: per code block, its rows from
+    the top, each row the packages it names (``runtime/engine/`` -> ``eagle3.runtime.engine``)."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```")[1::2]
+    out = []
+    for block in blocks:
+        rows = []
+        for line in block.splitlines():
+            names = []
+            for token in line.split():
+                if not re.fullmatch(r"[a-z_]+(/[a-z_]+)*/", token):
+                    break
+                names.append("eagle3." + token.rstrip("/").replace("/", "."))
+            if names:
+                rows.append(names)
+        out.append(rows)
+    return out
+
+
+def test_drawn_layers_parse() -> None:
+    text = "# x\n\n## Layers\n\n```\ncli/   the CLI\n  |\nserve/  plan/   two\n```\n\n## Next\n"
+    assert drawn_layers(text) == [[["eagle3.cli"], ["eagle3.serve", "eagle3.plan"]]]
+
+
+def test_architecture_md_draws_the_imports_as_they_are() -> None:
+    """Every import between two drawn packages goes from a row to a row below it, and every top-level
+    package is drawn (docs/architecture.md, "Layers")."""
+    diagrams = drawn_layers((ROOT / "docs" / "architecture.md").read_text())
+    pg = package_graph(import_graph())
+    top = {p for p in _packages() if p.count(".") == 1}
+    assert diagrams and top == {name for row in diagrams[0] for name in row}, "docs/architecture.md's first diagram"
+    wrong = []
+    for rows in diagrams:
+        row_of = {name: i for i, row in enumerate(rows) for name in row}
+        assert set(row_of) <= set(_packages()), f"drawn but not a package: {sorted(set(row_of) - set(_packages()))}"
+        for p in row_of:
+            for q in pg[p]:
+                if q in row_of and row_of[q] <= row_of[p]:
+                    wrong.append(f"{p} (row {row_of[p] + 1}) imports {q} (row {row_of[q] + 1})")
+    assert not wrong, "docs/architecture.md draws these imports the other way round:\n" + "\n".join(wrong)

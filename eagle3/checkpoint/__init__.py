@@ -3,6 +3,7 @@ filled in place, side files, output safety (locks, atomic commit) and a sha256 m
 
 One concept per module:
 
+- :mod:`.files`: which files of a model directory are what (weights, index, config, tokenizer, side files)
 - :mod:`.header`: the safetensors header, parsed and checked strictly; dtype tags; regular-file opens
 - :mod:`.rawio`: positioned reads/writes, range copies, one-line write errors
 - :mod:`.jsonio`: JSON files read strictly and written as strict JSON

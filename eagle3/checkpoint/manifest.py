@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.checkpoint.files import MANIFEST_FILE
 from eagle3.checkpoint.header import _file_kind, _show, _u64, open_regular, read_header
 from eagle3.checkpoint.jsonio import read_json, write_json
 from eagle3.checkpoint.reader import CheckpointReader
 from eagle3.errors import CheckpointError, VerifyError
-from eagle3.formats.files import MANIFEST_FILE
 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:

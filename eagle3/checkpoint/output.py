@@ -15,10 +15,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.checkpoint.files import MANIFEST_FILE
 from eagle3.checkpoint.manifest import write_manifest
 from eagle3.checkpoint.rawio import _WRITE_ERRNOS, write_error, writing
 from eagle3.errors import OutputExistsError, UsageError
-from eagle3.formats.files import MANIFEST_FILE
 
 # One rule for every command that writes (convert, quantize, make-tiny, the validate/bench reports):
 # the output must not be, contain or lie inside any input, after resolving symbolic links; an

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from eagle3.checkpoint.files import INDEX_FILE, is_side_file
 from eagle3.checkpoint.header import (
     TensorInfo,
     _check_entries,
@@ -27,7 +28,6 @@ from eagle3.checkpoint.header import (
 from eagle3.checkpoint.jsonio import read_json
 from eagle3.checkpoint.rawio import _pread_into
 from eagle3.errors import CheckpointError
-from eagle3.formats.files import INDEX_FILE, is_side_file
 
 
 class CheckpointReader:

@@ -7,10 +7,10 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from eagle3.checkpoint.files import is_side_file
 from eagle3.checkpoint.output import _real, _within
 from eagle3.checkpoint.rawio import write_error
 from eagle3.errors import CheckpointError
-from eagle3.formats.files import is_side_file
 
 
 def _hf_blobs_dir(src_dir: Path) -> Path | None:

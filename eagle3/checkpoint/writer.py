@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.checkpoint.header import MAX_HEADER_BYTES, TensorInfo, tag_from_dtype
 from eagle3.checkpoint.jsonio import write_json
 from eagle3.checkpoint.rawio import _copy_file, writing
 from eagle3.errors import CheckpointError
-from eagle3.formats.files import INDEX_FILE
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 

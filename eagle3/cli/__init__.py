@@ -21,8 +21,10 @@ import typer
 # isort: off
 from eagle3.cli import download, inspect, plan, fixtures, convert, serve, validate, train  # noqa: F401
 # isort: on
-from eagle3.cli.app import _state, app
+from eagle3.cli.app import _state, app, use_help_layout
 from eagle3.errors import Eagle3Error
+
+use_help_layout(app)  # every command's help: whole option names at any width (cli/app.py)
 
 __all__ = ["app", "main"]
 

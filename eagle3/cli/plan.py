@@ -46,10 +46,10 @@ def plan(
 def print_plan(target: str, *, gpus: int, gpu: str | None, gpus_per_node: int = 8, gpu_memory: str | None, memory_fraction: float,
                 draft: str | None, kv_cache_dtype: str, reserve: str, embedding: str, recipe: str | None,
                 scope: str | None, max_model_len: int | None, report: Path | None, json_out: bool) -> None:
-    """`eagle3 plan` and `eagle3 serve --dry-run --plan`: one accounting (eagle3.runtime.plan)."""
+    """`eagle3 plan` and `eagle3 serve --dry-run --plan`: one accounting (eagle3.plan)."""
     from eagle3 import hub
+    from eagle3 import plan as plan_mod
     from eagle3.cli.options import parse_bytes
-    from eagle3.runtime import plan as plan_mod
 
     mem = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None
     plan_mod.check_options(gpus=gpus, gpu=gpu, gpu_memory=mem, memory_fraction=memory_fraction,

@@ -11,57 +11,33 @@ from typing import Annotated, Any
 import typer
 
 from eagle3.cli.app import app
+from eagle3.cli.engine_flags import EngineFlags, engine_options
 from eagle3.cli.options import (
     CODE_HELP,
     CONCURRENCY_HELP,
-    DIST_INIT_ADDR_HELP,
-    ENFORCE_EAGER_HELP,
-    ENGINE,
-    KERNEL_BACKEND_HELP,
-    KV_CACHE_DTYPE_HELP,
     LIMIT_HELP,
     LOGPROBS_HELP,
     MAX_FLIPS_HELP,
     MAX_KLD_HELP,
-    MAX_SPEC_HELP,
     MAX_TOKENS_HELP,
     MIN_TOP1_HELP,
-    NNODES_HELP,
-    NODE_RANK_HELP,
-    NUM_SPEC_HELP,
     TASK_HELP,
-    TREE_NODES_HELP,
-    TREE_TOPK_HELP,
-    check_kernel_backend,
     exit_on_report,
-    node_layout,
     parse_bytes,
-    parse_speculative,
 )
 from eagle3.cli.plan import print_plan
 
 
 @app.command()
+@engine_options()
 def serve(
     target: Annotated[Path, typer.Argument(help="Target checkpoint directory.")],
     draft: Annotated[Path | None, typer.Option(help="EAGLE-3 draft checkpoint directory.")] = None,
-    num_speculative_tokens: Annotated[str, typer.Option(help=NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
-    max_speculative_tokens: Annotated[int | None, typer.Option(help=MAX_SPEC_HELP)] = None,
-    speculative_eagle_topk: Annotated[int, typer.Option(help=TREE_TOPK_HELP)] = ENGINE.speculative_eagle_topk,
-    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help=TREE_NODES_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0 or --validate: a free one the OS picks).")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Write {\"url\", \"pid\"} JSON here once the server answers (removed at exit); with --port 0 it tells the port.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Require 'Authorization: Bearer KEY'.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: the target directory name).")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model (e.g. its tokenizer) to run.")] = ENGINE.trust_remote_code,
-    dtype: Annotated[str, typer.Option(help="Activation / dense weight dtype: bfloat16|float16|float32.")] = ENGINE.dtype,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = ENGINE.device,
-    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
-    kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache size, e.g. 4GiB (default: 256MiB on CPU, 80% of free GPU memory).")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.")] = ENGINE.max_num_seqs,
-    seed: Annotated[int, typer.Option(help="Engine seed (requests without their own seed).")] = ENGINE.seed,
-    max_logprobs: Annotated[int, typer.Option(help="Most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's default 20).")] = ENGINE.max_logprobs,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     max_request_bytes: Annotated[str, typer.Option(help="Largest request body accepted, e.g. 8MiB (413 above it, refused before it is read).")] = "8MiB",
     request_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its headers, and between reads of its body (408 / disconnect after).")] = 30.0,
@@ -87,68 +63,57 @@ def serve(
     max_flips: Annotated[float | None, typer.Option(help=MAX_FLIPS_HELP)] = None,
     engine: Annotated[str | None, typer.Option(help="Hand off to vllm|sglang|atom: print and run its launch command.")] = None,
     dry_run: Annotated[bool, typer.Option(help="--engine: print the command only.")] = False,
-    tensor_parallel_size: Annotated[int, typer.Option(help="Tensor parallel size: worker processes of the bundled runtime (gloo on CPU, nccl on GPUs), or passed to --engine.")] = ENGINE.tensor_parallel_size,
-    nnodes: Annotated[int, typer.Option(help=NNODES_HELP)] = ENGINE.nnodes,
-    node_rank: Annotated[int, typer.Option(help=NODE_RANK_HELP)] = ENGINE.node_rank,
-    dist_init_addr: Annotated[str | None, typer.Option(help=DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
-    kernel_backend: Annotated[str, typer.Option(help=KERNEL_BACKEND_HELP)] = ENGINE.backend,
-    enforce_eager: Annotated[bool, typer.Option(help=ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
-    kv_cache_dtype: Annotated[str, typer.Option(help=KV_CACHE_DTYPE_HELP)] = ENGINE.kv_cache_dtype,
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
     attention_backend: Annotated[str | None, typer.Option(help="--engine sglang: its --attention-backend (draft trees over MLA: triton (default) or fa3, at --page-size 1).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
     gpu: Annotated[str | None, typer.Option(help="--plan: h100|h200|mi300x|mi325x|mi355x.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="--plan: memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="--plan: fraction of each GPU's memory the runtime may use.")] = 0.9,
+    *,
+    engine_flags: EngineFlags,
 ) -> None:
     """Serve TARGET (+ EAGLE-3 draft) over an OpenAI-compatible API, validate it, or hand off.
 
-    Examples: eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
-
-    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
-
-    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kv-cache-dtype fp8
-
-    eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
-
-    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --validate gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32
-
-    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./kimi-k2.5-eagle3 --validate gsm8k,mtbench --limit 50 --reference ./Kimi-K2.5
-
-    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
-
-    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --engine sglang --speculative-eagle-topk 4 --dry-run
-
-    eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
-
-    Two nodes (run on each, R = 0 on the one that serves): eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3
-    --device cuda --tensor-parallel-size 16 --nnodes 2 --node-rank R --dist-init-addr NODE0:29500
-
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus),
     /tokenize, /detokenize, /tokenizer_info. Exit code 1 when a --validate threshold is missed.
+    The engine options are EngineConfig's (docs/architecture.md): the bundled runtime runs with
+    them, --validate validates it, --engine passes them to vLLM / SGLang / ATOM.
+
+    Examples:
+
+    \b
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --port 8000
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kernel-backend triton --enforce-eager
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --kv-cache-dtype fp8
+    eagle3 serve ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --validate gsm8k --limit 8 --report r.json
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --validate gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32
+    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./kimi-k2.5-eagle3 --validate gsm8k,mtbench --limit 50 --reference ./Kimi-K2.5
+    eagle3 serve ./Kimi-K2.5-W4A8 --draft ./draft-vllm --engine vllm --tensor-parallel-size 8 --dry-run
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --engine sglang --speculative-eagle-topk 4 --dry-run
+    eagle3 serve ./Kimi-K2.5 --dry-run --plan --tensor-parallel-size 8 --gpu mi325x
+
+    Two nodes (run on each, R = 0 on the one that serves):
+
+    \b
+    eagle3 serve ./Kimi-K2.5 --draft ./kimi-k2.5-eagle3 --device cuda --tensor-parallel-size 16 --nnodes 2 --node-rank R --dist-init-addr NODE0:29500
     """
     from eagle3.errors import UsageError
 
-    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
     if plan:
-        _print_serve_plan(target, draft, tensor_parallel_size, gpu, gpu_memory, memory_fraction, kv_cache_dtype,
-                          max_model_len, to_stdout=dry_run, nnodes=nnodes)
+        _print_serve_plan(target, draft, engine_flags.config(draft, serving=False), gpu, gpu_memory,
+                          memory_fraction, to_stdout=dry_run)
         if dry_run and engine is None:
             return
     elif gpu is not None or gpu_memory is not None:
         raise UsageError("--gpu / --gpu-memory go with --plan")
-    if engine is not None:
-        if not isinstance(spec_k, int):
-            raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
-        kw = dict(num_speculative_tokens=spec_k, host=host, port=8000 if port is None else port,
-                  tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                  trust_remote_code=trust_remote_code, served_model_name=served_model_name,
-                  max_model_len=max_model_len, speculative_eagle_topk=speculative_eagle_topk,
-                  speculative_num_draft_tokens=speculative_num_draft_tokens, attention_backend=attention_backend)
-        if nnodes > 1:
-            _hand_off_nodes(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr, **kw)
+    if engine is not None:  # the other engine's launch, from the same EngineConfig (serve/engines.py)
+        config = engine_flags.config(draft, serving=False)  # its address: checked per engine (node_commands)
+        kw = dict(host=host, port=8000 if port is None else port, quantization=quantization,
+                  served_model_name=served_model_name, attention_backend=attention_backend)
+        if config.nnodes > 1:
+            _hand_off_nodes(engine, target, draft, config, **kw)
         else:
-            _hand_off(engine, target, draft, dry_run=dry_run, **kw)
+            _hand_off(engine, target, draft, config, dry_run=dry_run, **kw)
         return
     if attention_backend is not None:
         raise UsageError("--attention-backend goes with --engine sglang")
@@ -156,16 +121,9 @@ def serve(
         raise UsageError("--dry-run goes with --engine vllm|sglang|atom or --plan")
     from eagle3.serve import launcher
 
-    nodes, headless_rank = node_layout(tensor_parallel_size, nnodes, node_rank, dist_init_addr, device)
-    eopts = launcher.EngineOptions(
-        num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype, max_model_len=max_model_len,
-        kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory, "--kv-cache-memory"),
-        max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
-        backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
-        speculative_eagle_topk=speculative_eagle_topk, speculative_num_draft_tokens=speculative_num_draft_tokens,
-        max_logprobs=max_logprobs, kv_cache_dtype=kv_cache_dtype, **nodes)
-    if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
-        raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
+    eopts = engine_flags.config(draft)
+    if engine_flags.torchrun_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 serves
+        raise typer.Exit(launcher.run_headless(target, eopts, engine_flags.torchrun_rank))
     name = served_model_name or target.resolve().name
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
@@ -192,26 +150,27 @@ def serve(
                 request_timeout=request_timeout)
 
 
-def _print_serve_plan(target: Path, draft: Path | None, gpus: int, gpu: str | None, gpu_memory: str | None,
-                      memory_fraction: float, kv_cache_dtype: str, max_model_len: int | None, to_stdout: bool,
-                      nnodes: int = 1) -> None:
+def _print_serve_plan(target: Path, draft: Path | None, config: Any, gpu: str | None, gpu_memory: str | None,
+                      memory_fraction: float, to_stdout: bool) -> None:
     """``--plan``: the same projection as `eagle3 plan`, for the serve command's own target, draft, GPU
-    count and context length; printed first (stdout for --dry-run, else stderr before the load)."""
-    kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
+    count, nodes, KV cache dtype and context length (its EngineConfig); printed first (stdout for
+    --dry-run, else stderr before the load)."""
+    kv = {"auto": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(config.kv_cache_dtype, config.kv_cache_dtype)
+    gpus = config.tensor_parallel_size
     with contextlib.redirect_stdout(sys.stdout if to_stdout else sys.stderr):
-        print_plan(str(target), gpus=gpus, gpus_per_node=max(1, gpus // max(1, nnodes)), gpu=gpu, gpu_memory=gpu_memory,
+        print_plan(str(target), gpus=gpus, gpus_per_node=max(1, gpus // config.nnodes), gpu=gpu, gpu_memory=gpu_memory,
                    memory_fraction=memory_fraction, draft=None if draft is None else str(draft),
                    kv_cache_dtype=kv, reserve="4GiB", embedding="replicated", recipe=None, scope=None,
-                   max_model_len=max_model_len, report=None, json_out=False)
+                   max_model_len=config.max_model_len, report=None, json_out=False)
 
 
-def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, **kwargs: Any) -> None:
+def _hand_off(engine: str, target: Path, draft: Path | None, config: Any, *, dry_run: bool, **kwargs: Any) -> None:
     """``--engine``: print the other engine's launch command, and run it unless ``--dry-run``."""
     from eagle3.formats.check import require_valid_pair
     from eagle3.serve import engines
 
     require_valid_pair(target, draft)  # a model the engine would refuse after a long start, refused now
-    cmd = engines.build_command(engine, target, draft, **kwargs)
+    cmd = engines.build_command(engine, target, draft, config, **kwargs)
     for note in cmd.notes:
         typer.echo(f"# note: {note}", err=True)
     typer.echo(cmd.shell())
@@ -219,19 +178,15 @@ def _hand_off(engine: str, target: Path, draft: Path | None, *, dry_run: bool, *
         raise typer.Exit(engines.run(cmd))
 
 
-def _hand_off_nodes(engine: str, target: Path, draft: Path | None, *, nnodes: int, dist_init_addr: str | None,
-                    **kwargs: Any) -> None:
+def _hand_off_nodes(engine: str, target: Path, draft: Path | None, config: Any, **kwargs: Any) -> None:
     """``--engine X --nnodes N``: print the engine's launch on every node (to run there; nothing is run
     here: each command belongs on its own machine)."""
-    from eagle3.errors import UsageError
     from eagle3.formats.check import require_valid_pair
     from eagle3.serve import engines
 
-    if not dist_init_addr:
-        raise UsageError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
+    commands = engines.node_commands(engine, target, draft, config, **kwargs)  # flags checked first
     require_valid_pair(target, draft)
-    for node, cmd in engines.node_commands(engine, target, draft, nnodes=nnodes, dist_init_addr=dist_init_addr,
-                                           **kwargs):
+    for node, cmd in commands:
         for note in cmd.notes:
             typer.echo(f"# note: {note}", err=True)
         typer.echo(f"# node {node}:")

@@ -1,4 +1,8 @@
-"""``eagle3 validate`` and ``eagle3 bench``: a running (or in-process) server measured from the client side."""
+"""``eagle3 validate`` and ``eagle3 bench``: a running (or in-process) server measured from the client side.
+
+``validate`` measures a server someone else started (any OpenAI-compatible one): it has no engine
+flags (``serve --validate`` is the validation with the bundled engine). ``bench`` has them all
+(:mod:`eagle3.cli.engine_flags`): with TARGET it serves in-process with that EngineConfig."""
 
 from __future__ import annotations
 
@@ -8,34 +12,21 @@ from typing import Annotated
 import typer
 
 from eagle3.cli.app import app
+from eagle3.cli.engine_flags import EngineFlags, engine_options
 from eagle3.cli.options import (
     CODE_HELP,
     CONCURRENCY_HELP,
-    DIST_INIT_ADDR_HELP,
-    ENFORCE_EAGER_HELP,
-    ENGINE,
-    KERNEL_BACKEND_HELP,
-    KV_CACHE_DTYPE_HELP,
     LIMIT_HELP,
     LOGPROBS_HELP,
     MAX_FLIPS_HELP,
     MAX_KLD_HELP,
-    MAX_SPEC_HELP,
     MAX_TOKENS_HELP,
     MIN_TOP1_HELP,
-    NNODES_HELP,
-    NODE_RANK_HELP,
-    NUM_SPEC_HELP,
     RECORD_REF_HELP,
     REFERENCE_HELP,
     TASK_HELP,
     TOKENIZER_REF_HELP,
-    TREE_NODES_HELP,
-    TREE_TOPK_HELP,
-    check_kernel_backend,
     exit_on_report,
-    node_layout,
-    parse_speculative,
 )
 
 
@@ -68,17 +59,23 @@ def validate_cmd(
 ) -> None:
     """Validate a running OpenAI-compatible server (vLLM, SGLang, ATOM, eagle3) on one or more workloads.
 
-    Examples: eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
-
-    eagle3 validate --base-url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 --task gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32 --report r.json
-
-    Quantized vs its source, in two passes (the two models need not fit on one node together):
-    eagle3 validate --base-url http://SOURCE:8000 --task gsm8k,mtbench --limit 50 --record-reference ref.jsonl.gz
-    then eagle3 validate --base-url http://QUANTIZED:8000 --task gsm8k,mtbench --limit 50 --reference ref.jsonl.gz --report r.json
-
     GSM8K and HumanEval are sent as lm-eval's tasks send them, MT-Bench through the model's chat template;
     speculative acceptance is read from the server's /metrics around each workload and MT-Bench category.
     Exit code 1 on a missed threshold, a failed request or (with --baseline-url) a changed greedy answer.
+    The server is someone else's: validate has no engine options (serve --validate validates the
+    bundled runtime with them).
+
+    Examples:
+
+    \b
+    eagle3 validate --base-url http://127.0.0.1:8000 --limit 200 --concurrency 16 --report r.json
+    eagle3 validate --base-url http://127.0.0.1:8000 --baseline-url http://127.0.0.1:8001 --task gsm8k,humaneval,mtbench --limit 20 --concurrency 1,8,32 --report r.json
+
+    Quantized vs its source, in two passes (the two models need not fit on one node together):
+
+    \b
+    eagle3 validate --base-url http://SOURCE:8000 --task gsm8k,mtbench --limit 50 --record-reference ref.jsonl.gz
+    eagle3 validate --base-url http://QUANTIZED:8000 --task gsm8k,mtbench --limit 50 --reference ref.jsonl.gz --report r.json
     """
     from eagle3 import validate as val
     from eagle3.errors import UsageError
@@ -119,13 +116,10 @@ def validate_cmd(
 
 
 @app.command()
+@engine_options("Engine options (with TARGET: the in-process server; docs/architecture.md)")
 def bench(
     target: Annotated[Path | None, typer.Argument(help="Serve this target in-process and benchmark it (or use --base-url).")] = None,
     draft: Annotated[Path | None, typer.Option(help="With TARGET: EAGLE-3 draft directory.")] = None,
-    num_speculative_tokens: Annotated[str, typer.Option(help="With TARGET: " + NUM_SPEC_HELP)] = str(ENGINE.num_speculative_tokens),
-    max_speculative_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + MAX_SPEC_HELP)] = None,
-    speculative_eagle_topk: Annotated[int, typer.Option(help="With TARGET: " + TREE_TOPK_HELP)] = ENGINE.speculative_eagle_topk,
-    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="With TARGET: " + TREE_NODES_HELP)] = None,
     base_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server.")] = None,
     model: Annotated[str | None, typer.Option(help="Model id to request (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="EAGLE3_API_KEY", help="Bearer token for the server.")] = None,
@@ -136,24 +130,21 @@ def bench(
     output_len: Annotated[int, typer.Option(help="New tokens per request (random: exactly, with ignore_eos).")] = 128,
     num_prompts: Annotated[int, typer.Option(help="Requests per concurrency level.")] = 32,
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, e.g. 1,4,16.")] = "1",
-    seed: Annotated[int, typer.Option(help="Random prompts seed.")] = 0,
     report: Annotated[Path | None, typer.Option(help="Write the results as JSON.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing report.")] = False,
-    device: Annotated[str, typer.Option(help="With TARGET: cpu, cuda, ...")] = ENGINE.device,
-    dtype: Annotated[str, typer.Option(help="With TARGET: bfloat16|float16|float32.")] = ENGINE.dtype,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow code shipped with the model to run.")] = ENGINE.trust_remote_code,
-    tensor_parallel_size: Annotated[int, typer.Option(help="With TARGET: tensor parallel size (worker processes).")] = ENGINE.tensor_parallel_size,
-    nnodes: Annotated[int, typer.Option(help="With TARGET: " + NNODES_HELP)] = ENGINE.nnodes,
-    node_rank: Annotated[int, typer.Option(help="With TARGET: " + NODE_RANK_HELP)] = ENGINE.node_rank,
-    dist_init_addr: Annotated[str | None, typer.Option(help="With TARGET: " + DIST_INIT_ADDR_HELP)] = ENGINE.dist_init_addr,
-    kernel_backend: Annotated[str, typer.Option(help="With TARGET: " + KERNEL_BACKEND_HELP)] = ENGINE.backend,
-    enforce_eager: Annotated[bool, typer.Option(help="With TARGET: " + ENFORCE_EAGER_HELP)] = ENGINE.enforce_eager,
-    kv_cache_dtype: Annotated[str, typer.Option(help="With TARGET: " + KV_CACHE_DTYPE_HELP)] = ENGINE.kv_cache_dtype,
+    *,
+    engine_flags: EngineFlags,
 ) -> None:
     """Serving benchmark: TTFT / TPOT / ITL / E2EL / throughput as `vllm bench serve` defines them.
 
-    Examples: eagle3 bench --base-url http://127.0.0.1:8000 --tokenizer ./Kimi-K2.5 --concurrency 1,8,32
+    With TARGET the bundled runtime serves in-process with the engine options (EngineConfig's, as
+    serve takes them); with --base-url a running server is measured as it is (only --seed applies:
+    it seeds the random prompts).
 
+    Examples:
+
+    \b
+    eagle3 bench --base-url http://127.0.0.1:8000 --tokenizer ./Kimi-K2.5 --concurrency 1,8,32
     eagle3 bench ./tiny/kimi-k2.5 --draft ./tiny/kimi-k2.5-eagle3 --input-len 64 --output-len 32
     """
     from eagle3.errors import UsageError
@@ -164,17 +155,11 @@ def bench(
         raise UsageError("give either TARGET (served in-process) or --base-url")
     if base_url is not None:
         # the engine flags describe an in-process server; a running one is benchmarked as it is
-        engine_flags = {"--draft": draft is not None, "--max-speculative-tokens": max_speculative_tokens is not None,
-                        "--num-speculative-tokens": num_speculative_tokens != str(ENGINE.num_speculative_tokens),
-                        "--device": device != ENGINE.device, "--dtype": dtype != ENGINE.dtype,
-                        "--tensor-parallel-size": tensor_parallel_size != ENGINE.tensor_parallel_size,
-                        "--kernel-backend": kernel_backend != ENGINE.backend,
-                        "--enforce-eager": enforce_eager != ENGINE.enforce_eager,
-                        "--kv-cache-dtype": kv_cache_dtype != ENGINE.kv_cache_dtype}
-        given = [flag for flag, set_ in engine_flags.items() if set_]
+        # (--seed also seeds the random prompts, so it is the one that stays)
+        given = (["--draft"] if draft is not None else []) + engine_flags.given(exclude=("seed",))
         if given:
             raise UsageError(f"{', '.join(given)} go with TARGET (served in-process), not with --base-url")
-    spec_k, max_k = parse_speculative(num_speculative_tokens, max_speculative_tokens, draft)
+    eopts = engine_flags.config(draft) if target is not None else None
     if report is not None:
         from eagle3.checkpoint import check_output_path
 
@@ -184,33 +169,26 @@ def bench(
         if report.exists() and not overwrite:
             raise UsageError(f"{report} exists; pass --overwrite to replace it")
     opts = b.BenchOptions(dataset=dataset, dataset_path=dataset_path, input_len=input_len, output_len=output_len,
-                          num_prompts=num_prompts, concurrency=b.parse_levels(concurrency), seed=seed, model=model,
+                          num_prompts=num_prompts, concurrency=b.parse_levels(concurrency),
+                          seed=engine_flags.value("seed"), model=model,
                           api_key=api_key)
     opts.check()
     tok = None
     if tokenizer is not None or target is not None:
         from eagle3.runtime.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(tokenizer or target, trust_remote_code)
-    if target is not None:
+        tok = load_tokenizer(tokenizer or target, engine_flags.value("trust_remote_code"))
+    if target is not None and eopts is not None:
         from eagle3.serve import launcher
 
-        nodes, headless_rank = node_layout(tensor_parallel_size, nnodes, node_rank, dist_init_addr, device)
-        eopts = launcher.EngineOptions(num_speculative_tokens=spec_k, max_speculative_tokens=max_k, dtype=dtype,
-                                       trust_remote_code=trust_remote_code,
-                                       backend=check_kernel_backend(kernel_backend), enforce_eager=enforce_eager,
-                                       speculative_eagle_topk=speculative_eagle_topk,
-                                       speculative_num_draft_tokens=speculative_num_draft_tokens,
-                                       kv_cache_dtype=kv_cache_dtype, **nodes)
-        if headless_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 benchmarks
-            raise typer.Exit(launcher.run_headless(target, eopts, headless_rank))
-        tensor_parallel_size = eopts.tensor_parallel_size
+        if engine_flags.torchrun_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 benchmarks
+            raise typer.Exit(launcher.run_headless(target, eopts, engine_flags.torchrun_rank))
         llm = launcher.build_llm(target, draft, eopts)
         try:
             api = launcher.build_app(llm, target.resolve().name, root=str(target))
             with launcher.ServerThread(api) as url:
                 result = b.run_bench(url, opts, tok)
-                result["tensor_parallel_size"] = tensor_parallel_size
+                result["tensor_parallel_size"] = eopts.tensor_parallel_size
                 result.update(launcher.engine_info(llm))
         finally:
             launcher.close_llm(llm)

@@ -12,5 +12,6 @@ Where to find what:
   (``require_valid`` for convert / quantize / train-draft, ``require_valid_pair`` for serve /
   bench, ``require_valid_tree`` for verify);
 * :mod:`.detect` (with :mod:`.quant_detect` and :mod:`.summary`) - what ``inspect`` reports;
-* :mod:`.keys`, :mod:`.profiles`, :mod:`.codecs`, :mod:`.files` - names, engine profiles, packing.
+* :mod:`.keys`, :mod:`.profiles`, :mod:`.codecs` - names, engine profiles, packing (which files of a
+  model directory are what: :mod:`eagle3.checkpoint.files`).
 """

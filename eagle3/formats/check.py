@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.checkpoint import CheckpointReader, read_json
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, FormatError
 from eagle3.formats import keys, sizing
-from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.model_config import DraftConfig, TextStackConfig, parse_config
 from eagle3.formats.schema import FLOAT_TAGS, Extra, Schema, schema_for, stored_format
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.checkpoint import CheckpointReader, TensorInfo, read_json
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import CheckpointError, FormatError, ShapeError
 from eagle3.formats import keys
-from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.quant_detect import (  # noqa: F401 (re-exported: detect is the public entry)
     _FLOAT_NAMES,
     CT_FP8,
@@ -103,8 +103,10 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``config.json`` of a checkpoint directory (or of the directory holding a ``.safetensors`` file)."""
-    f = checkpoint_dir(path) / CONFIG_FILE
+    """``config.json`` of a checkpoint directory (or of the directory holding a ``.safetensors`` file),
+    or a ``.json`` config file given itself."""
+    p = Path(path)
+    f = p if p.suffix == ".json" and not p.is_dir() else checkpoint_dir(p) / CONFIG_FILE
     # Only a missing config is "no such file"; a FIFO or directory there is refused by read_json
     # (before it is opened) as what it is.
     if not os.path.lexists(f):

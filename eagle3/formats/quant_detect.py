@@ -1,29 +1,116 @@
 """The quantization of a checkpoint: the schemes its ``quantization_config`` declares (config side)
 and the tensor layout each quantized Linear has on disk (file side), which must agree. The exact
-tensors of every layout are in :mod:`eagle3.formats.sizing`."""
+tensors of every layout are in :mod:`eagle3.formats.sizing`.
+
+This module is the one reader of ``quantization_config``: :func:`quantization_config` finds it (the
+lookup itself lives in ``sizing``, which must stay torch-free; the schema, the loader, ``convert``
+and ``serve --engine`` use it), :func:`_config_schemes` describes it for ``inspect``, and
+:class:`QuantSpec` is what the runtime takes from it."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eagle3.checkpoint import TensorInfo
 from eagle3.errors import FormatError
 from eagle3.formats import keys
+from eagle3.formats.sizing import find_quantization_config
 from eagle3.formats.summary import QuantInfo
 
+# (quantization_config, where): the one lookup of the field (formats/sizing.py, torch-free).
+quantization_config = find_quantization_config
 
-def quantization_config(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(quantization_config, where): the top-level one wins, as every engine reads it after
-    Moonshot's and ATOM's config classes copy ``text_config.quantization_config`` up."""
-    top = cfg.get("quantization_config")
-    if isinstance(top, dict):
-        return top, "top-level"
-    tc = cfg.get("text_config")
-    if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-        return tc["quantization_config"], "text_config"
-    return None, None
+# ---------------------------------------------------------------------------------------------
+# What the runtime needs from quantization_config (activation quantization, Quark's pack order)
+# ---------------------------------------------------------------------------------------------
+
+# Dynamic activation quantization in front of a quantized Linear (None: weight-only), as the
+# runtime's kernel backends take it (runtime/kernels/base.py).
+ActQuant = Literal["int8", "fp8", "mxfp4"] | None
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What the runtime needs from ``quantization_config`` beyond the weights' layouts (those come
+    from :func:`eagle3.formats.sizing.resolver`, as the schema's do, in ``runtime/weights.py``).
+
+    ``act``: dynamic activation quantization in front of every quantized Linear (None =
+    weight-only). Quark records W4A8 inputs as ``fp8_e4m3 per_tensor dynamic``; the runtime
+    quantizes per token (what the serving kernels do), and ``act_override`` in the loader picks
+    the int8 variant. ``layer_act``: Quark ``layer_quant_config`` patterns with their own input
+    spec (fnmatch if the pattern has ``*``, else substring, as vLLM matches)."""
+
+    method: str | None = None  # compressed-tensors | quark | fp8 | None
+    act: ActQuant = None
+    layer_act: tuple[tuple[str, ActQuant], ...] = ()
+    pack_method: str = "reorder"  # Quark INT4 nibble order (the export's, not the layout's: same sizes)
+
+    @staticmethod
+    def from_config(qc: dict[str, Any] | None, where: str) -> QuantSpec:
+        if not qc:
+            return QuantSpec()
+        method = qc.get("quant_method")
+        if method == "compressed-tensors":
+            acts = []
+            for g in (qc.get("config_groups") or {}).values():
+                acts.append(_ct_act((g or {}).get("input_activations"), where))
+            act = acts[0] if acts else None
+            return QuantSpec(method=method, act=act)
+        if method == "quark":
+            glob = qc.get("global_quant_config") or {}
+            act = _quark_act(glob.get("input_tensors"), where)
+            layer = []
+            for pat, lc in (qc.get("layer_quant_config") or {}).items():
+                if isinstance(lc, dict):
+                    layer.append((str(pat), _quark_act(lc.get("input_tensors"), where)))
+            pack = ((qc.get("export") or {}).get("pack_method")) or "reorder"
+            return QuantSpec(method=method, act=act, layer_act=tuple(layer), pack_method=str(pack))
+        if method == "fp8":
+            # DeepSeek FP8: activations are quantized per 1x128 group by the engines; the reference
+            # runs them in the compute dtype (weight-only emulation), documented in runtime/weights.py.
+            return QuantSpec(method=method)
+        raise FormatError(f"{where}: quantization_config.quant_method {method!r} is not supported "
+                          f"(compressed-tensors, quark, fp8)")
+
+    def act_for(self, module: str) -> ActQuant:
+        import fnmatch
+
+        for pat, act in self.layer_act:
+            if ("*" in pat and fnmatch.fnmatch(module, pat)) or ("*" not in pat and pat in module):
+                return act
+        return self.act
+
+
+def _ct_act(spec: Any, where: str) -> ActQuant:
+    if not spec:
+        return None
+    bits, typ = spec.get("num_bits"), spec.get("type")
+    if bits == 8 and typ == "int":
+        return "int8"
+    if bits == 8 and typ == "float":
+        return "fp8"
+    raise FormatError(f"{where}: compressed-tensors input_activations {bits}-bit {typ} is not supported")
+
+
+def _quark_act(spec: Any, where: str) -> ActQuant:
+    if not spec:
+        return None
+    if isinstance(spec, list):  # a progressive input spec: the runtime uses its last stage
+        spec = spec[-1] if spec else None
+        if not spec:
+            return None
+    dt = str(spec.get("dtype"))
+    if dt == "int8":
+        return "int8"
+    if dt.startswith("fp8_e4m3"):
+        return "fp8"
+    if dt == "fp4":
+        return "mxfp4"
+    raise FormatError(f"{where}: Quark input_tensors dtype {dt!r} is not supported (int8, fp8_e4m3, fp4)")
+
 
 # ---------------------------------------------------------------------------------------------
 # Quantization schemes (config side) and tensor layouts (file side)

@@ -28,7 +28,7 @@ engines match them: ``re:`` entries with ``re.match``, globs with ``fnmatch``, p
 exact module name or a dotted suffix/prefix of it. Single-stage Quark INT4 is sized with its zero
 points (Quark's export writes them; the config does not say), a few bytes per row.
 
-This module is independent of the runtime: the memory plan (:mod:`eagle3.runtime.plan`), the
+This module is independent of the runtime: the memory plan (:mod:`eagle3.plan`), the
 runtime memory benchmark and the full-width slice writer (:mod:`eagle3.testing.slice`) read it.
 """
 
@@ -339,20 +339,42 @@ def draft_weights(cfg: dict[str, Any], where: str) -> Iterator[Weight]:
         yield Weight("t2d", "param", (V,), "BOOL")
 
 
+def kv_values_per_layer(tc: dict[str, Any], where: str) -> int:
+    """Values one token takes in one layer's KV cache, from a transformer stack's config (``text_config``
+    / ``transformer_layer_config`` / the top level): the MLA latent, ``kv_lora_rank +
+    qk_rope_head_dim`` (576 for Kimi), or K and V heads, ``2 x num_key_value_heads x head_dim`` (a
+    Llama draft). The runtime's models cache the same per-token shapes (``kv_cache_spec``)."""
+    if tc.get("kv_lora_rank") is not None:
+        return int(tc["kv_lora_rank"]) + int(tc.get("qk_rope_head_dim") or 0)
+    heads = tc.get("num_attention_heads")
+    if not heads:
+        raise FormatError(f"{where}: field 'num_attention_heads' is missing (needed for the KV cache size)")
+    kv = int(tc.get("num_key_value_heads") or heads)
+    hd = int(tc.get("head_dim") or int(tc["hidden_size"]) // int(heads))
+    return 2 * kv * hd
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantization configs -> which Linear gets which layout
 # ---------------------------------------------------------------------------------------------
 
 
-def quantization_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The config's quantization_config: top level first (engines copy a nested one up)."""
+def find_quantization_config(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(quantization_config, where): the one lookup of that field (here, so that sizing stays
+    torch-free). The top-level one wins, as every engine reads it after Moonshot's and ATOM's config
+    classes copy ``text_config.quantization_config`` up."""
     top = cfg.get("quantization_config")
     if isinstance(top, dict):
-        return top
+        return top, "top-level"
     tc = cfg.get("text_config")
     if isinstance(tc, dict) and isinstance(tc.get("quantization_config"), dict):
-        return tc["quantization_config"]
-    return None
+        return tc["quantization_config"], "text_config"
+    return None, None
+
+
+def quantization_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's quantization_config (:func:`find_quantization_config`)."""
+    return find_quantization_config(cfg)[0]
 
 
 def _model_dtype(cfg: dict[str, Any]) -> str:
@@ -551,5 +573,5 @@ def header_tensors(path: str | Path) -> list[TensorSpec] | None:
 
 
 __all__ = ["TensorSpec", "LinearFormat", "Weight", "linear_tensors", "logical_weights", "config_tensors",
-           "header_tensors", "config_inventory", "resolver", "linear_formats", "quantization_config", "DTYPE_BYTES",
+           "header_tensors", "config_inventory", "resolver", "linear_formats", "quantization_config", "kv_values_per_layer", "DTYPE_BYTES",
            "text_stack_weights", "vision_weights", "draft_weights"]

@@ -66,9 +66,9 @@ from eagle3.checkpoint import (
     write_error,
     write_json,
 )
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
-from eagle3.formats.files import INDEX_FILE
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from eagle3.checkpoint import CheckpointReader, TensorInfo
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import CheckpointError, FormatError, ShapeError
 from eagle3.formats import codecs, detect, keys
-from eagle3.formats.files import INDEX_FILE
 
 DENSE = "dense"
 CT_INT4 = "ct-int4"

@@ -4,7 +4,8 @@
   top level of a text-only K2 / K2-Thinking config).
 * :class:`DraftSpec` - EAGLE-3 / 3.1 draft, Llama/MHA or MLA, native (``midlayer.*``), vLLM-style
   (``layers.0.*``) or speculators (``transformer_layer_config``) configs.
-* :class:`RopeSpec` and :class:`QuantSpec` - shared pieces.
+* :class:`RopeSpec` - shared; :class:`QuantSpec` (what ``quantization_config`` asks of the runtime) is
+  parsed by :mod:`eagle3.formats.quant_detect`, the one reader of that field.
 
 Which checkpoint is which (family, flags, aux-id convention, vocabulary maps) is decided by
 ``eagle3.formats.detect``; this module only turns those facts and the config's numbers into specs.
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3.errors import FormatError
-from eagle3.runtime.kernels.base import ActQuant
+from eagle3.formats.quant_detect import QuantSpec  # noqa: F401 (the specs' quant field; parsed in formats)
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -123,91 +124,6 @@ class RopeSpec:
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantization
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """What the runtime needs from ``quantization_config`` beyond the weights' layouts (those come
-    from :func:`eagle3.formats.sizing.resolver`, as the schema's do, in ``runtime/weights.py``).
-
-    ``act``: dynamic activation quantization in front of every quantized Linear (None =
-    weight-only). Quark records W4A8 inputs as ``fp8_e4m3 per_tensor dynamic``; the runtime
-    quantizes per token (what the serving kernels do), and ``act_override`` in the loader picks
-    the int8 variant. ``layer_act``: Quark ``layer_quant_config`` patterns with their own input
-    spec (fnmatch if the pattern has ``*``, else substring, as vLLM matches)."""
-
-    method: str | None = None  # compressed-tensors | quark | fp8 | None
-    act: ActQuant = None
-    layer_act: tuple[tuple[str, ActQuant], ...] = ()
-    pack_method: str = "reorder"  # Quark INT4 nibble order (the export's, not the layout's: same sizes)
-
-    @staticmethod
-    def from_config(qc: dict[str, Any] | None, where: str) -> QuantSpec:
-        if not qc:
-            return QuantSpec()
-        method = qc.get("quant_method")
-        if method == "compressed-tensors":
-            acts = []
-            for g in (qc.get("config_groups") or {}).values():
-                acts.append(_ct_act((g or {}).get("input_activations"), where))
-            act = acts[0] if acts else None
-            return QuantSpec(method=method, act=act)
-        if method == "quark":
-            glob = qc.get("global_quant_config") or {}
-            act = _quark_act(glob.get("input_tensors"), where)
-            layer = []
-            for pat, lc in (qc.get("layer_quant_config") or {}).items():
-                if isinstance(lc, dict):
-                    layer.append((str(pat), _quark_act(lc.get("input_tensors"), where)))
-            pack = ((qc.get("export") or {}).get("pack_method")) or "reorder"
-            return QuantSpec(method=method, act=act, layer_act=tuple(layer), pack_method=str(pack))
-        if method == "fp8":
-            # DeepSeek FP8: activations are quantized per 1x128 group by the engines; the reference
-            # runs them in the compute dtype (weight-only emulation), documented in runtime/weights.py.
-            return QuantSpec(method=method)
-        raise FormatError(f"{where}: quantization_config.quant_method {method!r} is not supported "
-                          f"(compressed-tensors, quark, fp8)")
-
-    def act_for(self, module: str) -> ActQuant:
-        import fnmatch
-
-        for pat, act in self.layer_act:
-            if ("*" in pat and fnmatch.fnmatch(module, pat)) or ("*" not in pat and pat in module):
-                return act
-        return self.act
-
-
-def _ct_act(spec: Any, where: str) -> ActQuant:
-    if not spec:
-        return None
-    bits, typ = spec.get("num_bits"), spec.get("type")
-    if bits == 8 and typ == "int":
-        return "int8"
-    if bits == 8 and typ == "float":
-        return "fp8"
-    raise FormatError(f"{where}: compressed-tensors input_activations {bits}-bit {typ} is not supported")
-
-
-def _quark_act(spec: Any, where: str) -> ActQuant:
-    if not spec:
-        return None
-    if isinstance(spec, list):  # a progressive input spec: the runtime uses its last stage
-        spec = spec[-1] if spec else None
-        if not spec:
-            return None
-    dt = str(spec.get("dtype"))
-    if dt == "int8":
-        return "int8"
-    if dt.startswith("fp8_e4m3"):
-        return "fp8"
-    if dt == "fp4":
-        return "mxfp4"
-    raise FormatError(f"{where}: Quark input_tensors dtype {dt!r} is not supported (int8, fp8_e4m3, fp4)")
 
 
 # ---------------------------------------------------------------------------------------------

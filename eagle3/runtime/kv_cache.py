@@ -46,6 +46,18 @@ FP8_KINDS: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")
 _ALIASES = {"fp8": "fp8_e4m3"}
 
 
+# Bytes per cached value, by name: the engine's cache dtypes and the float widths the memory plan also
+# takes (``eagle3 plan --kv-cache-dtype fp16|fp32``). fp8 of any kind is one byte: twice bf16's tokens.
+ELEMENT_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def cache_bytes(values_per_layer: int, num_layers: int, element_bytes: int, tokens: int = 1) -> int:
+    """Bytes ``tokens`` tokens take in a KV cache of ``num_layers`` layers of ``values_per_layer``
+    values each: the one formula of the engine's block size (``engine/model_runner.kv_bytes_per_block``)
+    and of the memory plan (:mod:`eagle3.plan`, which takes the values from the config)."""
+    return values_per_layer * num_layers * element_bytes * tokens
+
+
 def canonical(name: str) -> str:
     """``name`` as one of ``auto``, ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``; one line when unknown."""
     if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
@@ -142,5 +154,5 @@ def check_scale(value: Any, where: str) -> float:
     return v
 
 
-__all__ = ["KV_CACHE_DTYPES", "FP8_KINDS", "KVFormat", "canonical", "is_fp8", "fp8_dtype", "quantize",
+__all__ = ["KV_CACHE_DTYPES", "FP8_KINDS", "ELEMENT_BYTES", "cache_bytes", "KVFormat", "canonical", "is_fp8", "fp8_dtype", "quantize",
            "dequantize", "bits", "storage_scale", "check_scale", "fnuz_device"]

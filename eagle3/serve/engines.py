@@ -30,10 +30,19 @@ refused there; ATOM documents EAGLE-3 as a chain only (``--num-speculative-token
 ``--quantization`` is passed to vLLM / SGLang when the target's config names a method they know
 (compressed-tensors, quark, fp8), which makes a mismatch an error at load instead of a silent
 fallback. Remote code is only allowed with ``trust_remote_code=True``.
+
+Every engine setting comes from the one :class:`~eagle3.runtime.engine.config.EngineConfig` that
+``serve`` builds from its flags (no defaults here): k, the tree, tensor parallelism, the KV cache
+dtype, the context length and remote code always map; the scheduling and sampling fields map where
+the engine has the flag (:data:`_MAPPED`) when they differ from EngineConfig's defaults (else the
+engine's own default applies); a non-default field the engine has no flag for, or one that is the
+bundled runtime's alone (``--device``, ``--kernel-backend``, ``--kv-cache-memory``), is a printed
+note, never silently dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shlex
@@ -44,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.errors import UsageError
+from eagle3.runtime.engine.config import DTYPE_NAMES, EngineConfig, flag_name
 
 ENGINES = ("vllm", "sglang", "atom")
 _MODULES = {"vllm": "vllm", "sglang": "sglang", "atom": "atom"}
@@ -59,7 +69,18 @@ _KNOWN_QUANT = ("compressed-tensors", "quark", "fp8")
 # SGLang MLA attention backends that verify trees (topk > 1), at page size 1 only; the others refuse it.
 SGLANG_TREE_MLA_BACKENDS = ("triton", "fa3")
 _SGLANG_CHAIN_ONLY_MLA = ("flashinfer", "flashmla", "cutlass_mla", "trtllm_mla")
-MAX_TREE_NODES = 64  # the bundled runtime's default cap, kept so both engines build the same tree
+# EngineConfig fields passed when they differ from EngineConfig's defaults: field -> {engine: its flag}
+# (vLLM's EngineArgs and SGLang's ServerArgs names; a bool is a bare flag). ATOM's documented flags
+# cover the fields that always map only.
+_MAPPED: dict[str, dict[str, str]] = {
+    "dtype": {"vllm": "--dtype", "sglang": "--dtype"},
+    "max_num_seqs": {"vllm": "--max-num-seqs", "sglang": "--max-running-requests"},
+    "seed": {"vllm": "--seed", "sglang": "--random-seed"},
+    "max_logprobs": {"vllm": "--max-logprobs"},
+    "enforce_eager": {"vllm": "--enforce-eager", "sglang": "--disable-cuda-graph"},
+}
+# The bundled runtime's own settings: no engine takes them (their notes say so when they are set).
+_RUNTIME_ONLY = ("device", "backend", "kv_cache_memory")
 
 
 @dataclass
@@ -112,17 +133,15 @@ class TreeShape:
     draft_tokens: int
 
 
-def tree_shape(topk: int, steps: int, draft_tokens: int | None) -> TreeShape | None:
-    """The tree asked for, checked; None for the chain (topk 1)."""
-    if topk < 1:
-        raise UsageError(f"--speculative-eagle-topk must be >= 1, got {topk}")
-    if topk == 1:
-        if draft_tokens is not None and draft_tokens != steps + 1:
-            raise UsageError(f"--speculative-num-draft-tokens goes with --speculative-eagle-topk > 1 (a chain "
-                             f"verifies --num-speculative-tokens + 1 = {steps + 1} tokens)")
+def tree_shape(config: EngineConfig) -> TreeShape | None:
+    """The tree ``config`` asks for (its own check and default size, the bundled runtime's), within
+    what SGLang verifies (at most every drafted node plus the root); None for the chain (topk 1)."""
+    tree = config.tree
+    if tree is None:
         return None
+    topk, n = tree
+    steps = int(config.num_speculative_tokens)
     most = topk * steps + 1  # every drafted node plus the root
-    n = min(most, MAX_TREE_NODES) if draft_tokens is None else draft_tokens
     if not 2 <= n <= most:
         raise UsageError(f"--speculative-num-draft-tokens must be in 2..{most} (topk * steps + 1) for "
                          f"--speculative-eagle-topk {topk} and {steps} steps, got {n}")
@@ -156,31 +175,26 @@ def _refuse_tree(engine: str, target: str, tree: TreeShape, kv_cache_dtype: str,
                          f"{kv_cache_dtype}")
 
 
-def build_command(engine: str, target: str | Path, draft: str | Path | None = None, *,
-                  num_speculative_tokens: int = 3, host: str = "127.0.0.1", port: int = 8000,
-                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
-                  trust_remote_code: bool = False, served_model_name: str | None = None,
-                  max_model_len: int | None = None, speculative_eagle_topk: int = 1,
-                  speculative_num_draft_tokens: int | None = None,
-                  attention_backend: str | None = None) -> LaunchCommand:
-    """The engine's launch command for ``target`` (+ ``draft``); nothing is run. A draft tree
-    (``speculative_eagle_topk > 1``) the engine cannot verify over this target is refused (UsageError)."""
+def build_command(engine: str, target: str | Path, draft: str | Path | None, config: EngineConfig, *,
+                  host: str = "127.0.0.1", port: int = 8000, quantization: str | None = None,
+                  served_model_name: str | None = None, attention_backend: str | None = None) -> LaunchCommand:
+    """The engine's launch command for ``target`` (+ ``draft``) with ``config``'s settings; nothing
+    is run. A draft tree (``speculative_eagle_topk > 1``) the engine cannot verify over this target
+    is refused (UsageError), and so is ``num_speculative_tokens="auto"`` (the bundled runtime's)."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if kv_cache_dtype not in _KV_DTYPES:
-        raise UsageError(f"--kv-cache-dtype must be one of {', '.join(_KV_DTYPES)}, got {kv_cache_dtype!r}")
-    if num_speculative_tokens < 1:
-        raise UsageError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
-    if tensor_parallel_size < 1:
-        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if config.adaptive:
+        raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
     if attention_backend is not None and engine != "sglang":
         raise UsageError("--attention-backend goes with --engine sglang")
     target, draft = str(target), (None if draft is None else str(draft))
-    tree = tree_shape(speculative_eagle_topk, num_speculative_tokens, speculative_num_draft_tokens)
+    tree = tree_shape(config)
     if tree is not None and draft is None:
         raise UsageError("--speculative-eagle-topk > 1 needs --draft")
+    kv_cache_dtype, max_model_len = config.kv_cache_dtype, config.max_model_len
     if tree is not None:
         _refuse_tree(engine, target, tree, kv_cache_dtype, attention_backend)
+    tensor_parallel_size = config.tensor_parallel_size
     notes: list[str] = []
     quant = quantization
     if quant is None and Path(target).is_dir():
@@ -192,7 +206,7 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
     kv = _KV_DTYPES[kv_cache_dtype][engine]
     if kv_cache_dtype not in ("auto",) and kv is None:
         notes.append(f"{engine} has no KV cache dtype {kv_cache_dtype!r}; using its default")
-    k = num_speculative_tokens
+    k = int(config.num_speculative_tokens)
     if engine == "vllm":
         argv = ["vllm", "serve", target, "--host", host, "--port", str(port),
                 "--tensor-parallel-size", str(tensor_parallel_size)]
@@ -237,25 +251,31 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None = No
             notes.append("ATOM serves the model under its --model path (no --served-model-name)")
         if quantization:
             notes.append("ATOM reads the quantization from config.json (no --quantization flag)")
-    if trust_remote_code:
+    extra, more_notes = _mapped_flags(engine, config)
+    argv += extra
+    notes += more_notes
+    if config.trust_remote_code:
         argv.append("--trust-remote-code")
     elif Path(target).is_dir() and any(Path(target).glob("*.py")):
         notes.append("the target ships Python code; engines that need it require --trust-remote-code")
     return LaunchCommand(engine, argv, notes)
 
 
-def node_commands(engine: str, target: str | Path, draft: str | Path | None = None, *, nnodes: int,
-                  dist_init_addr: str, **kwargs: object) -> list[tuple[int, LaunchCommand]]:
-    """The engine's multi-node launch for ``nnodes`` machines: (node rank, command) in the order they
-    are run (nothing is run). ``dist_init_addr``: node 0's ``HOST:PORT`` (SGLang's
+def node_commands(engine: str, target: str | Path, draft: str | Path | None, config: EngineConfig,
+                  **kwargs: object) -> list[tuple[int, LaunchCommand]]:
+    """The engine's multi-node launch for ``config.nnodes`` machines: (node rank, command) in the order
+    they are run (nothing is run). ``config.dist_init_addr``: node 0's ``HOST:PORT`` (SGLang's
     ``--dist-init-addr``; for vLLM the Ray head's address)."""
+    nnodes, dist_init_addr = config.nnodes, config.dist_init_addr
     if engine not in ("vllm", "sglang"):
         raise UsageError(f"--engine {engine} --nnodes {nnodes}: multi-node launch commands are known for sglang and "
                          "vllm only")
+    if not dist_init_addr:
+        raise UsageError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address)")
     host, sep, port = dist_init_addr.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise UsageError(f"--dist-init-addr must be HOST:PORT, got {dist_init_addr!r}")
-    base = build_command(engine, target, draft, **kwargs)  # type: ignore[arg-type]
+    base = build_command(engine, target, draft, config, **kwargs)  # type: ignore[arg-type]
     if engine == "sglang":
         return [(r, LaunchCommand(engine, [*base.argv, "--nnodes", str(nnodes), "--node-rank", str(r),
                                            "--dist-init-addr", dist_init_addr], list(base.notes) if r == 0 else []))
@@ -266,6 +286,28 @@ def node_commands(engine: str, target: str | Path, draft: str | Path | None = No
     serve = LaunchCommand(engine, [*base.argv, "--distributed-executor-backend", "ray"],
                           [*base.notes, "vllm serve runs on node 0 once every node has joined the Ray cluster"])
     return [*head, *workers, (0, serve)]
+
+
+def _mapped_flags(engine: str, config: EngineConfig) -> tuple[list[str], list[str]]:
+    """The engine's flags for ``config``'s scheduling / sampling fields that differ from EngineConfig's
+    defaults (:data:`_MAPPED`), and a note for each set field it has no flag for."""
+    argv: list[str] = []
+    notes: list[str] = []
+    defaults = EngineConfig()
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name in (*_MAPPED, *_RUNTIME_ONLY):
+        value = getattr(config, name)
+        if value == getattr(defaults, name):
+            continue
+        flag = _MAPPED.get(name, {}).get(engine)
+        if flag is None:
+            why = "the bundled runtime's setting" if name in _RUNTIME_ONLY else f"{engine} has no flag for it"
+            notes.append(f"{flag_name(fields[name])} {value}: {why}, not passed (the engine's own default applies)")
+        elif isinstance(value, bool):
+            argv.append(flag)
+        else:
+            argv += [flag, DTYPE_NAMES.get(value, str(value)) if name == "dtype" else str(value)]
+    return argv, notes
 
 
 def _sglang_attention(tree: TreeShape | None, backend: str | None, mla: bool) -> list[str]:

@@ -23,10 +23,6 @@ logger = logging.getLogger("eagle3.serve")
 _START_TIMEOUT_S = 60.0
 
 
-# The engine's options are the runtime's EngineConfig (every field and default declared there);
-# ``EngineOptions`` is the name the CLI builds it by.
-EngineOptions = EngineConfig
-
 
 def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig) -> Any:
     """The runtime's :class:`~eagle3.runtime.engine.llm.LLM` for a target directory (+ draft)."""
@@ -349,6 +345,7 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
 
     if not Path(target).is_dir():
         raise UsageError(f"{target}: not a checkpoint directory")
+    config.check_address()
     device = torch.device(config.device)
     load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device),
                "kv_cache_dtype": config.kv_cache_dtype}

@@ -45,10 +45,10 @@ from eagle3.checkpoint import (
     dtype_from_tag,
     write_json,
 )
+from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import UsageError
 from eagle3.formats import sizing
 from eagle3.formats.detect import default_aux_layer_ids
-from eagle3.formats.files import INDEX_FILE
 from eagle3.formats.sizing import TensorSpec
 from eagle3.testing import tiny
 

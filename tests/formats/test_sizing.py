@@ -1,6 +1,6 @@
 """``eagle3.formats.sizing``: per-scheme tensor layouts against eagle3's own bit-exact encoders, and
 the Linear selection of each quantization config. (Whole checkpoints, config vs headers, are checked
-in tests/runtime/test_plan.py.)"""
+in tests/plan/test_plan.py.)"""
 
 from __future__ import annotations
 

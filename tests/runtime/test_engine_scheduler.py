@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.runtime.engine.block_manager import BlockManager
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.scheduler import Scheduler
 from eagle3.runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 from eagle3.runtime.sampling import SamplingParams
@@ -33,7 +34,9 @@ def test_block_manager_allocate_trim_free() -> None:
 
 
 def _sched(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 8, k: int = 3) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_seqs, budget, 4096, k, frozenset({0}))
+    config = EngineConfig(num_speculative_tokens=max(k, 1), block_size=block_size, max_num_batched_tokens=budget,
+                          max_num_seqs=max_seqs)
+    return Scheduler(BlockManager(num_blocks, block_size), config, 4096, frozenset({0}), speculating=k > 0)
 
 
 def test_chunked_prefill_and_budget() -> None:

@@ -179,7 +179,7 @@ def test_served_tree_engine_answers_like_plain_greedy(pair: Path, plain: list[li
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--speculative-eagle-topk", "0"], "speculative_eagle_topk must be an integer >= 1"),
+    (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be an integer >= 1"),
     (["--speculative-eagle-topk", "2", "--engine", "vllm", "--dry-run"], "no MLA tree backend"),
 ])
 def test_serve_tree_flag_errors(pair: Path, args: list[str], message: str) -> None:

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.model_runner import ModelRunner
 from eagle3.runtime.engine.sequence import Sequence
+from eagle3.runtime.engine.tree_driver import tree_generate
 from eagle3.runtime.sampling import SamplingParams
 from eagle3.runtime.spec.proposer import ProposeItem
 from eagle3.runtime.spec.tree import check_parents, path
-from eagle3.runtime.spec.tree_driver import tree_generate
 from eagle3.runtime.spec.tree_proposer import draft_tree
 from tests.runtime.model_kit import single_thread
 
@@ -45,7 +46,7 @@ class _Setup:
 
     def __init__(self, models, prompt_len: int, k_chain: int, seed: int) -> None:
         target, draft = models
-        self.runner = ModelRunner(target, draft, num_blocks=32, block_size=BLOCK, num_speculative_tokens=k_chain)
+        self.runner = ModelRunner(target, draft, EngineConfig(num_speculative_tokens=k_chain, block_size=BLOCK), 32)
         g = torch.Generator().manual_seed(seed)
         self.prompt = torch.randint(0, 768, (prompt_len,), generator=g).tolist()
         self.table = list(range(16))
@@ -136,14 +137,14 @@ def _gsm8k_prompt() -> list[int]:
                          [("random", 3, 3, 8), ("trained", 1, 3, 4), ("trained", 3, 3, 10), ("trained", 2, 4, 12)])
 def test_greedy_tree_generation_equals_plain_greedy(request: pytest.FixtureRequest, pair: str, topk: int, steps: int,
                                                     nodes: int) -> None:
-    """The whole target + draft tree loop (spec/tree_driver.py): greedy output is the target's,
+    """The whole target + draft tree loop (engine/tree_driver.py): greedy output is the target's,
     with drafts accepted along real branches (the trained pair)."""
     target, draft = request.getfixturevalue("models" if pair == "random" else "trained_pair")
     prompt = _gsm8k_prompt() if pair == "trained" else torch.randint(0, 768, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     blocks = -(-(len(prompt) + 64) // BLOCK)
-    plain = ModelRunner(target, None, num_blocks=blocks, block_size=BLOCK, num_speculative_tokens=0)
+    plain = ModelRunner(target, None, EngineConfig(block_size=BLOCK), blocks)
     want = _plain_greedy(plain, prompt, 24)
-    runner = ModelRunner(target, draft, num_blocks=blocks, block_size=BLOCK, num_speculative_tokens=steps)
+    runner = ModelRunner(target, draft, EngineConfig(num_speculative_tokens=steps, block_size=BLOCK), blocks)
     run = tree_generate(runner, prompt, 24, topk, steps, nodes)
     assert run.token_ids == want
     assert all(0 <= a <= steps for a in run.accepted)
@@ -168,7 +169,7 @@ def test_sampled_tree_generation_is_reproducible_per_seed(trained_pair) -> None:
     blocks = -(-(len(prompt) + 64) // BLOCK)
 
     def run(seed: int) -> list[int]:
-        runner = ModelRunner(target, draft, num_blocks=blocks, block_size=BLOCK, num_speculative_tokens=3)
+        runner = ModelRunner(target, draft, EngineConfig(num_speculative_tokens=3, block_size=BLOCK), blocks)
         return tree_generate(runner, prompt, 16, 3, 3, 10, SamplingParams(temperature=0.8, seed=seed)).token_ids
 
     first = run(7)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.model_runner import ModelRunner, compact_tree_kv
 from eagle3.runtime.sampling import SamplingBatch, SamplingParams
 from eagle3.runtime.spec.tree import DraftTree, build_tree, depths, path
@@ -43,7 +44,7 @@ def target_bf16(tiny_path: Path):
 
 
 def _runner(target) -> ModelRunner:
-    return ModelRunner(target, None, num_blocks=32, block_size=BLOCK, num_speculative_tokens=0)
+    return ModelRunner(target, None, EngineConfig(block_size=BLOCK), 32)
 
 
 def _prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> list[int]:

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eagle3.cli import app, main
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.serve import engines
 
 runner = CliRunner()
@@ -198,6 +199,29 @@ def test_vllm_tree_refused_for_mha_target_too(tmp_path: Path) -> None:
     """A multi-head-attention target: vLLM's trees are static (speculative_token_tree), not topk trees."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(engines.UsageError, match="static speculative_token_tree"):
-        engines.build_command("vllm", tmp_path, tmp_path / "draft", speculative_eagle_topk=2)
-    argv = engines.build_command("sglang", tmp_path, tmp_path / "draft", speculative_eagle_topk=2).argv
+        engines.build_command("vllm", tmp_path, tmp_path / "draft", EngineConfig(speculative_eagle_topk=2))
+    argv = engines.build_command("sglang", tmp_path, tmp_path / "draft", EngineConfig(speculative_eagle_topk=2)).argv
     assert "--page-size" not in argv  # the MLA-only constraint is not applied to MHA
+
+
+# --- the hand-off maps the one EngineConfig (no defaults of its own) --------------------------------
+
+
+def test_engine_settings_map_from_the_same_config(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t, d = str(tiny_dir / "kimi-k2.5"), str(tiny_dir / "kimi-k2.5-eagle3")
+    plain = _dry(t, "--draft", d, "--engine", "vllm")
+    assert not {"--seed", "--max-num-seqs", "--enforce-eager", "--dtype", "--max-logprobs"} & set(plain)
+    set_ = ["--max-num-seqs", "128", "--seed", "7", "--enforce-eager", "--dtype", "fp16", "--max-logprobs", "5"]
+    vllm = _dry(t, "--draft", d, "--engine", "vllm", *set_)
+    assert _flag(vllm, "--max-num-seqs") == "128" and _flag(vllm, "--seed") == "7" and "--enforce-eager" in vllm
+    assert _flag(vllm, "--dtype") == "float16" and _flag(vllm, "--max-logprobs") == "5"
+    with pytest.raises(SystemExit) as e:
+        main(["serve", t, "--draft", d, "--engine", "sglang", *set_, "--device", "cuda", "--dry-run"])
+    out = capsys.readouterr()
+    assert not e.value.code, out.err
+    argv, err = shlex.split(out.out.strip().splitlines()[-1]), out.err
+    assert _flag(argv, "--max-running-requests") == "128" and _flag(argv, "--random-seed") == "7"
+    assert "--disable-cuda-graph" in argv and "--max-logprobs" not in argv and "--device" not in argv
+    # what SGLang has no flag for, and what is the bundled runtime's alone: said, not dropped silently
+    assert "--max-logprobs 5: sglang has no flag for it" in err
+    assert "--device cuda: the bundled runtime's setting, not passed" in err

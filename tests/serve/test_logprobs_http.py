@@ -220,4 +220,4 @@ def test_max_logprobs_is_the_servers_cap(tiny_tokenizer: Any, tiny_dir: Path, ca
     with pytest.raises(SystemExit) as e:  # refused before anything loads
         main(["serve", str(tiny_dir / "kimi-k2.5"), "--max-logprobs", "-1"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "max_logprobs must be an integer >= 0" in err and "Traceback" not in err
+    assert e.value.code == 2 and "--max-logprobs must be an integer >= 0" in err and "Traceback" not in err

@@ -127,6 +127,7 @@ class LLM:
             raise UsageError(f"pass either config= or engine options ({', '.join(sorted(options))}), not both")
         self.config = config if config is not None else EngineConfig.from_kwargs(**options)
         cfg = self.config
+        cfg.check_address()  # ranks on several nodes need node 0's address before anything starts
         self.device = torch.device(cfg.device)
         self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
         self.tensor_parallel_size = cfg.tensor_parallel_size
@@ -140,7 +141,6 @@ class LLM:
         try:
             self.draft: DraftModel | None = None if draft is None else self._load_draft(draft)
             # auto: k is chosen per step in 0..max_k; everything sized by k is sized for max_k.
-            self.k = self.config.max_k if self.draft is not None else 0
             self.policy = AdaptivePolicy(self.k) if self.config.adaptive and self.draft is not None else None
             self.tokenizer = self._load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
             self.eos_ids = self._eos_ids()
@@ -155,7 +155,6 @@ class LLM:
         # One sequence of max_model_len tokens (+ the draft-step slots) must fit the KV cache, or a
         # request running alone could never finish: refuse an explicit limit that does not fit,
         # and shrink the model's default limit to the cache (vLLM refuses both).
-        self.tree = self.config.tree if self.draft is not None else None  # (topk, nodes): draft trees
         # KV slots a step may write past a sequence's last token when drafting trees (the tree's
         # nodes, then the draft's tree region after the accepted path; scheduler.slots_needed)
         tree_slots = tree_kv_slots(self.tree[0], self.k, self.tree[1]) if self.tree is not None else 0
@@ -170,20 +169,21 @@ class LLM:
         if self._workers is not None:
             self.target.allocate_kv(num_blocks, self.config.block_size)  # the workers' latent caches
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.max_model_len, self.k, self.eos_ids,
-                                   policy=self.policy, tree_slots=tree_slots)
+        # The scheduler, the runner and (through it) the proposer get the config whole: k, the tree,
+        # the batch limits and draft sampling are read from it where they are used.
+        self.scheduler = Scheduler(self.block_manager, cfg, self.max_model_len, self.eos_ids,
+                                   speculating=self.draft is not None, policy=self.policy)
         # CUDA / HIP graphs for the uniform steps (engine/graphs.py): GPU only, not with enforce_eager,
         # not at tensor_parallel_size > 1 (the workers would have to capture alongside).
         self.cuda_graphs = (not self.enforce_eager and self.tensor_parallel_size == 1
                             and graphs.available(self.device))
-        self.runner = ModelRunner(self.target, self.draft, num_blocks, self.config.block_size, self.k,
-                                  self.device, self.generator, graphs=self.cuda_graphs,
-                                  max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+        self.runner = ModelRunner(self.target, self.draft, cfg, num_blocks, device=self.device,
+                                  generator=self.generator, graphs=self.cuda_graphs,
+                                  max_model_len=self.max_model_len,
                                   capturer=graphs.default_capturer() if self.cuda_graphs else None,
-                                  draft_sampling=self.config.draft_sampling, policy=self.policy, tree=self.tree)
+                                  policy=self.policy)
         if self.policy is not None and isinstance(self.policy.cost, MeasuredCostModel):
-            self.runner.profile_costs(self.policy.cost, self.config.max_num_seqs)
+            self.runner.profile_costs(self.policy.cost)
         self.num_steps = 0
         self.num_preemptions = 0
         self._ids = itertools.count()
@@ -194,6 +194,16 @@ class LLM:
         # generate()'s requests, and their final outputs filed by whichever thread stepped them
         self._collect: set[str] = set()
         self._results: dict[str, RequestOutput] = {}
+
+    @property
+    def k(self) -> int:
+        """Draft tokens a step may verify: the config's k (auto: its ceiling); 0 without a draft."""
+        return self.config.max_k if self.draft is not None else 0
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """(topk, tree nodes with the root) when drafting trees (the config's), else None."""
+        return self.config.tree if self.draft is not None else None
 
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from eagle3.errors import UsageError
+from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata, TreeMask
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
@@ -102,9 +103,10 @@ def _hidden_dtype(draft: DraftModel) -> torch.dtype:
 
 
 def kv_bytes_per_block(model: TargetModel | DraftModel, block_size: int) -> int:
+    """Bytes of one KV block of ``model``'s cache as stored (its per-token shape and storage dtype)."""
     spec = model.kv_cache_spec()
-    per_token = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
-    return per_token * block_size * model.num_layers
+    return kv_cache.cache_bytes(torch.Size(spec.shape).numel(), model.num_layers,
+                                torch.empty((), dtype=spec.dtype).element_size(), block_size)
 
 
 @dataclass
@@ -150,27 +152,29 @@ class StepOutput:
 
 
 class ModelRunner:
-    """``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs (engine/graphs.py);
-    the KV caches then get one spare block (index ``num_blocks``) for the padding rows.
-    ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
+    """``config``: the engine's one :class:`EngineConfig` (k, the draft tree, block size, batch size,
+    draft sampling), read where it is used. ``num_blocks``, ``max_model_len`` and ``device`` are what
+    ``LLM`` resolved from it (the cache sized to memory, the context fitted to the cache, the rank's
+    device). ``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs
+    (engine/graphs.py); the KV caches then get one spare block (index ``num_blocks``) for the padding
+    rows. ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
     caps how many tokens a sequence may still be proposed). ``policy`` (``num_speculative_tokens=
-    "auto"``): each step proposes the k it chooses (``num_speculative_tokens`` is then its ceiling),
-    and uniform steps feed their measured times to its cost model."""
+    "auto"``): each step proposes the k it chooses (k is then its ceiling), and uniform steps feed
+    their measured times to its cost model."""
 
-    def __init__(self, target: TargetModel, draft: DraftModel | None, num_blocks: int, block_size: int,
-                 num_speculative_tokens: int, device: torch.device | str = "cpu",
-                 generator: torch.Generator | None = None, *, graphs: bool = False, max_model_len: int = 0,
-                 max_num_seqs: int = 1, capturer: Any = None, draft_sampling: str = "sample",
-                 policy: AdaptivePolicy | None = None, tree: tuple[int, int] | None = None) -> None:
+    def __init__(self, target: TargetModel, draft: DraftModel | None, config: EngineConfig, num_blocks: int, *,
+                 device: torch.device | str | None = None, generator: torch.Generator | None = None,
+                 graphs: bool = False, max_model_len: int = 0, capturer: Any = None,
+                 policy: AdaptivePolicy | None = None) -> None:
         self.target = target
         self.draft = draft
-        self.block_size = block_size
-        self.k = num_speculative_tokens if draft is not None else 0
-        self.device = torch.device(device)
+        self.config = config
+        self.device = torch.device(config.device if device is None else device)
         self.generator = generator
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.policy = policy if draft is not None else None
+        block_size = config.block_size
         cache_blocks = num_blocks + 1 if graphs else num_blocks  # + the graphs' pad block
         self.target_kv = allocate_kv_cache(target.kv_cache_spec(), target.num_layers, cache_blocks,
                                            block_size, self.device)
@@ -182,10 +186,8 @@ class ModelRunner:
         self.target_graphs: GraphRunner | None = None
         self.draft_graphs: GraphRunner | None = None
         # Draft trees (topk, nodes with the root; docs/trees.md): a verify of N nodes per sequence,
-        # draft steps of topk frontier nodes over a region of up to (k - 1) * topk nodes.
-        self.tree = tree if draft is not None else None
-        if self.tree is not None and policy is not None:
-            raise UsageError("draft trees run with a static num_speculative_tokens (no auto)")
+        # draft steps of topk frontier nodes over a region of up to (k - 1) * topk nodes. (Trees with
+        # auto are refused by the config.)
         topk, nodes = self.tree if self.tree is not None else (1, 0)
         region = (self.k - 1) * topk if self.tree is not None else 0
         if graphs:
@@ -194,7 +196,7 @@ class ModelRunner:
             extra = 2 * self.k + 1 + (tree_kv_slots(topk, self.k, nodes) if self.tree is not None else 0)
             width = -(-(max_model_len + extra) // block_size) + 1
             common = dict(device=self.device, block_size=block_size, width=width, pad_block=num_blocks,
-                          max_num_seqs=max_num_seqs, capturer=capturer)
+                          max_num_seqs=config.max_num_seqs, capturer=capturer)
             kv, aux_ids = self.target_kv, self.aux_layer_ids
             self.target_graphs = GraphRunner(
                 "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids),
@@ -207,10 +209,22 @@ class ModelRunner:
                     max_q_len=self.k + 1, max_tree_nodes=region, **common)
         self.proposer: EagleProposer | None = None
         if draft is not None:
-            tree_drafting = None
-            if self.tree is not None:
-                tree_drafting = TreeDrafting(self.tree[0], self.k, self.tree[1], self.forward_draft_tree)
-            self.proposer = EagleProposer(draft, self.k, self.forward_draft, draft_sampling, generator, tree_drafting)
+            tree_drafting = TreeDrafting(config, self.forward_draft_tree) if self.tree is not None else None
+            self.proposer = EagleProposer(draft, config, self.forward_draft, generator, tree_drafting)
+
+    @property
+    def k(self) -> int:
+        """Draft tokens a step may verify: the config's k (auto: its ceiling); 0 without a draft."""
+        return self.config.max_k if self.draft is not None else 0
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """(topk, tree nodes with the root) when drafting trees (the config's), else None."""
+        return self.config.tree if self.draft is not None else None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
@@ -329,13 +343,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def profile_costs(self, cost: MeasuredCostModel, max_num_seqs: int) -> None:
+    def profile_costs(self, cost: MeasuredCostModel) -> None:
         """Seed ``cost`` with dummy forwards per batch bucket: the target at every query length
         1 .. k + 1 (forward + logits of every row; a query tile boundary can make one length cost
         much more than its neighbours, which interpolation would miss), one draft step. The dummy
         sequences share the first KV blocks (free at start-up; what they write is overwritten
         before it is read) and sit at a moderate context length: serving steps rescale each bucket
         to the real contexts (see MeasuredCostModel)."""
+        max_num_seqs = self.config.max_num_seqs
         buckets = sorted({min(s, max_num_seqs) for s in capture_sizes(max_num_seqs)})
         cost.buckets = buckets  # serving steps rescale these rows (see MeasuredCostModel)
         bs, q_max = self.block_size, self.k + 1

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from eagle3.runtime.engine.block_manager import BlockManager
+from eagle3.runtime.engine.config import EngineConfig
 from eagle3.runtime.engine.sequence import FinishReason, ScheduledSeq, Sequence, SequenceStatus
 from eagle3.runtime.spec.adaptive import AdaptivePolicy
 from eagle3.runtime.spec.stats import SpecStats
+from eagle3.runtime.spec.tree import tree_kv_slots
 
 if TYPE_CHECKING:
     from eagle3.runtime.engine.model_runner import StepOutput
@@ -46,23 +48,33 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int, eos_ids: frozenset[int],
-                 policy: AdaptivePolicy | None = None, tree_slots: int = 0) -> None:
+    """``config``: the engine's one :class:`EngineConfig` (batch limits, k, the draft tree), read
+    where it is used; ``speculating``: a draft runs (without one, k is 0 whatever the config says);
+    ``max_model_len``: the context limit ``LLM`` resolved (the config's, or the model's fitted to
+    the cache)."""
+
+    def __init__(self, block_manager: BlockManager, config: EngineConfig, max_model_len: int,
+                 eos_ids: frozenset[int], *, speculating: bool, policy: AdaptivePolicy | None = None) -> None:
         self.block_manager = block_manager
+        self.config = config
+        self.speculating = speculating
+        self.max_model_len = max_model_len
         # Draft trees: KV slots past the sequence's last token that a step may write (the tree's
         # nodes for the target, then the draft's tree region after the accepted path); 0: chains.
-        self.tree_slots = tree_slots
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.k = num_speculative_tokens  # 0 without a draft; auto: its ceiling (slots reserved for it)
+        tree = config.tree if speculating else None
+        self.tree_slots = tree_kv_slots(tree[0], self.k, tree[1]) if tree is not None else 0
         self.policy = policy  # auto: sees every verification's acceptance (spec/adaptive.py)
         self.eos_ids = eos_ids
         # Engine-wide acceptance counters (each request also keeps its own in seq.stats).
-        self.stats = SpecStats(max(num_speculative_tokens, 1))
+        self.stats = SpecStats(max(self.k, 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+
+    @property
+    def k(self) -> int:
+        """Draft tokens a step may verify: the config's k (auto: its ceiling, the slots reserved for
+        it); 0 without a draft."""
+        return self.config.max_k if self.speculating else 0
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -103,7 +115,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         queue = list(self.running)
         self.running = []
@@ -127,7 +139,7 @@ class Scheduler:
         # Admit waiting sequences only when nothing was preempted: admitting work while evicting
         # other work would thrash.
         while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             n, drafts = self._plan(seq, budget)
             need = self.slots_needed(seq, n, len(drafts))

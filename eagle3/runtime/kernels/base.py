@@ -27,19 +27,20 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagle3.errors import ShapeError, UsageError
 from eagle3.formats import codecs
+from eagle3.formats.quant_detect import ActQuant
 
 if TYPE_CHECKING:  # pragma: no cover
     from eagle3.runtime.context import AttnMetadata
 
-# Dynamic activation quantization applied in front of a quantized Linear (per token, or per
-# 32-element block of a token row for MXFP4). None = activations stay in the compute dtype.
-ActQuant = Literal["int8", "fp8", "mxfp4"] | None
+# Dynamic activation quantization applied in front of a quantized Linear (``ActQuant``, read from
+# quantization_config by formats/quant_detect.QuantSpec): per token, or per 32-element block of a
+# token row for MXFP4. None = activations stay in the compute dtype.
 ACT_QUANTS: tuple[str, ...] = ("int8", "fp8", "mxfp4")
 
 

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from eagle3.runtime.engine.sequence import Sequence as Seq
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
 from eagle3.runtime.spec.tree_proposer import TreeDrafting
+
+if TYPE_CHECKING:  # the engine's types, for annotations only: spec/ never imports engine/
+    from eagle3.runtime.engine.config import EngineConfig
+    from eagle3.runtime.engine.sequence import Sequence as Seq
 
 
 @dataclass
@@ -60,15 +64,16 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, Sequence[Sequence[int]], Se
 
 
 class EagleProposer:
-    def __init__(self, draft: DraftModel, num_speculative_tokens: int, forward_fn: DraftForward,
-                 draft_sampling: str = "sample", generator: torch.Generator | None = None,
-                 tree: TreeDrafting | None = None) -> None:
+    """``config``: the engine's one :class:`EngineConfig` (``draft_sampling``); how many tokens each
+    sequence drafts comes with its :class:`ProposeItem` (the model runner's k, or auto's choice)."""
+
+    def __init__(self, draft: DraftModel, config: EngineConfig, forward_fn: DraftForward,
+                 generator: torch.Generator | None = None, tree: TreeDrafting | None = None) -> None:
         self.draft = draft
-        self.k = num_speculative_tokens
+        self.config = config
         self.tree = tree  # draft trees instead of chains (spec/tree_proposer.py)
         # One draft step over its KV cache (ModelRunner.forward_draft: a CUDA graph when uniform).
         self.forward_fn = forward_fn
-        self.draft_sampling = draft_sampling
         self.generator = generator
         ids = torch.arange(draft.vocab_size, dtype=torch.int64)
         self.draft_to_target = draft.to_target_ids(ids).to(torch.int64).cpu()
@@ -133,7 +138,7 @@ class EagleProposer:
         """Draft-vocab logits [B, V_d] -> (target-id tokens [B], q over the target vocab [B, V] or None)."""
         d = logits.argmax(dim=-1)
         q_full = None
-        if self.draft_sampling == "sample" and not batch.all_greedy:
+        if self.config.draft_sampling == "sample" and not batch.all_greedy:
             q = logits_to_probs(logits, batch)
             d = torch.where(batch.greedy, d, sample_from_weights(q, batch.generators, self.generator))
             if self._identity_vocab and q.shape[-1] == target_vocab_size:

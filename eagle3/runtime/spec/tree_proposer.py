@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagle3.runtime.context import TreeMask
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.spec.tree import DraftTree, TreeBuilder
+
+if TYPE_CHECKING:  # the engine's config, for annotations only: spec/ never imports engine/
+    from eagle3.runtime.engine.config import EngineConfig
 
 # One draft-tree step: (target ids [T], hidden [T, H], block_tables, cache starts, counts, RoPE
 # positions int64 [T] on the host, tree mask) -> (post_norm [T, H], next_hidden [T, H]). The
@@ -95,12 +98,29 @@ class TreeDrafting:
     """The engine's tree settings and forwards (``EagleProposer(tree=...)``): after step 0 each
     drafting sequence gets a tree of ``num_nodes`` nodes from ``steps`` draft steps, proposed as
     its ``num_nodes - 1`` node tokens with their parents. Children are the draft's top-K: they are
-    verified as point masses (no ``q`` is kept)."""
+    verified as point masses (no ``q`` is kept). The shape is read from the engine's one config
+    (``speculative_eagle_topk``, ``num_speculative_tokens``, ``speculative_num_draft_tokens``)."""
 
-    topk: int
-    steps: int
-    num_nodes: int
+    config: EngineConfig
     step: TreeStepFn
+
+    @property
+    def topk(self) -> int:
+        return self._tree[0]
+
+    @property
+    def steps(self) -> int:
+        return self.config.max_k
+
+    @property
+    def num_nodes(self) -> int:
+        return self._tree[1]
+
+    @property
+    def _tree(self) -> tuple[int, int]:
+        tree = self.config.tree
+        assert tree is not None, "TreeDrafting needs speculative_eagle_topk > 1"
+        return tree
 
     def propose(self, draft: DraftModel, roots: torch.Tensor, post: torch.Tensor, nxt: torch.Tensor,
                 root_pos: Sequence[int], seqs: Sequence[Any]) -> list[tuple[list[int], list[int]]]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3 import plan as P
 from eagle3.formats import sizing
-from eagle3.runtime import plan as P
 
 KIMI = Path(__file__).parent / "data" / "kimi-k2.5"
 GB = 10**9
@@ -271,3 +271,16 @@ def test_kimi_int4_on_two_nodes_of_eight_h100(capsys: pytest.CaptureFixture[str]
     code, served, _ = _main(capsys, "serve", str(KIMI), "--dry-run", "--plan", "--tensor-parallel-size", "16",
                             "--nnodes", "2", "--gpu", "h100")
     assert code == 0 and served == out
+
+
+@pytest.mark.parametrize("draft", ["kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"])
+def test_plan_and_runtime_size_the_kv_cache_alike(tiny_dir: Path, draft: str) -> None:
+    """One KV formula: the plan's bytes per token (from the configs) are what the engine's cache takes
+    (from its tensors), for the MLA target with a Llama or an MLA draft, at bf16 and at fp8."""
+    from eagle3.runtime.engine.llm import LLM
+
+    for kv in ("bf16", "fp8"):
+        p = P.plan(tiny_dir / "kimi-k2.5", gpus=1, gpu_memory=2**30, draft=tiny_dir / draft, kv_cache_dtype=kv)
+        llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / draft, dtype="bfloat16", kv_cache_dtype=kv, num_blocks=4,
+                  tokenizer=None, max_model_len=32)
+        assert llm.kv_cache_info()["kv_bytes_per_token"] == p.kv_bytes_per_token, (kv, draft)

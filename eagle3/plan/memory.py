@@ -20,13 +20,17 @@ Linear, which every rank keeps whole.
 
 KV cache per token = target layers x (kv_lora_rank + qk_rope_head_dim) values (MLA latent) plus the
 draft's one layer (MLA latent, or 2 x kv heads x head_dim for a Llama draft), in the cache dtype;
-every rank holds it whole. Capacity = (GPU memory x fraction - weights of the fullest rank - runtime
+every rank holds it whole: the values per layer are :func:`eagle3.formats.sizing.kv_values_per_layer`
+and the bytes the runtime's own formula (:func:`eagle3.runtime.kv_cache.cache_bytes`, which sizes the
+engine's KV blocks too). Capacity = (GPU memory x fraction - weights of the fullest rank - runtime
 reserve) / bytes per token.
+
+The plan reads config files only (through :mod:`eagle3.formats`), never weights; it sits above the
+runtime and ``quantize`` (``--recipe`` projects the config ``quantize`` would write).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -35,7 +39,9 @@ from typing import Any
 
 from eagle3.errors import FormatError, UsageError
 from eagle3.formats import sizing
+from eagle3.formats.detect import load_config, text_config
 from eagle3.formats.sizing import TensorSpec
+from eagle3.runtime import kv_cache
 
 GiB = 1024**3
 DEFAULT_RESERVE = 4 * GiB  # context, communication buffers, graphs, activations of one step
@@ -57,8 +63,8 @@ GPUS: dict[str, Gpu] = {
     "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB),
     "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB),
 }
-# Bytes per cached value; fp8 (any of its formats, runtime/kv_cache.py) is one byte: twice bf16's tokens.
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
+# Bytes per cached value, by name: the runtime's table (fp8 of any kind is one byte: twice bf16's tokens).
+KV_DTYPE_BYTES = kv_cache.ELEMENT_BYTES
 
 # Categories, in report order: (key, label, how it is placed)
 CATEGORIES: list[tuple[str, str, str]] = [
@@ -207,16 +213,6 @@ def _config_file(path: str | Path, flag: str) -> Path:
     return f
 
 
-def _read_config(f: Path) -> dict[str, Any]:
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{f}: not a readable JSON config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise FormatError(f"{f}: not a JSON object")
-    return cfg
-
-
 def project_config(cfg: dict[str, Any], recipe: str, scope: str | None = None,
                    where: str = "config.json") -> dict[str, Any]:
     """The ``config.json`` that ``eagle3 quantize --recipe RECIPE [--scope SCOPE]`` writes for a
@@ -243,7 +239,7 @@ def load_model(path: str | Path, flag: str = "TARGET", recipe: str | None = None
     :class:`~eagle3.checkpoint.CheckpointReader` of a remote repo (``eagle3.hub.header_view``),
     whose small files sit in ``path``; ``name`` is what the report calls it (the repo id)."""
     f = _config_file(path, flag)
-    cfg = _read_config(f)
+    cfg = load_config(f)
     path = name or path
     if recipe is not None:
         cfg = project_config(cfg, recipe, scope, str(f))
@@ -257,27 +253,12 @@ def load_model(path: str | Path, flag: str = "TARGET", recipe: str | None = None
     return Model(str(path), cfg, tensors, "config", formats)
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    for k in ("text_config", "transformer_layer_config"):
-        if isinstance(cfg.get(k), dict):
-            return cfg[k]
-    return cfg
-
-
-def kv_values_per_token(cfg: dict[str, Any], where: str, draft: bool = False) -> int:
-    """Cache values one token takes in every layer of this model (MLA latent or K+V heads)."""
-    tc = _text_config(cfg)
+def kv_bytes_per_token(cfg: dict[str, Any], where: str, kv_cache_dtype: str, draft: bool = False) -> int:
+    """KV-cache bytes one token takes in every layer of this model (a draft: its one layer), by the
+    runtime's formula (:func:`eagle3.runtime.kv_cache.cache_bytes`)."""
+    tc = text_config(cfg)
     layers = 1 if draft else int(tc.get("num_hidden_layers") or 0)
-    if tc.get("kv_lora_rank") is not None:
-        per_layer = int(tc["kv_lora_rank"]) + int(tc.get("qk_rope_head_dim") or 0)
-    else:
-        heads = tc.get("num_attention_heads")
-        if not heads:
-            raise FormatError(f"{where}: field 'num_attention_heads' is missing (needed for the KV cache size)")
-        kv = int(tc.get("num_key_value_heads") or heads)
-        hd = int(tc.get("head_dim") or int(tc["hidden_size"]) // int(heads))
-        per_layer = 2 * kv * hd
-    return layers * per_layer
+    return kv_cache.cache_bytes(sizing.kv_values_per_layer(tc, where), layers, KV_DTYPE_BYTES[kv_cache_dtype])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +360,7 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
                               kv_cache_dtype=kv_cache_dtype, embedding=embedding)
     m = target if isinstance(target, Model) else load_model(target, "TARGET", recipe, scope)
     where = m.path
-    tc = _text_config(m.config)
+    tc = text_config(m.config)
     if tc.get("kv_lora_rank") is None and tc.get("num_attention_heads") is None:
         raise FormatError(f"{where}: not a target config (no attention fields)")
     n_experts = int(tc.get("n_routed_experts") or 0)
@@ -391,9 +372,8 @@ def plan(target: str | Path | Model, *, gpus: int = 8, gpu: str | None = None, g
         dbytes = sum(t.nbytes for t in d.tensors)
         for r in per:
             r["draft"] += dbytes
-    kv_b = KV_DTYPE_BYTES[kv_cache_dtype]
-    kv_t = kv_values_per_token(m.config, where) * kv_b
-    kv_d = kv_values_per_token(d.config, d.path, draft=True) * kv_b if d is not None else 0
+    kv_t = kv_bytes_per_token(m.config, where, kv_cache_dtype)
+    kv_d = kv_bytes_per_token(d.config, d.path, kv_cache_dtype, draft=True) if d is not None else 0
     weights = [sum(r.values()) for r in per]
     usable = int(mem * memory_fraction)
     kv_mem = usable - max(weights) - reserve
@@ -460,4 +440,4 @@ def summary_lines(p: MemoryPlan) -> list[str]:
 
 
 __all__ = ["GPUS", "CATEGORIES", "MemoryPlan", "plan", "rank_bytes", "classify", "load_model", "project_config",
-           "kv_values_per_token", "summary_lines", "DEFAULT_RESERVE", "check_options"]
+           "kv_bytes_per_token", "summary_lines", "DEFAULT_RESERVE", "check_options"]

@@ -1,0 +1,27 @@
+"""The memory plan (``eagle3 plan``, ``serve --plan``): weight bytes per rank, KV-cache capacity and
+whether a deployment fits, from config files alone (:mod:`.memory`; docs/scale.md).
+
+It reads checkpoints through :mod:`eagle3.formats` and projects ``quantize --recipe`` outputs
+through :mod:`eagle3.quantize`; the KV bytes per token are the runtime's formula
+(:func:`eagle3.runtime.kv_cache.cache_bytes`). Nothing below it imports it.
+"""
+
+from eagle3.plan.memory import (
+    CATEGORIES,
+    DEFAULT_RESERVE,
+    GPUS,
+    KV_DTYPE_BYTES,
+    MemoryPlan,
+    Model,
+    check_options,
+    classify,
+    kv_bytes_per_token,
+    load_model,
+    plan,
+    project_config,
+    rank_bytes,
+    summary_lines,
+)
+
+__all__ = ["CATEGORIES", "DEFAULT_RESERVE", "GPUS", "KV_DTYPE_BYTES", "MemoryPlan", "Model", "check_options",
+           "classify", "kv_bytes_per_token", "load_model", "plan", "project_config", "rank_bytes", "summary_lines"]
