@@ -7,9 +7,9 @@ position:
 * the EAGLE-3 aux hidden states of the configured layers in the runtime's convention ("input to
   layer k", concatenated in ascending id order) - what the draft's ``fc`` sees when serving;
 * the post-norm hidden state, from which :meth:`Teacher.logits` gives the target's next-token
-  logits through the target's own ``lm_head`` when a training batch needs them. Keeping the
-  hidden (H values per token) instead of the distribution (V values) keeps the states small, and
-  only the rows a label is read from are kept (``keep_from``).
+  logits through the target's own ``lm_head`` when a training batch needs them, for the rows it
+  reads labels from. Keeping the hidden (H values per token) instead of the distribution (V values)
+  keeps the states small.
 
 :meth:`Teacher.generate` is ``--regenerate``: the prompt's prefill, then greedy decoding one token
 per forward over the same KV cache, so the target's own continuation and its states come out of
@@ -37,13 +37,11 @@ _BLOCK = 16
 
 @dataclass
 class TeacherStates:
-    """One sequence's teacher signal: its token ``ids``, ``aux [L, n*H]`` and the post-norm
-    ``hidden [L - hidden_from, H]`` of rows ``hidden_from..L-1`` (the rows labels are read from)."""
+    """One sequence's teacher signal: its token ``ids``, ``aux [L, n*H]`` and the post-norm ``hidden [L, H]``."""
 
     ids: list[int]
     aux: torch.Tensor
     hidden: torch.Tensor
-    hidden_from: int = 0
 
 
 class Teacher:
@@ -54,22 +52,21 @@ class Teacher:
 
     # -- states of given sequences ------------------------------------------------------------
     @torch.no_grad()
-    def states(self, seqs: Sequence[Sequence[int]], keep_from: Sequence[int]) -> list[TeacherStates]:
+    def states(self, seqs: Sequence[Sequence[int]]) -> list[TeacherStates]:
         """Teacher states of ``seqs`` (one forward for all of them)."""
         kv, tables = self._kv([len(s) for s in seqs])
         hidden, aux = self._forward([list(s) for s in seqs], [0] * len(seqs), tables, kv)
         out, row = [], 0
-        for s, k in zip(seqs, keep_from, strict=True):
+        for s in seqs:
             n = len(s)
-            out.append(TeacherStates(list(s), aux[row: row + n].cpu().clone(),
-                                     hidden[row + k: row + n].cpu().clone(), k))
+            out.append(TeacherStates(list(s), aux[row: row + n].cpu().clone(), hidden[row: row + n].cpu().clone()))
             row += n
         return out
 
     # -- greedy continuation + states ---------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int], max_len: int,
-                 keep_from: Sequence[int]) -> list[TeacherStates]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int],
+                 max_len: int) -> list[TeacherStates]:
         """Each prompt continued greedily by the target (up to ``max_new`` tokens, the first stop
         token included, at most ``max_len`` tokens in all), with the states of every row."""
         stop = set(eos)
@@ -96,11 +93,7 @@ class Teacher:
                     ids[i].append(int(tok))
                     finished[i] = int(tok) in stop or len(ids[i]) >= limit[i]
             active = [i for i in active if done[i] < len(ids[i])]
-        out = []
-        for i, k in enumerate(keep_from):
-            h = torch.cat(hid_parts[i])
-            out.append(TeacherStates(ids[i], torch.cat(aux_parts[i]), h[k:].clone(), k))
-        return out
+        return [TeacherStates(ids[i], torch.cat(aux_parts[i]), torch.cat(hid_parts[i])) for i in range(len(ids))]
 
     # -- the target ----------------------------------------------------------------------------
     def _kv(self, lengths: Sequence[int]) -> tuple[list[torch.Tensor], list[list[int]]]:

@@ -11,7 +11,7 @@ before the first step follows ``--steps``, not the data set (GSM8K's 7,473 train
 Layout: ``ROOT/<key>/`` where ``key`` is a hash of everything the states depend on besides the
 example (the target's fingerprint, dtype, device type, aux layers, ``--regenerate`` and its token
 count, ``--max-len``), with that description in ``key.json``; each example's file is named by a hash
-of its tokens and loss start, so a run over other data, another seed or more steps reuses whatever
+of its tokens, so a run over other data, another seed or more steps reuses whatever
 examples it shares with an earlier one. The default root is ``OUT.partial/teacher`` (kept by an
 interrupted run for ``--resume``, removed when the draft is written); ``--teacher-cache DIR`` keeps
 it across runs (a recipe search over one target computes the target's states once).
@@ -49,29 +49,19 @@ _MARGIN = 64 << 20  # kept free beyond the estimate (metadata, the file system's
 
 @dataclass(frozen=True)
 class Item:
-    """One example as the cache sees it: the tokens the teacher runs on and where its loss starts."""
+    """One example as the cache sees it: the tokens the teacher runs on."""
 
     prompt: tuple[int, ...]  # --regenerate: the prompt continued by the target; else the whole sequence
-    loss_start: int
 
     def digest(self) -> str:
-        h = hashlib.sha256(f"{self.loss_start}:".encode())
-        h.update(torch.tensor(self.prompt, dtype=torch.int32).numpy().tobytes())
-        return h.hexdigest()[:32]
+        return hashlib.sha256(torch.tensor(self.prompt, dtype=torch.int32).numpy().tobytes()).hexdigest()[:32]
 
 
 @dataclass
 class CachedExample:
     ids: torch.Tensor  # int64 [L]
     aux: torch.Tensor  # [L, n*H]
-    hidden: torch.Tensor  # [L - hidden_from, H]
-    hidden_from: int
-    loss_start: int
-
-
-def hidden_from(loss_start: int) -> int:
-    """First row a label is read from: the chain starting at ``loss_start - 2`` reads row ``loss_start - 1``."""
-    return max(loss_start - 1, 0)
+    hidden: torch.Tensor  # [L, H] post-norm (every row: which rows carry loss is the trainer's choice)
 
 
 class TeacherCache:
@@ -100,9 +90,8 @@ class TeacherCache:
         tmp = p.with_name(p.name + ".tmp")
         tensors = {"ids": torch.tensor(st.ids, dtype=torch.int32), "aux": st.aux.contiguous(),
                    "hidden": st.hidden.contiguous()}
-        meta = {"hidden_from": str(st.hidden_from), "loss_start": str(item.loss_start)}
         try:
-            save_file(tensors, str(tmp), metadata=meta)
+            save_file(tensors, str(tmp))
             os.replace(tmp, p)
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -121,13 +110,11 @@ class TeacherCache:
 
     def read(self, digest: str) -> CachedExample:
         def get(f: Any) -> CachedExample:
-            meta = f.metadata() or {}
             t = {k: f.get_tensor(k) for k in ("ids", "aux", "hidden")}
-            return CachedExample(t["ids"].to(torch.int64), t["aux"], t["hidden"], int(meta["hidden_from"]),
-                                 int(meta["loss_start"]))
+            return CachedExample(t["ids"].to(torch.int64), t["aux"], t["hidden"])
 
         ex = self._open(digest, get)
-        if ex.aux.shape[0] != ex.ids.shape[0] or ex.hidden.shape[0] != ex.ids.shape[0] - ex.hidden_from:
+        if ex.aux.shape[0] != ex.ids.shape[0] or ex.hidden.shape[0] != ex.ids.shape[0]:
             raise CheckpointError(f"teacher cache file {self.path(digest)}: inconsistent rows; delete it to "
                                   f"compute it again")
         return ex
@@ -158,11 +145,10 @@ def fill(cache: TeacherCache, teacher: Teacher, groups: Sequence[Sequence[int]],
     for j, g in enumerate(groups):
         if j in todo:
             items = [make_item(i) for i in g]
-            keep = [hidden_from(it.loss_start) for it in items]
             if regen_tokens is None:
-                states = teacher.states([it.prompt for it in items], keep)
+                states = teacher.states([it.prompt for it in items])
             else:
-                states = teacher.generate([it.prompt for it in items], regen_tokens, eos, max_len, keep)
+                states = teacher.generate([it.prompt for it in items], regen_tokens, eos, max_len)
             for it, st in zip(items, states, strict=True):
                 new = not cache.has(it.digest())
                 if new:

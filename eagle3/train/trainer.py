@@ -243,12 +243,12 @@ def step_groups(steps: int, batch_size: int, n: int, seed: int) -> list[list[int
     return groups
 
 
-def make_batch(examples: list[CachedExample], ttt_steps: int) -> Batch:
+def make_batch(examples: list[CachedExample], loss_start: list[int], ttt_steps: int) -> Batch:
     """Right-padded batch; the label rows of each sequence's chains, gathered from its stored hidden."""
     b = len(examples)
     t = max(int(e.ids.shape[0]) for e in examples)
     lengths = torch.tensor([int(e.ids.shape[0]) for e in examples])
-    first = torch.tensor([max(e.loss_start - 2, 0) for e in examples])
+    first = torch.tensor([max(s - 2, 0) for s in loss_start])
     tq = chain_rows(first, lengths)[0].shape[1]
     e0 = examples[0]
     ids = torch.zeros(b, t, dtype=torch.int64)
@@ -258,7 +258,7 @@ def make_batch(examples: list[CachedExample], ttt_steps: int) -> Batch:
         n = int(e.ids.shape[0])
         ids[i, :n] = e.ids
         aux[i, :n] = e.aux
-        rows = e.hidden[int(first[i]) + 1 - e.hidden_from:][: lab.shape[1]]
+        rows = e.hidden[int(first[i]) + 1:][: lab.shape[1]]
         lab[i, : rows.shape[0]] = rows
     return Batch(ids, lengths, aux, first, lab)
 
@@ -337,6 +337,7 @@ class _Run:
     groups: list[list[int]]
     timings: dict[str, float]
     echo: Callable[[str], None]
+    loss_start: dict[int, int] = dataclasses.field(default_factory=dict)  # of each example the steps use
 
 
 def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict[str, Any]:
@@ -426,13 +427,15 @@ def _teacher_phase(run: _Run, aux_ids: tuple[int, ...]) -> tuple[TeacherCache, d
 
     def item(i: int) -> Item:
         ex = run.data.train[i]
-        return Item(tuple(ex.prompt_ids if regen is not None else ex.ids), ex.loss_start)
+        return Item(tuple(ex.prompt_ids if regen is not None else ex.ids))
 
     digests, rows = {}, {}
-    for g in run.groups:  # one example at a time: only its name and size are kept
+    for g in run.groups:  # one example at a time: only its name, size and loss start are kept
         for i in g:
-            it = item(i)
+            ex = run.data.train[i]
+            it = Item(tuple(ex.prompt_ids if regen is not None else ex.ids))
             digests[i], rows[i] = it.digest(), estimated_rows(it, regen, opts.max_len)
+            run.loss_start[i] = ex.loss_start
     row_bytes = (len(aux_ids) + 1) * run.target.hidden_size * torch.empty((), dtype=_dtype(opts.dtype)).element_size()
     with PhaseBar("teacher", len(digests), opts.progress) as bar:
         counts = fill(cache, Teacher(run.target, aux_ids), run.groups, digests, rows, item, regen_tokens=regen,
@@ -502,7 +505,8 @@ def _train_loop(run: _Run, model: TrainableDraft, params: list[tuple[str, torch.
     with PhaseBar("train", opts.steps, opts.progress, done=start, fields={"loss": "-"}) as bar:
         for step in range(start, opts.steps):
             idx = batch_indices(step, opts.batch_size, n, opts.seed)
-            batch = make_batch([cache.read(digests[i]) for i in idx], opts.ttt_steps)
+            batch = make_batch([cache.read(digests[i]) for i in idx], [run.loss_start[i] for i in idx],
+                               opts.ttt_steps)
             lr = lr_at(step, opts)
             for group in optim.param_groups:
                 group["lr"] = lr
