@@ -37,7 +37,7 @@ PRESET: dict[str, Any] = {
     "fewshot": 5,
     "context_loss": False,
     "max_len": 2048,
-    "steps": 100,
+    "steps": 50,
     "batch_size": 8,
     "lr": 2e-4,
     "anchor": 0.0,
