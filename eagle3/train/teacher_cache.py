@@ -87,7 +87,7 @@ class TeacherCache:
         from safetensors.torch import save_file
 
         p = self.path(item.digest())
-        tmp = p.with_name(p.name + ".tmp")
+        tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # runs sharing a cache never write one file
         tensors = {"ids": torch.tensor(st.ids, dtype=torch.int32), "aux": st.aux.contiguous(),
                    "hidden": st.hidden.contiguous()}
         try:

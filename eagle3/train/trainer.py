@@ -456,9 +456,11 @@ def _before(run: _Run, init: Path) -> tuple[dict[str, Any] | None, dict[str, Any
     if not run.data.heldout:
         return None, None
     saved = run.tmp / BEFORE_FILE
+    setting = [len(run.data.heldout), opts.eval_tokens, opts.eval_k, opts.eval_fewshot]
     if opts.resume and saved.is_file():
         d = read_json(saved)
-        return d["before"], d["plain"]
+        if d.get("setting") == setting:
+            return d["before"], d["plain"]
     t0 = time.perf_counter()
     plain = acceptance.plain_outputs(run.target, run.data.heldout, opts.eval_tokens, opts.progress)
     before = None
@@ -468,7 +470,7 @@ def _before(run: _Run, init: Path) -> tuple[dict[str, Any] | None, dict[str, Any
         run.echo(f"held-out acceptance before (k={opts.eval_k}, greedy, {before['num_prompts']} prompts): "
                  f"{acceptance.summary_line(before)}")
     run.timings["heldout"] = time.perf_counter() - t0
-    write_json(saved, {"before": before, "plain": plain})
+    write_json(saved, {"setting": setting, "before": before, "plain": plain})
     return before, plain
 
 
