@@ -10,8 +10,8 @@ the runtime's draft), :mod:`~eagle3.train.ttt` (training-time test loss, reduced
 :mod:`~eagle3.train.export` (the eagle3 draft format), :mod:`~eagle3.train.trainer` (the phases).
 """
 
-from eagle3.train.adapt import RECOMMENDED_MARGIN, adapt_command, target_fingerprint
+from eagle3.train.adapt import RECOMMENDED_MARGIN, acceptance_fell, adapt_command, target_fingerprint
 from eagle3.train.trainer import TrainOptions, print_summary, train_draft, with_preset
 
-__all__ = ["TrainOptions", "print_summary", "train_draft", "with_preset", "adapt_command", "target_fingerprint",
-           "RECOMMENDED_MARGIN"]
+__all__ = ["TrainOptions", "print_summary", "train_draft", "with_preset", "adapt_command", "acceptance_fell",
+           "target_fingerprint", "RECOMMENDED_MARGIN"]

@@ -54,6 +54,12 @@ PRESET: dict[str, Any] = {
 RECOMMENDED_MARGIN = 0.02
 
 
+def acceptance_fell(source: float, quantized: float, margin: float = RECOMMENDED_MARGIN) -> bool:
+    """Whether the mean accept length ``quantized`` (draft beside the quantized target) fell more than
+    ``margin`` (a fraction) below ``source`` (the same draft and prompts beside the source target)."""
+    return quantized < source * (1.0 - margin)
+
+
 def adapt_command(quantized: str | Path, out: str | Path, draft: str | Path) -> list[str]:
     """``eagle3 train-draft QUANTIZED OUT --init-from DRAFT --adapt`` for these paths."""
     return ["eagle3", "train-draft", str(quantized), str(out), "--init-from", str(draft), "--adapt"]
