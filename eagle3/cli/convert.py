@@ -92,6 +92,12 @@ def quantize(
     allow_nonfinite: Annotated[bool, typer.Option(help="Quantize weights that hold NaN/Inf (refused otherwise); the report lists them.")] = False,
     any_architecture: Annotated[bool, typer.Option(help="Quantize a model whose architecture eagle3 does not know, file to file, without its model checks.")] = False,
     quark_zero_points: Annotated[bool, typer.Option(help="Also write the all-zero INT4 zero points (weight_zero_point[_2]) that Quark's own importer needs; vLLM's DeepSeek/Kimi loader refuses them.")] = False,
+    target: Annotated[Path | None, typer.Option(help="Draft only: measure its acceptance with this target before and after quantization (held-out GSM8K 5-shot prompts) into the report.")] = None,
+    eval_prompts: Annotated[int, typer.Option(help="--target: held-out prompts.")] = 24,
+    eval_tokens: Annotated[int, typer.Option(help="--target: new tokens per prompt.")] = 96,
+    eval_k: Annotated[int, typer.Option(help="--target: speculative tokens per step.")] = 3,
+    eval_fewshot: Annotated[int, typer.Option(help="--target: GSM8K exemplars per prompt (serve --validate gsm8k sends 5).")] = 5,
+    device: Annotated[str, typer.Option(help="--target: where the runtime serves the pair (cpu, cuda, ...).")] = "cpu",
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
 ) -> None:
@@ -101,18 +107,25 @@ def quantize(
 
     eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-MXFP4 --recipe mxfp4 --scope experts --workers 4
 
-    eagle3 quantize ./kimi-k2.5-eagle3 ./draft-int4 --recipe int4-draft
+    eagle3 quantize ./kimi-k2.5-eagle3 ./draft-int4 --recipe int4-draft --target ./Kimi-K2.5-MXFP4
 
-    Writes OUT/quantization_report.json (+ .png): per-tensor error of the decoded output vs the source.
+    Writes OUT/quantization_report.json (+ .png): per-tensor error of the decoded output vs the source;
+    with --target also the draft's held-out acceptance beside that target before and after.
     """
     from eagle3.quantize import pipeline
+    from eagle3.quantize.acceptance import AcceptanceCheck
 
+    measure = None
+    if target is not None:
+        measure = AcceptanceCheck(target, eval_prompts, eval_tokens, eval_k, eval_fewshot, device=device,
+                                  progress=not quiet and not json_out and sys.stderr.isatty())
+        measure.check()
     _retain_freed_memory()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty(),
                                allow_nonfinite=allow_nonfinite, any_architecture=any_architecture,
-                               quark_zero_points=quark_zero_points)
+                               quark_zero_points=quark_zero_points, measure=measure)
     if json_out:
         print_json(result.to_json())
     else:

@@ -401,6 +401,7 @@ class QuantizeResult:
     seconds: float
     rows: list[report.TensorReport]
     files: list[Path]
+    acceptance: dict[str, Any] | None = None  # --target: the draft's acceptance before and after
 
     @property
     def failed(self) -> list[report.TensorReport]:
@@ -484,8 +485,12 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
              scope: str | None = None, *, workers: int = 0, engine: str = "native", overwrite: bool = False,
              resume: bool = False, verify: bool = True, trust_remote_code: bool = False,
              progress: bool = False, allow_nonfinite: bool = False, any_architecture: bool = False,
-             quark_zero_points: bool = False) -> QuantizeResult:
+             quark_zero_points: bool = False, measure: Callable[[Path, Path], dict[str, Any]] | None = None
+             ) -> QuantizeResult:
     """Quantize ``src`` (a local checkpoint directory or a Hub repo id) into ``out``.
+
+    ``measure(src_dir, out_dir)``, for a draft only: called on the finished output before it is
+    published; its result is the report's ``acceptance`` (``eagle3.quantize.acceptance``).
 
     ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error subclasses (one line)
     for bad input, before anything is written: the source goes through the same model validation
@@ -517,6 +522,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     dst = check_output(out_p, overwrite, inputs, resume)
     source, reader = inspect_source(src_dir, any_architecture=any_architecture)
     validate_source(source)
+    if measure is not None and source.role != "draft":
+        raise UsageError(f"--target: {src_dir} is not an EAGLE draft (acceptance is measured for drafts)")
     if not any_architecture:  # the model against its schema, before any weight is read
         check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
@@ -550,6 +557,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             results.update(_run_jobs(todo, workers, state, progress))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
             _finish(tmp_dir, src_dir, plan, results, quark_cfg, trust_remote_code)
+            measured = report.add_section(tmp_dir, "acceptance", measure(src_dir, tmp_dir)) if measure else None
             shutil.rmtree(state, ignore_errors=True)
     except BaseException as e:
         err = _write_error(e, tmp) if isinstance(e, OSError) else e  # disk full, read-only, ...: one line
@@ -563,7 +571,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
                           quantized=len(plan.quantized), unquantized=len(plan.unquantized), shards=len(plan.jobs),
                           shards_resumed=len(done), src_bytes=plan.src_bytes,
                           out_bytes=sum(r.out_bytes for r in results.values()),
-                          seconds=time.perf_counter() - t0, rows=rows, files=files)
+                          seconds=time.perf_counter() - t0 - (measured or {}).get("seconds", 0.0), rows=rows,
+                          files=files, acceptance=measured)
 
 
 def _after_failure(e: BaseException, tmp: Path, state: Path, plan: Plan) -> None:
@@ -769,6 +778,8 @@ def print_summary(result: QuantizeResult) -> None:
               f"({mb / max(result.seconds, 1e-9):.1f} MB/s), output {result.out_bytes / 1e6:.1f} MB"
               + (f", {result.shards_resumed} of {result.shards} shards resumed" if result.shards_resumed else ""))
     con.print(f"wrote {result.out} (report: {', '.join(f.name for f in result.files)})")
+    if result.acceptance:
+        con.print(report.acceptance_line(result.acceptance))
     if result.failed:
         con.print(f"[yellow]warning: {len(result.failed)} tensor(s) exceed the scheme's expected error, e.g. "
                   f"{result.failed[0].module} (rel. error {result.failed[0].rel_error:.3f})[/yellow]")

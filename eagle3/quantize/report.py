@@ -211,3 +211,21 @@ def summary_table(rows: list[TensorReport], title: str) -> Any:
         t.add_row(kind, str(a["tensors"]), fmt(a["mean_rel_error"], ".4f"), fmt(a["max_rel_error"], ".4f"),
                   fmt(a["min_snr_db"], ".1f") if a["tensors"] else "-", str(a["failed"]))
     return t
+
+
+def add_section(out_dir: Path, key: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Add ``key`` to the written JSON report (before the output is published and hashed)."""
+    from eagle3.checkpoint import read_json
+
+    data = read_json(out_dir / REPORT_JSON)
+    data[key] = value
+    write_json(out_dir / REPORT_JSON, data)
+    return value
+
+
+def acceptance_line(acc: dict[str, Any]) -> str:
+    """``acceptance with T (24 prompts, k=3): mean accept length 3.10 -> 3.05 (0.984x), lossless PASS``."""
+    b, a = acc["before"], acc["after"]
+    return (f"acceptance with {acc['target']['path']} ({a['num_prompts']} held-out prompts, k="
+            f"{a['num_speculative_tokens']}, greedy): mean accept length {b['mean_acceptance_length']:.2f} -> "
+            f"{a['mean_acceptance_length']:.2f} ({acc['ratio']:.3f}x), lossless {'PASS' if a['lossless'] else 'FAIL'}")

@@ -15,6 +15,13 @@ of a sequence (the runtime's step 0 over a committed context); step ``i >= 1`` r
 ``t`` at position ``t + i``, which sees the step-0 keys of positions ``<= t`` and its own chain's
 keys of steps ``1..i`` (all at index ``t``), exactly what the runtime's chained single-token
 draft steps see after a step 0 that ended at position ``t``.
+
+Chains need not start at every ``t``: with ``KVChain.query`` (row indices ``[B, Tq]``) step 0 still
+computes keys and values of every position (the context the chains attend), but queries, the
+residual and the MLP only for the chains' rows, and the later steps run on those rows alone. The
+loss of a long few-shot prompt can so sit on its last problem only, at a cost that grows with the
+rows that carry loss rather than with the square of the context (gradients stay exact: the context
+rows' outputs were never used).
 """
 
 from __future__ import annotations
@@ -73,21 +80,35 @@ class Rotary(nn.Module):
 
 @dataclass
 class KVChain:
-    """Keys/values of the steps run so far: ``[0]`` the step-0 keys (attended causally), the rest
-    one per later step (attended at the query's own index only). Each ``[B, T, heads, d]``."""
+    """Keys/values of the steps run so far: ``[0]`` the step-0 keys of every position (attended
+    causally, ``[B, T, heads, d]``), the rest one per later step (attended at the query's own row
+    only, ``[B, Tq, heads, d]``). ``query``: the rows ``[B, Tq]`` chains start at (None: every row)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    query: torch.Tensor | None = None
+
+
+def rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``x[b, index[b, j]]`` for ``x [B, T, ...]`` and ``index [B, Tq]`` (``x`` itself when None)."""
+    if index is None:
+        return x
+    idx = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx)
 
 
 def chain_attention(q: torch.Tensor, chain: KVChain, scale: float) -> torch.Tensor:
-    """``q [B, T, H, D]`` over ``chain`` (keys/values already expanded to ``H`` heads) -> ``[B, T, H, Dv]``.
+    """``q [B, Tq, H, D]`` over ``chain`` (keys/values already expanded to ``H`` heads) -> ``[B, Tq, H, Dv]``.
     Scores and softmax in fp32, as the runtime's attention."""
-    b, t, h, _ = q.shape
+    b, tq, h, _ = q.shape
     qf = q.float() * scale
     k0, v0 = chain.keys[0].float(), chain.values[0].float()
+    t = k0.shape[1]
     s0 = torch.einsum("bthd,bshd->bhts", qf, k0)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    if chain.query is None:
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    else:  # key s is visible to the chain of row query[b, j] when s <= that row
+        causal = (torch.arange(t, device=q.device)[None, None, :] > chain.query[:, :, None])[:, None]
     s0 = s0.masked_fill(causal, float("-inf"))
     diag = [torch.einsum("bthd,bthd->bht", qf, k.float()) for k in chain.keys[1:]]
     scores = torch.cat([s0] + [d[..., None] for d in diag], dim=-1) if diag else s0
@@ -96,6 +117,13 @@ def chain_attention(q: torch.Tensor, chain: KVChain, scale: float) -> torch.Tens
     for j, v in enumerate(chain.values[1:]):
         out = out + p[..., t + j].transpose(1, 2)[..., None] * v.float()
     return out.to(q.dtype)
+
+
+def _query_rows(x: torch.Tensor, positions: torch.Tensor, chain: KVChain) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0 with chain rows: the queries' inputs and positions; later steps: all rows are queries."""
+    if chain.keys or chain.query is None:
+        return x, positions
+    return rows(x, chain.query), rows(positions, chain.query)
 
 
 class LlamaAttention(nn.Module):
@@ -114,15 +142,18 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, chain: KVChain) -> torch.Tensor:
         m = self.spec
         b, t, _ = x.shape
+        xq, pq = _query_rows(x, positions, chain)
+        tq = xq.shape[1]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q = self.rotary(self.q_proj(x).view(b, t, m.num_heads, m.head_dim), cos, sin)
         k = self.rotary(self.k_proj(x).view(b, t, m.num_kv_heads, m.head_dim), cos, sin)
         v = self.v_proj(x).view(b, t, m.num_kv_heads, m.head_dim)
+        cos, sin = self.rotary.cos_sin(pq, x.dtype)
+        q = self.rotary(self.q_proj(xq).view(b, tq, m.num_heads, m.head_dim), cos, sin)
         g = m.num_heads // m.num_kv_heads  # query head h reads kv head h // g (the runtime's GQA view)
         chain.keys.append(k.repeat_interleave(g, dim=2))
         chain.values.append(v.repeat_interleave(g, dim=2))
         o = chain_attention(q, chain, m.softmax_scale)
-        return self.o_proj(o.reshape(b, t, m.num_heads * m.head_dim))
+        return self.o_proj(o.reshape(b, tq, m.num_heads * m.head_dim))
 
 
 class MLAAttention(nn.Module):
@@ -151,21 +182,24 @@ class MLAAttention(nn.Module):
         m = self.spec
         b, t, _ = x.shape
         nh = m.num_heads
+        xq, pq = _query_rows(x, positions, chain)
+        tq = xq.shape[1]
         if m.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xq)))
         else:
-            q = self.q_proj(x)
-        q_nope, q_pe = q.view(b, t, nh, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            q = self.q_proj(xq)
+        q_nope, q_pe = q.view(b, tq, nh, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(b, t, nh, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q_pe = self.rotary(q_pe, cos, sin)
         k_pe = self.rotary(k_pe[:, :, None, :], cos, sin).expand(b, t, nh, m.qk_rope_head_dim)
+        cos, sin = self.rotary.cos_sin(pq, x.dtype)
+        q_pe = self.rotary(q_pe, cos, sin)
         chain.keys.append(torch.cat([k_nope, k_pe], dim=-1))
         chain.values.append(v)
         o = chain_attention(torch.cat([q_nope, q_pe], dim=-1), chain, m.softmax_scale)
-        return self.o_proj(o.reshape(b, t, nh * m.v_head_dim))
+        return self.o_proj(o.reshape(b, tq, nh * m.v_head_dim))
 
 
 class MLP(nn.Module):
@@ -220,13 +254,16 @@ class TrainableDraft(nn.Module):
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              chain: KVChain) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over ``[B, T]`` tokens (target ids) -> ``(post_norm, next_hidden)``, both
-        ``[B, T, H]``; appends this step's keys/values to ``chain``."""
+        ``[B, T, H]`` (``[B, Tq, H]``, the chains' rows, at step 0 with ``chain.query``); appends
+        this step's keys/values to ``chain``."""
         layer = self.layers[0]
         e = self.embed_tokens(input_ids)
         hidden = hidden.to(e.dtype)
         hn = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(e), hn], dim=-1)
         res = hn if self.spec.norm_before_residual else hidden
+        if not chain.keys:
+            res = rows(res, chain.query)
         r1 = res + layer.self_attn(x, positions, chain)
         out = r1 + layer.mlp(layer.post_attention_layernorm(r1))
         y = self.norm(out)

@@ -1,21 +1,27 @@
 """``eagle3 train-draft``: train an EAGLE-3 / 3.1 draft against any target the runtime loads.
 
-Steps (everything under ``OUT.partial/`` until the end, then renamed to ``OUT`` with a manifest):
+Phases (everything under ``OUT.partial/`` until the end, then renamed to ``OUT`` with a manifest),
+each with its own progress bar and ETA:
 
-1. load the target with the runtime (``load_target``) and its tokenizer; read the data
-   (:mod:`eagle3.train.data`); with ``--regenerate`` replace each completion by the target's own
-   greedy continuation of the prompt (the runtime's ``LLM``);
+1. load the target with the runtime (``load_target``) and its tokenizer; the data
+   (:mod:`eagle3.train.data`) is lazy: only the examples the steps use are ever built;
 2. the initial draft: ``--init-from`` converted to the ``eagle3`` profile by ``eagle3 convert``'s
    own code, or a fresh draft sized after the target (:mod:`eagle3.train.export`), written to
-   ``OUT.partial/init``; the reduced vocabulary (``--draft-vocab-size``) from token frequencies;
-3. the teacher signal (:mod:`eagle3.train.teacher`), then the loop: AdamW, linear warm-up and
-   cosine decay, gradient clipping, training-time test (:mod:`eagle3.train.ttt`); a checkpoint
-   every ``checkpoint_every`` steps in ``OUT.partial/checkpoint`` (``--resume`` continues from it;
-   batches are a pure function of the seed and the step, so a resumed run takes the same steps as
-   an uninterrupted one);
-4. the draft in the ``eagle3`` format, then held-out acceptance measured by the runtime (the
-   trained draft with the target, greedy, k speculative tokens, plus the same prompts without
-   speculation as the lossless check), ``train_report.json`` and ``train_loss.png``.
+   ``OUT.partial/init``; the reduced vocabulary (``--draft-vocab-size``) from the token
+   frequencies of the examples the steps use;
+3. teacher: the target's states (and with ``--regenerate`` its own greedy continuation) of the
+   examples the steps use, written to disk (:mod:`eagle3.train.teacher_cache`); memory holds one
+   step's examples, and a cache from an earlier run is reused;
+4. with ``--init-from``, the starting draft's held-out acceptance (the "before");
+5. the loop: AdamW, linear warm-up and cosine decay, gradient clipping, training-time test
+   (:mod:`eagle3.train.ttt`), each step reading its batch's states from disk; optionally pulled
+   back towards the starting weights (``anchor``); a checkpoint every ``checkpoint_every`` steps
+   in ``OUT.partial/checkpoint`` (``--resume`` continues from it; batches are a pure function of
+   the seed and the step and the states are on disk, so a resumed run takes the same steps as an
+   uninterrupted one);
+6. the draft in the ``eagle3`` format, its held-out acceptance measured by the runtime (greedy,
+   k speculative tokens, plus the same prompts without speculation as the lossless check),
+   ``train_report.json`` (with the target's fingerprint) and ``train_loss.png``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,18 +44,23 @@ import torch
 from eagle3.checkpoint import atomic_output, check_output, partial_path, read_json, write_json
 from eagle3.errors import UsageError
 from eagle3.formats import keys
+from eagle3.train import acceptance
+from eagle3.train.adapt import PRESET, target_fingerprint
 from eagle3.train.data import TrainData, load_data
 from eagle3.train.draft_module import TrainableDraft, load_trainable
 from eagle3.train.export import fresh_draft_config, provisional_spec, write_draft
-from eagle3.train.teacher import Teacher, TeacherStates
-from eagle3.train.ttt import Batch, VocabMap, ttt_loss
+from eagle3.train.progress import PhaseBar
+from eagle3.train.report import FIGURE_FILE, REPORT_FILE, figure, mean_tail, print_summary
+from eagle3.train.teacher import Teacher
+from eagle3.train.teacher_cache import CachedExample, Item, TeacherCache, estimated_rows, fill
+from eagle3.train.ttt import Batch, VocabMap, chain_rows, ttt_loss
 
-REPORT_FILE = "train_report.json"
-FIGURE_FILE = "train_loss.png"
 INIT_DIR = "init"
 CKPT_DIR = "checkpoint"
 CKPT_FILE = "state.pt"
-OPTIONS_FILE = "options.json"  # beside the checkpoint: the options a resumed run must share
+TEACHER_DIR = "teacher"
+OPTIONS_FILE = "options.json"  # the options a resumed run must share
+BEFORE_FILE = "heldout_before.json"  # the starting draft's acceptance and the plain outputs, for --resume
 ARCHS = ("llama", "mla")
 
 
@@ -74,14 +87,19 @@ class TrainOptions:
     max_len: int = 512
     num_train: int | None = None
     fewshot: int = 0  # gsm8k: solved train problems before each training problem
+    context_loss: bool = True  # False: the few-shot exemplars are context only (no loss on them)
+    anchor: float = 0.0  # per step, pull the weights back by lr * anchor * (w - w_start)
+    freeze: tuple[str, ...] = ()  # parameter name prefixes kept at their starting values
     eval_prompts: int = 8
     eval_tokens: int = 64
     eval_fewshot: int = 5
     eval_k: int = 3
     init_from: Path | None = None
+    adapt: bool = False  # the --adapt preset was applied (recorded in the report)
     resume: bool = False
     overwrite: bool = False
     checkpoint_every: int = 100
+    teacher_cache: Path | None = None  # default: OUT.partial/teacher
     seed: int = 0
     dtype: str = "bfloat16"  # the target's compute dtype (the draft trains in fp32, is written in bf16)
     device: str = "cpu"
@@ -90,8 +108,15 @@ class TrainOptions:
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed run must share with the interrupted one."""
         skip = {"out", "resume", "overwrite", "progress", "checkpoint_every", "eval_tokens",
-                "eval_fewshot", "eval_k"}
+                "eval_fewshot", "eval_k", "teacher_cache"}
         return {k: str(v) for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+def with_preset(opts: TrainOptions, explicit: set[str]) -> TrainOptions:
+    """``--adapt``: the preset's values for every field not in ``explicit`` (set by the user)."""
+    if opts.init_from is None:
+        raise UsageError("--adapt adapts a trained draft: give it with --init-from DRAFT")
+    return dataclasses.replace(opts, adapt=True, **{k: v for k, v in PRESET.items() if k not in explicit})
 
 
 def _echo(msg: str) -> None:
@@ -132,41 +157,53 @@ def _target_lm_head(target: Any, path: Path) -> torch.Tensor | None:
     return target.embed_tokens.float() if spec.tie_word_embeddings else None
 
 
-def _prepare_init(opts: TrainOptions, init: Path, target: Any, data: TrainData, eos: list[int]) -> None:
-    """Write the initial draft (eagle3 profile) into ``init``."""
-    if opts.init_from is not None:
-        from eagle3.convert.draft import DraftOptions, convert_draft
-
-        convert_draft(opts.init_from, init, DraftOptions(engine="eagle3", target=str(opts.target),
-                                                         aux_layer_ids=opts.aux_layer_ids, aux_convention="input"
-                                                         if opts.aux_layer_ids else None, progress=False))
-        cfg = read_json(init / "config.json")
-        arch = "mla" if cfg.get("kv_lora_rank") is not None else "llama"
-        if opts.arch is not None and opts.arch != arch:
-            raise UsageError(f"--arch {opts.arch}: --init-from {opts.init_from} is a {arch} draft")
-        if opts.eagle31 is not None and opts.eagle31 != bool(cfg.get("fc_norm")):
-            raise UsageError(f"--eagle31/--no-eagle31: --init-from {opts.init_from} has fc_norm "
-                             f"{str(bool(cfg.get('fc_norm'))).lower()}")
-        dv = int(cfg["draft_vocab_size"])
-        if opts.draft_vocab_size is not None and opts.draft_vocab_size != dv:
-            raise UsageError(f"--draft-vocab-size {opts.draft_vocab_size}: --init-from {opts.init_from} has a "
-                             f"draft vocabulary of {dv}")
-        return
+def _fresh_aux_ids(opts: TrainOptions, target: Any) -> list[int]:
     from eagle3.runtime.interfaces import default_aux_layer_ids
 
-    vocab_size = target.vocab_size
     ids = list(opts.aux_layer_ids or default_aux_layer_ids(target.num_layers))
     if len(ids) != len(set(ids)) or sorted(ids) != ids or ids[0] < 0 or ids[-1] > target.num_layers:
         raise UsageError(f"--aux-layer-ids {ids}: must be ascending target layer ids in 0..{target.num_layers} "
                          f"(input-to-layer convention)")
+    return ids
+
+
+def _convert_init(opts: TrainOptions, init: Path) -> None:
+    """``--init-from``: the draft in the eagle3 profile in ``init``; flags that contradict it refused."""
+    from eagle3.convert.draft import DraftOptions, convert_draft
+
+    convert_draft(opts.init_from, init, DraftOptions(engine="eagle3", target=str(opts.target),
+                                                     aux_layer_ids=opts.aux_layer_ids, aux_convention="input"
+                                                     if opts.aux_layer_ids else None, progress=False))
+    cfg = read_json(init / "config.json")
+    arch = "mla" if cfg.get("kv_lora_rank") is not None else "llama"
+    if opts.arch is not None and opts.arch != arch:
+        raise UsageError(f"--arch {opts.arch}: --init-from {opts.init_from} is a {arch} draft")
+    if opts.eagle31 is not None and opts.eagle31 != bool(cfg.get("fc_norm")):
+        raise UsageError(f"--eagle31/--no-eagle31: --init-from {opts.init_from} has fc_norm "
+                         f"{str(bool(cfg.get('fc_norm'))).lower()}")
+    dv = int(cfg["draft_vocab_size"])
+    if opts.draft_vocab_size is not None and opts.draft_vocab_size != dv:
+        raise UsageError(f"--draft-vocab-size {opts.draft_vocab_size}: --init-from {opts.init_from} has a "
+                         f"draft vocabulary of {dv}")
+
+
+def _fresh_init(opts: TrainOptions, init: Path, target: Any, aux_ids: list[int], cache: TeacherCache,
+                digests: dict[int, str], eos: list[int]) -> None:
+    """A new draft sized after the target in ``init``; a reduced vocabulary from the token
+    frequencies of the sequences the steps train on (regenerated ones included), read from the
+    teacher's files one at a time (a Counter of at most V ids)."""
+    vocab_size = target.vocab_size
     dv = opts.draft_vocab_size
     vmap = None
     if dv is not None:
         if not 1 <= dv <= vocab_size:
             raise UsageError(f"--draft-vocab-size {dv}: must be in 1..{vocab_size} (the target vocabulary)")
         if dv < vocab_size:
-            vmap = VocabMap.from_frequencies((e.ids for e in data.train), vocab_size, dv, always=eos)
-    cfg = fresh_draft_config(opts.target, opts.arch or "llama", bool(opts.eagle31), dv, ids)
+            counts: Counter[int] = Counter()
+            for d in digests.values():
+                counts.update(cache.read(d).ids.tolist())
+            vmap = VocabMap.from_frequencies([list(counts.elements())], vocab_size, dv, always=eos)
+    cfg = fresh_draft_config(opts.target, opts.arch or "llama", bool(opts.eagle31), dv, aux_ids)
     model = TrainableDraft(provisional_spec(cfg))
     _init_weights(model, target, opts.target, vmap, opts.seed)
     tmp = init.with_name(init.name + ".tmp")
@@ -183,24 +220,47 @@ def _prepare_init(opts: TrainOptions, init: Path, target: Any, data: TrainData, 
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     """Examples of ``step``: a fresh seeded permutation per epoch (a pure function of the step)."""
     out = []
+    perms: dict[int, torch.Tensor] = {}
     for i in range(step * batch_size, (step + 1) * batch_size):
         epoch = i // n
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.append(int(perm[i % n]))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(perms[epoch][i % n]))
     return out
 
 
-def make_batch(seqs: list[list[int]], states: list[TeacherStates]) -> Batch:
-    t = max(len(s) for s in seqs)
-    b = len(seqs)
+def step_groups(steps: int, batch_size: int, n: int, seed: int) -> list[list[int]]:
+    """The examples each step uses first (the teacher computes them together, in this order)."""
+    seen: set[int] = set()
+    groups = []
+    for step in range(steps):
+        if len(seen) >= n:
+            break
+        g = [i for i in dict.fromkeys(batch_indices(step, batch_size, n, seed)) if i not in seen]
+        seen.update(g)
+        if g:
+            groups.append(g)
+    return groups
+
+
+def make_batch(examples: list[CachedExample], loss_start: list[int], ttt_steps: int) -> Batch:
+    """Right-padded batch; the label rows of each sequence's chains, gathered from its stored hidden."""
+    b = len(examples)
+    t = max(int(e.ids.shape[0]) for e in examples)
+    lengths = torch.tensor([int(e.ids.shape[0]) for e in examples])
+    first = torch.tensor([max(s - 2, 0) for s in loss_start])
+    tq = chain_rows(first, lengths)[0].shape[1]
+    e0 = examples[0]
     ids = torch.zeros(b, t, dtype=torch.int64)
-    aux = torch.zeros(b, t, states[0].aux.shape[-1], dtype=states[0].aux.dtype)
-    hid = torch.zeros(b, t, states[0].hidden.shape[-1], dtype=states[0].hidden.dtype)
-    for i, (s, st) in enumerate(zip(seqs, states, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        aux[i, : len(s)] = st.aux.cpu()
-        hid[i, : len(s)] = st.hidden.cpu()
-    return Batch(ids, torch.tensor([len(s) for s in seqs]), aux, hid)
+    aux = torch.zeros(b, t, e0.aux.shape[-1], dtype=e0.aux.dtype)
+    lab = torch.zeros(b, tq + ttt_steps - 1, e0.hidden.shape[-1], dtype=e0.hidden.dtype)
+    for i, e in enumerate(examples):
+        n = int(e.ids.shape[0])
+        ids[i, :n] = e.ids
+        aux[i, :n] = e.aux
+        rows = e.hidden[int(first[i]) + 1:][: lab.shape[1]]
+        lab[i, : rows.shape[0]] = rows
+    return Batch(ids, lengths, aux, first, lab)
 
 
 def lr_at(step: int, opts: TrainOptions) -> float:
@@ -212,13 +272,12 @@ def lr_at(step: int, opts: TrainOptions) -> float:
 
 
 def _save_checkpoint(d: Path, step: int, model: TrainableDraft, optim: torch.optim.Optimizer,
-                     history: list[dict[str, Any]], opts: TrainOptions) -> None:
+                     history: list[dict[str, Any]], opts: TrainOptions, extra: dict[str, Any]) -> None:
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / (CKPT_FILE + ".tmp")
     torch.save({"step": step, "model": model.state_dict(), "optim": optim.state_dict(), "history": history,
-                "fingerprint": opts.fingerprint()}, tmp)
+                "fingerprint": opts.fingerprint(), **extra}, tmp)
     os.replace(tmp, d / CKPT_FILE)
-    write_json(d / OPTIONS_FILE, opts.fingerprint())
 
 
 def _check_fingerprint(path: Path, opts: TrainOptions) -> None:
@@ -230,104 +289,24 @@ def _check_fingerprint(path: Path, opts: TrainOptions) -> None:
                          f"{old.get(diff[0])} vs {new.get(diff[0])})")
 
 
-def _load_checkpoint(path: Path, opts: TrainOptions) -> dict[str, Any]:
-    _check_fingerprint(path.with_name(OPTIONS_FILE), opts)
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _trainable(model: TrainableDraft, freeze: tuple[str, ...]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the optimizer moves: all but the embedding (the target's, frozen as SpecForge and
+    EAGLE do) and the modules named in ``freeze`` (``fc``, ``lm_head``, ``layers.0.mlp``, ...: a module
+    and everything under it); an unknown name is refused."""
+    def frozen(n: str) -> bool:
+        return any(n == f or n.startswith(f + ".") for f in freeze)
 
-
-class _Bar:
-    """A rich progress bar over training steps showing the loss (nothing when disabled)."""
-
-    def __init__(self, total: int, done: int, enabled: bool) -> None:
-        self._p = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), transient=False)
-        self._p.start()
-        self._task = self._p.add_task("train", total=total, completed=done, loss="-")
-
-    def update(self, loss: float) -> None:
-        if self._p is not None:
-            self._p.update(self._task, advance=1, loss=f"{loss:.4f}")
-
-    def close(self) -> None:
-        if self._p is not None:
-            self._p.stop()
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluation and report
-# ---------------------------------------------------------------------------------------------
-
-
-def kv_blocks(prompts: list[list[int]], max_tokens: int, k: int, block_size: int = 16) -> int:
-    """KV blocks for every prompt at full length at once: the runtime's default (256 MiB of zeros
-    on CPU) costs seconds to allocate, far more than these small runs need."""
-    return sum(-(-(len(p) + max_tokens + 2 * k + 1) // block_size) for p in prompts) + 2
-
-
-def heldout_acceptance(target: Any, draft_dir: Path, prompts: list[list[int]], opts: TrainOptions) -> dict[str, Any]:
-    """Acceptance of the draft in ``draft_dir`` measured by the runtime (greedy, k = eval_k), and
-    whether speculative output equals plain greedy output on the same prompts."""
-    from eagle3.runtime.engine.llm import LLM
-    from eagle3.runtime.loader import load_draft
-    from eagle3.runtime.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=opts.eval_tokens, ignore_eos=False)
-    t0 = time.perf_counter()
-    blocks = kv_blocks(prompts, opts.eval_tokens, opts.eval_k)
-    spec_llm = LLM(target, load_draft(draft_dir, target), num_speculative_tokens=opts.eval_k, tokenizer=None,
-                   num_blocks=blocks)
-    spec_out = spec_llm.generate(prompts, params)
-    t_spec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    plain_out = LLM(target, None, tokenizer=None, num_blocks=blocks).generate(prompts, params)
-    t_plain = time.perf_counter() - t0
-    stats = spec_llm.stats.as_dict()
-    return {**stats, "num_prompts": len(prompts), "max_tokens": opts.eval_tokens,
-            "output_tokens": sum(len(o.token_ids) for o in spec_out),
-            "lossless": all(a.token_ids == b.token_ids for a, b in zip(spec_out, plain_out, strict=True)),
-            "seconds_speculative": round(t_spec, 3), "seconds_plain": round(t_plain, 3)}
-
-
-def _figure(path: Path, history: list[dict[str, Any]], title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib ships with eagle3[eval]; the JSON report has the same numbers
-        return False
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = [h["step"] for h in history]
-    ax[0].plot(steps, [h["loss"] for h in history], lw=1)
-    ax[0].set_xlabel("step")
-    ax[0].set_ylabel("weighted TTT loss")
-    ax[0].set_title(title, fontsize=9)
-    k = max((len(h["step_acc"]) for h in history), default=0)
-    for i in range(k):
-        ax[1].plot(steps, [h["step_acc"][i] if i < len(h["step_acc"]) else float("nan") for h in history], lw=1,
-                   label=f"step {i}")
-    ax[1].set_xlabel("step")
-    ax[1].set_ylabel("top-1 agreement with target")
-    ax[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _mean_tail(history: list[dict[str, Any]], key: str, n: int = 10) -> Any:
-    tail = history[-n:]
-    if not tail:
-        return None
-    if key == "loss":
-        return sum(h["loss"] for h in tail) / len(tail)
-    k = min(len(h[key]) for h in tail)
-    return [sum(h[key][i] for h in tail) / len(tail) for i in range(k)]
+    names = [n for n, _ in model.named_parameters()]
+    for f in freeze:
+        if not any(n == f or n.startswith(f + ".") for n in names):
+            raise UsageError(f"--freeze {f}: no draft module of that name (e.g. fc, lm_head, layers.0.mlp)")
+    out = []
+    for n, p in model.named_parameters():
+        keep = n != keys.DRAFT_EMBED and not frozen(n)
+        p.requires_grad_(keep)
+        if keep:
+            out.append((n, p))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,150 +325,253 @@ def _check(opts: TrainOptions) -> None:
             raise UsageError(f"{name} must be >= {lo}, got {v}")
     if opts.lr <= 0:
         raise UsageError(f"--lr must be positive, got {opts.lr}")
+    if opts.anchor < 0 or opts.anchor * opts.lr >= 1:
+        raise UsageError(f"--anchor {opts.anchor}: must be >= 0 with --anchor x --lr below 1")
+
+
+@dataclass
+class _Run:
+    """What the phases share."""
+
+    opts: TrainOptions
+    tmp: Path
+    target: Any
+    data: TrainData
+    eos: list[int]
+    groups: list[list[int]]
+    timings: dict[str, float]
+    echo: Callable[[str], None]
+    loss_start: dict[int, int] = dataclasses.field(default_factory=dict)  # of each example the steps use
 
 
 def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict[str, Any]:
     """Train a draft for ``opts.target`` into ``opts.out``; returns the report (also in OUT)."""
-    from eagle3.runtime.loader import load_target
-    from eagle3.runtime.tokenizer import load_tokenizer
+    from eagle3.formats.check import require_valid
 
     _check(opts)
     out = Path(opts.out)
     check_output(out, opts.overwrite)
-    from eagle3.formats.check import require_valid
-
     for src in (opts.target, opts.init_from):  # the models against their schemas, before any weight is read
         if src is not None:
             require_valid(src)
     tmp = partial_path(out)
-    ckpt = tmp / CKPT_DIR / CKPT_FILE
-    if opts.resume and not ckpt.is_file():
-        raise UsageError(f"--resume: no checkpoint at {ckpt} (start without --resume)")
+    if opts.resume and not (tmp / OPTIONS_FILE).is_file():
+        raise UsageError(f"--resume: no checkpoint or teacher states at {tmp} (start without --resume)")
     if opts.resume:
-        _check_fingerprint(ckpt.with_name(OPTIONS_FILE), opts)
+        _check_fingerprint(tmp / OPTIONS_FILE, opts)
     if not opts.resume and tmp.exists():
         shutil.rmtree(tmp)
     torch.manual_seed(opts.seed)
     t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-    # resume=True keeps OUT.partial (and its checkpoints) when anything fails or is interrupted.
+    # resume=True keeps OUT.partial (checkpoints, teacher states) when anything fails or is interrupted.
     with atomic_output(out, overwrite=opts.overwrite, resume=True) as tmp:
-        t0 = time.perf_counter()
-        target = load_target(opts.target, dtype=_dtype(opts.dtype), device=opts.device)
-        tokenizer = load_tokenizer(opts.target)
-        data = load_data(opts.data, tokenizer, dataset=opts.dataset, max_len=opts.max_len, num_train=opts.num_train,
-                         num_heldout=opts.eval_prompts, num_fewshot=opts.eval_fewshot, fewshot=opts.fewshot,
-                         seed=opts.seed)
-        eos = sorted(set(target.spec.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id
-                                                        is not None else set()))
-        echo(f"data: {data.source}")
-        timings["load"] = time.perf_counter() - t0
-        if opts.regenerate:
-            t0 = time.perf_counter()
-            _regenerate(target, data, opts)
-            timings["regenerate"] = time.perf_counter() - t0
-            echo(f"regenerated {len(data.train)} completions with the target (greedy, <= {opts.regen_tokens} tokens)")
-
+        write_json(tmp / OPTIONS_FILE, opts.fingerprint())
+        run = _load(opts, tmp, echo)
         init = tmp / INIT_DIR
-        if not (opts.resume and (init / "config.json").is_file()):
+        have_init = opts.resume and (init / "config.json").is_file()
+        if not have_init:
             shutil.rmtree(init, ignore_errors=True)
-            _prepare_init(opts, init, target, data, eos)
-        model, d2t = load_trainable(init, target.embed_tokens)
+        if opts.init_from is not None and not have_init:
+            _convert_init(opts, init)
+        aux_ids = tuple(read_json(init / "config.json")["eagle_aux_hidden_state_layer_ids"] if init.is_dir()
+                        else _fresh_aux_ids(opts, run.target))
+        cache, digests, teacher_counts = _teacher_phase(run, aux_ids)
+        if not init.is_dir():
+            _fresh_init(opts, init, run.target, list(aux_ids), cache, digests, run.eos)
+        model, d2t = load_trainable(init, run.target.embed_tokens)
         model.to(opts.device)
-        model.embed_tokens.weight.requires_grad_(False)  # the target's table, frozen (SpecForge, EAGLE)
-        vocab = VocabMap.from_d2t(d2t) if d2t is not None else None
-        aux_ids = tuple(read_json(init / "config.json")["eagle_aux_hidden_state_layer_ids"])
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        cfg = read_json(init / "config.json")
+        params = _trainable(model, opts.freeze)
+        n_params = sum(p.numel() for _, p in params)
         echo(f"draft: {model.spec.attention} EAGLE-{model.spec.eagle_version}, {n_params / 1e6:.2f}M trainable "
              f"parameters, draft vocab {model.spec.draft_vocab_size}, aux layers {list(aux_ids)}")
-
-        t0 = time.perf_counter()
-        seqs = [e.ids for e in data.train]
-        states = Teacher(target, aux_ids).run(seqs)
-        timings["teacher"] = time.perf_counter() - t0
-
-        params = [p for p in model.parameters() if p.requires_grad]
-        optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-        history: list[dict[str, Any]] = []
-        start = 0
-        if opts.resume:
-            st = _load_checkpoint(ckpt, opts)
-            model.load_state_dict(st["model"])
-            optim.load_state_dict(st["optim"])
-            history, start = list(st["history"]), int(st["step"])
-            echo(f"resumed at step {start} of {opts.steps} from {ckpt}")
-        teacher = Teacher(target, aux_ids)
-        t0 = time.perf_counter()
-        bar = _Bar(opts.steps, start, opts.progress)
-        try:
-            for step in range(start, opts.steps):
-                idx = batch_indices(step, opts.batch_size, len(seqs), opts.seed)
-                batch = make_batch([seqs[i] for i in idx], [states[i] for i in idx])
-                lr = lr_at(step, opts)
-                for group in optim.param_groups:
-                    group["lr"] = lr
-                res = ttt_loss(model, teacher, batch, opts.ttt_steps, opts.decay, vocab)
-                optim.zero_grad(set_to_none=True)
-                res.loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
-                optim.step()
-                history.append({"step": step + 1, "loss": float(res.loss.detach()), "lr": lr,
-                                "step_loss": res.step_loss, "step_acc": res.step_acc})
-                bar.update(history[-1]["loss"])
-                if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
-                    _save_checkpoint(tmp / CKPT_DIR, step + 1, model, optim, history, opts)
-        finally:
-            bar.close()
-        timings["train"] = time.perf_counter() - t0
-
-        cfg = read_json(init / "config.json")
+        before, plain = _before(run, init)
+        history = _train_loop(run, model, params, d2t, cache, digests, aux_ids)
         write_draft(tmp, cfg, model.state_dict(), d2t)
-        t0 = time.perf_counter()
-        heldout = heldout_acceptance(target, tmp, data.heldout, opts) if data.heldout else None
-        timings["heldout"] = time.perf_counter() - t0
-        if heldout is not None:
-            echo(f"held-out acceptance (k={opts.eval_k}, greedy, {heldout['num_prompts']} prompts): "
-                 f"{100 * heldout['acceptance_rate']:.1f}%, mean accept length "
-                 f"{heldout['mean_acceptance_length']:.2f}, lossless {heldout['lossless']}")
-        timings["total"] = time.perf_counter() - t_start
-        report = {
-            "output": str(out),
-            "target": str(opts.target),
-            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
-            "draft": {"attention": model.spec.attention, "eagle_version": model.spec.eagle_version,
-                      "fc_norm": model.spec.fc_norm, "norm_output": model.spec.norm_output,
-                      "draft_vocab_size": model.spec.draft_vocab_size, "vocab_size": model.spec.vocab_size,
-                      "aux_layer_ids": list(aux_ids), "aux_layer_ids_convention": "input",
-                      "trainable_parameters": n_params, "init_from": str(opts.init_from) if opts.init_from else None},
-            "data": {"source": data.source, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
-                     "regenerated": opts.regenerate, "heldout_prompts": len(data.heldout)},
-            "training": {"steps": opts.steps, "ttt_steps": opts.ttt_steps, "position_weight": opts.decay,
-                         "initial_loss": history[0]["loss"] if history else None,
-                         "final_loss": _mean_tail(history, "loss"),
-                         "final_step_acc": _mean_tail(history, "step_acc"),
-                         "loss": [h["loss"] for h in history],
-                         "step_acc": [h["step_acc"] for h in history]},
-            "heldout": heldout,
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-        }
+        heldout = _heldout(run, tmp, "after" if before else "held-out", plain)
+        report = _report(run, model, aux_ids, n_params, history, before, heldout, teacher_counts, digests, cache,
+                         time.perf_counter() - t_start)
         write_json(tmp / REPORT_FILE, report)
-        title = f"{opts.target.name}: {model.spec.attention} EAGLE-{model.spec.eagle_version} draft"
-        _figure(tmp / FIGURE_FILE, history, title)
-        shutil.rmtree(tmp / INIT_DIR, ignore_errors=True)
-        shutil.rmtree(tmp / CKPT_DIR, ignore_errors=True)
+        figure(tmp / FIGURE_FILE, history, f"{opts.target.name}: {model.spec.attention} EAGLE-"
+                                           f"{model.spec.eagle_version} draft")
+        for d in (INIT_DIR, CKPT_DIR, TEACHER_DIR):
+            shutil.rmtree(tmp / d, ignore_errors=True)
+        for f in (OPTIONS_FILE, BEFORE_FILE):
+            (tmp / f).unlink(missing_ok=True)
     return report
 
 
-def _regenerate(target: Any, data: TrainData, opts: TrainOptions) -> None:
-    from eagle3.runtime.engine.llm import LLM
-    from eagle3.runtime.sampling import SamplingParams
+def _load(opts: TrainOptions, tmp: Path, echo: Callable[[str], None]) -> _Run:
+    from eagle3.runtime.loader import load_target
+    from eagle3.runtime.tokenizer import load_tokenizer
 
-    prompts = [e.prompt_ids for e in data.train]
-    llm = LLM(target, None, tokenizer=None, num_blocks=kv_blocks(prompts, opts.regen_tokens, 0))
-    params = SamplingParams(temperature=0.0, max_tokens=opts.regen_tokens)
-    outs = llm.generate(prompts, params)
-    for e, o in zip(data.train, outs, strict=True):
-        e.ids = (e.prompt_ids + list(o.token_ids))[: opts.max_len]
+    t0 = time.perf_counter()
+    target = load_target(opts.target, dtype=_dtype(opts.dtype), device=opts.device)
+    tokenizer = load_tokenizer(opts.target)
+    data = load_data(opts.data, tokenizer, dataset=opts.dataset, max_len=opts.max_len, num_train=opts.num_train,
+                     num_heldout=opts.eval_prompts, num_fewshot=opts.eval_fewshot, fewshot=opts.fewshot,
+                     seed=opts.seed, regen_tokens=opts.regen_tokens if opts.regenerate else None,
+                     context_loss=opts.context_loss)
+    eos = sorted(set(target.spec.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id
+                                                    is not None else set()))
+    groups = step_groups(opts.steps, opts.batch_size, len(data.train), opts.seed)
+    echo(f"data: {data.source}; the {opts.steps} steps use {sum(map(len, groups))} of them")
+    return _Run(opts, tmp, target, data, eos, groups, {"load": time.perf_counter() - t0}, echo)
+
+
+def _teacher_phase(run: _Run, aux_ids: tuple[int, ...]) -> tuple[TeacherCache, dict[int, str], dict[str, int]]:
+    """The teacher's states of every example the steps use, on disk (computed or found there)."""
+    opts = run.opts
+    t0 = time.perf_counter()
+    regen = opts.regen_tokens if opts.regenerate else None
+    key = {"target": target_fingerprint(opts.target)["sha256"], "dtype": opts.dtype,
+           "device": torch.device(opts.device).type, "aux_layer_ids": list(aux_ids), "regen_tokens": regen,
+           "max_len": opts.max_len}
+    cache = TeacherCache(opts.teacher_cache or run.tmp / TEACHER_DIR, key)
+
+    def item(i: int) -> tuple[Item, int]:
+        ex = run.data.train[i]
+        return Item(tuple(ex.prompt_ids if regen is not None else ex.ids)), ex.loss_start
+
+    digests, rows = {}, {}
+    for g in run.groups:  # one example at a time: only its name, size and loss start are kept
+        for i in g:
+            it, run.loss_start[i] = item(i)
+            digests[i], rows[i] = it.digest(), estimated_rows(it, regen, opts.max_len)
+    row_bytes = (len(aux_ids) + 1) * run.target.hidden_size * torch.empty((), dtype=_dtype(opts.dtype)).element_size()
+    with PhaseBar("teacher", len(digests), opts.progress) as bar:
+        counts = fill(cache, Teacher(run.target, aux_ids), run.groups, digests, rows, lambda i: item(i)[0],
+                      regen_tokens=regen, eos=run.eos, max_len=opts.max_len, row_bytes=row_bytes,
+                      progress=bar.advance)
+    run.timings["teacher"] = time.perf_counter() - t0
+    what = "regenerated by the target and " if regen is not None else ""
+    run.echo(f"teacher: {counts['computed']} examples {what}computed, {counts['reused']} found in {cache.dir}")
+    return cache, digests, counts
+
+
+def _before(run: _Run, init: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The starting draft's held-out acceptance (``--init-from``) and the plain reference outputs
+    (kept in OUT.partial: a resumed run does not measure them again)."""
+    opts = run.opts
+    if not run.data.heldout:
+        return None, None
+    saved = run.tmp / BEFORE_FILE
+    setting = [len(run.data.heldout), opts.eval_tokens, opts.eval_k, opts.eval_fewshot]
+    if opts.resume and saved.is_file():
+        d = read_json(saved)
+        if d.get("setting") == setting:
+            return d["before"], d["plain"]
+    t0 = time.perf_counter()
+    plain = acceptance.plain_outputs(run.target, run.data.heldout, opts.eval_tokens, opts.progress)
+    before = None
+    if opts.init_from is not None:
+        before = acceptance.measure(run.target, init, run.data.heldout, k=opts.eval_k, max_tokens=opts.eval_tokens,
+                                    plain=plain, label="before", progress=opts.progress)
+        run.echo(f"held-out acceptance before (k={opts.eval_k}, greedy, {before['num_prompts']} prompts): "
+                 f"{acceptance.summary_line(before)}")
+    run.timings["heldout"] = time.perf_counter() - t0
+    write_json(saved, {"setting": setting, "before": before, "plain": plain})
+    return before, plain
+
+
+def _heldout(run: _Run, draft: Path, label: str, plain: dict[str, Any] | None) -> dict[str, Any] | None:
+    opts = run.opts
+    if not run.data.heldout:
+        return None
+    t0 = time.perf_counter()
+    h = acceptance.measure(run.target, draft, run.data.heldout, k=opts.eval_k, max_tokens=opts.eval_tokens,
+                           plain=plain, label=label, progress=opts.progress)
+    run.timings["heldout"] = run.timings.get("heldout", 0.0) + time.perf_counter() - t0
+    run.echo(f"held-out acceptance{' after' if label == 'after' else ''} (k={opts.eval_k}, greedy, "
+             f"{h['num_prompts']} prompts): {acceptance.summary_line(h)}")
+    return h
+
+
+def _train_loop(run: _Run, model: TrainableDraft, params: list[tuple[str, torch.nn.Parameter]],
+                d2t: torch.Tensor | None, cache: TeacherCache, digests: dict[int, str],
+                aux_ids: tuple[int, ...]) -> list[dict[str, Any]]:
+    opts = run.opts
+    vocab = VocabMap.from_d2t(d2t) if d2t is not None else None
+    plist = [p for _, p in params]
+    start_w = [p.detach().clone() for p in plist] if opts.anchor else []
+    optim = torch.optim.AdamW(plist, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    history: list[dict[str, Any]] = []
+    start = 0
+    ckpt = run.tmp / CKPT_DIR / CKPT_FILE
+    if opts.resume and ckpt.is_file():
+        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(st["model"])
+        optim.load_state_dict(st["optim"])
+        history, start = list(st["history"]), int(st["step"])
+        run.echo(f"resumed at step {start} of {opts.steps} from {ckpt}")
+    teacher = Teacher(run.target, aux_ids)
+    n = len(run.data.train)
+    t0 = time.perf_counter()
+    with PhaseBar("train", opts.steps, opts.progress, done=start, fields={"loss": "-"}) as bar:
+        for step in range(start, opts.steps):
+            idx = batch_indices(step, opts.batch_size, n, opts.seed)
+            batch = make_batch([cache.read(digests[i]) for i in idx], [run.loss_start[i] for i in idx],
+                               opts.ttt_steps)
+            lr = lr_at(step, opts)
+            for group in optim.param_groups:
+                group["lr"] = lr
+            res = ttt_loss(model, teacher, batch, opts.ttt_steps, opts.decay, vocab)
+            optim.zero_grad(set_to_none=True)
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(plist, opts.max_grad_norm)
+            optim.step()
+            if opts.anchor:  # decoupled from the gradient, as AdamW's weight decay (towards the start)
+                with torch.no_grad():
+                    for p, w0 in zip(plist, start_w, strict=True):
+                        p.sub_(lr * opts.anchor * (p - w0))
+            history.append({"step": step + 1, "loss": float(res.loss.detach()), "lr": lr,
+                            "step_loss": res.step_loss, "step_acc": res.step_acc})
+            bar.advance(1, loss=f"{history[-1]['loss']:.4f}")
+            if (step + 1) % opts.checkpoint_every == 0 or step + 1 == opts.steps:
+                _save_checkpoint(run.tmp / CKPT_DIR, step + 1, model, optim, history, opts, {})
+    run.timings["train"] = time.perf_counter() - t0
+    return history
+
+
+def _report(run: _Run, model: TrainableDraft, aux_ids: tuple[int, ...], n_params: int,
+            history: list[dict[str, Any]], before: dict[str, Any] | None, heldout: dict[str, Any] | None,
+            teacher_counts: dict[str, int], digests: dict[int, str], cache: TeacherCache,
+            total: float) -> dict[str, Any]:
+    opts = run.opts
+    run.timings["total"] = total
+    tokens = sum(cache.rows(d) for d in digests.values())
+    change = None
+    if before and heldout:
+        change = heldout["mean_acceptance_length"] / before["mean_acceptance_length"] - 1
+    return {
+        "output": str(opts.out),
+        "target": str(opts.target),
+        "target_fingerprint": target_fingerprint(opts.target),
+        "adapted": {"preset": "adapt", "target": target_fingerprint(opts.target), "init_from": str(opts.init_from),
+                    "accept_length_before": before["mean_acceptance_length"] if before else None,
+                    "accept_length_after": heldout["mean_acceptance_length"] if heldout else None,
+                    "relative_change": change} if opts.adapt else None,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
+        "draft": {"attention": model.spec.attention, "eagle_version": model.spec.eagle_version,
+                  "fc_norm": model.spec.fc_norm, "norm_output": model.spec.norm_output,
+                  "draft_vocab_size": model.spec.draft_vocab_size, "vocab_size": model.spec.vocab_size,
+                  "aux_layer_ids": list(aux_ids), "aux_layer_ids_convention": "input",
+                  "trainable_parameters": n_params, "init_from": str(opts.init_from) if opts.init_from else None},
+        "data": {"source": run.data.source, "sequences": len(digests), "tokens": tokens,
+                 "regenerated": opts.regenerate, "heldout_prompts": len(run.data.heldout),
+                 "heldout": f"the first {len(run.data.heldout)} prompts of the held-out split"},
+        "teacher": {**teacher_counts, "cache": str(cache.dir)},
+        "training": {"steps": opts.steps, "ttt_steps": opts.ttt_steps, "position_weight": opts.decay,
+                     "initial_loss": history[0]["loss"] if history else None,
+                     "final_loss": mean_tail(history, "loss"),
+                     "final_step_acc": mean_tail(history, "step_acc"),
+                     "loss": [h["loss"] for h in history],
+                     "step_acc": [h["step_acc"] for h in history]},
+        "heldout_before": before,
+        "heldout": heldout,
+        "timings_s": {k: round(v, 3) for k, v in run.timings.items()},
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -500,23 +582,4 @@ def _dtype(name: str) -> torch.dtype:
     return dtype_by_name(name)
 
 
-def print_summary(report: dict[str, Any]) -> None:
-    t = report["training"]
-    lines = [f"draft: {report['output']}",
-             f"  {report['draft']['attention']} EAGLE-{report['draft']['eagle_version']}, aux layers "
-             f"{report['draft']['aux_layer_ids']}, draft vocab {report['draft']['draft_vocab_size']}",
-             f"  data: {report['data']['sequences']} sequences, {report['data']['tokens']} tokens"
-             + (" (regenerated by the target)" if report["data"]["regenerated"] else ""),
-             f"  loss: {t['initial_loss']} -> {t['final_loss']} over {t['steps']} steps" if t["loss"] else
-             "  no training steps"]
-    h = report.get("heldout")
-    if h:
-        lines.append(f"  held-out acceptance (k={h['num_speculative_tokens']}): {100 * h['acceptance_rate']:.2f}%, "
-                     f"mean accept length {h['mean_acceptance_length']:.2f}, per position "
-                     + "/".join(f"{p:.2f}" for p in h["per_position_acceptance"])
-                     + f", lossless {'PASS' if h['lossless'] else 'FAIL'}")
-    lines.append(f"  report: {Path(report['output']) / REPORT_FILE}")
-    print("\n".join(lines))
-
-
-__all__ = ["TrainOptions", "train_draft", "print_summary", "REPORT_FILE", "FIGURE_FILE"]
+__all__ = ["TrainOptions", "train_draft", "print_summary", "with_preset", "REPORT_FILE", "FIGURE_FILE"]

@@ -16,6 +16,12 @@ Loss: soft cross-entropy ``-sum_v p(v) log q(v)`` averaged over valid positions,
 ``decay**i`` (0.8 in EAGLE-3 / SpecForge) and summed over steps. With a reduced draft vocabulary
 the target logits are restricted to the draft's tokens and renormalised, and positions whose
 target argmax lies outside the draft vocabulary are left out (SafeAILab ``cnets.py``).
+
+Which chains carry loss: a sequence's ``loss_start`` ``s`` (the first token whose prediction is
+trained; 0 = all) makes the chains start at ``t >= s - 2`` (step 0 of chain ``t`` predicts token
+``t + 2``). The earlier positions are context only: step 0 computes their keys and values but no
+query (:class:`eagle3.train.draft_module.KVChain`), and the target's logits are only computed where
+a label is read, which is what keeps a few-shot prompt of thousands of tokens affordable.
 """
 
 from __future__ import annotations
@@ -77,12 +83,13 @@ class VocabMap:
 
 @dataclass
 class Batch:
-    """Right-padded training batch."""
+    """Right-padded training batch; chain rows and label rows are gathered by :func:`chain_rows`."""
 
     input_ids: torch.Tensor  # int64 [B, T] (padding: 0)
     lengths: torch.Tensor  # int64 [B]
     aux: torch.Tensor  # [B, T, n*H_t]
-    hidden: torch.Tensor  # [B, T, H_t] target post-norm hidden
+    first: torch.Tensor  # int64 [B]: the first chain's row a_b (max(loss_start - 2, 0))
+    label_hidden: torch.Tensor  # [B, Tq + K - 1, H_t]: target post-norm hidden at rows a_b + 1 + j
 
 
 @dataclass
@@ -100,34 +107,52 @@ def _shift(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], tail], dim=1)
 
 
+def chain_rows(first: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain rows ``[B, Tq]`` (``first[b] + j``, clamped to the sequence) and their count per row
+    (``lengths - 1 - first``: the last chain starts at ``L - 2``)."""
+    n = (lengths - 1 - first).clamp(min=0)
+    tq = max(int(n.max()), 1)
+    j = torch.arange(tq, device=first.device)
+    return torch.minimum(first[:, None] + j[None], (lengths - 1).clamp(min=0)[:, None]), n
+
+
 def ttt_loss(model: TrainableDraft, teacher: Teacher, batch: Batch, steps: int, decay: float = 0.8,
              vocab: VocabMap | None = None) -> TTTResult:
-    ids = batch.input_ids
-    b, t = ids.shape
     dev = model.fc.weight.device
+    ids = batch.input_ids.to(dev)
+    b, t = ids.shape
+    lengths, first = batch.lengths.to(dev), batch.first.to(dev)
+    query, nq = chain_rows(first, lengths)
+    tq = query.shape[1]
     with torch.no_grad():
-        tlogits = teacher.logits(batch.hidden).to(dev)  # [B, T, V] float32
-        in_vocab = torch.ones(b, t, dtype=torch.bool, device=dev)
+        tlogits = teacher.logits(batch.label_hidden[:, : tq + steps - 1]).to(dev)  # [B, Tq+K-1, V] float32
+        in_vocab = torch.ones(tlogits.shape[:2], dtype=torch.bool, device=dev)
         if vocab is not None:
             used = vocab.used.to(dev)
             in_vocab = vocab.t2d(tlogits.shape[-1]).to(dev)[tlogits.argmax(-1)]
             tlogits = tlogits[..., used]
         probs = torch.softmax(tlogits, dim=-1)
-    index = torch.arange(t, device=dev)
-    lengths = batch.lengths.to(dev)
-    positions = index[None, :].expand(b, t)
-    hidden = model.combine_aux(batch.aux.to(dev))
-    chain = KVChain()
+        if probs.shape[1] < tq + steps - 1:  # fewer label rows than chains need: pad (masked below)
+            pad = tq + steps - 1 - probs.shape[1]
+            probs = torch.cat([probs, probs.new_zeros(b, pad, probs.shape[-1])], dim=1)
+            in_vocab = torch.cat([in_vocab, in_vocab.new_zeros(b, pad)], dim=1)
+    j = torch.arange(tq, device=dev)
+    positions = torch.arange(t, device=dev)[None, :].expand(b, t)
+    chain = KVChain(query=query)
+    post, hidden = model.step(_shift(ids, 1), model.combine_aux(batch.aux.to(dev)), positions, chain)
     total = torch.zeros((), device=dev)
     step_loss, step_acc = [], []
     for i in range(steps):
-        s = 1 + i
-        mask = ((index[None, :] + s) < lengths[:, None]) & _shift(in_vocab, s, False)
+        if i:
+            tok = torch.gather(ids, 1, (query + 1 + i).clamp(max=t - 1))
+            post, hidden = model.step(tok, hidden, query + i, chain)
+        # chain j of row b (start a_b + j) at step i: label row a_b + 1 + i + j <= L - 1
+        mask = (j[None] < nq[:, None]) & (first[:, None] + 1 + i + j[None] <= lengths[:, None] - 1)
+        mask = mask & in_vocab[:, i: i + tq]
         if not bool(mask.any()):
             break
-        post, hidden = model.step(_shift(ids, s), hidden, positions + i, chain)
         logp = torch.log_softmax(model.compute_logits(post), dim=-1)
-        p = _shift(probs, s)
+        p = probs[:, i: i + tq]
         ce = -(p * logp).sum(-1)
         m = mask.float()
         n = m.sum()

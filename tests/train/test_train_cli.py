@@ -10,55 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from eagle3.cli import app, main
-from eagle3.testing.tiny import corpus_text
 from tests.convert.helpers import load_all
-
-runner = CliRunner()
-FAST = ["--batch-size", "4", "--max-len", "48", "--lr", "3e-3", "--quiet"]
-
-
-def _cli(*args: str, ok: bool = True):
-    res = runner.invoke(app, [str(a) for a in args])
-    if ok and res.exit_code != 0:
-        raise AssertionError(f"{args} failed ({res.exit_code}): {res.output}\n{res.exception!r}")
-    return res
-
-
-def _error(capsys: pytest.CaptureFixture[str], *args: object) -> str:
-    """Run ``eagle3 ARGS`` through the console-script entry point; expect exit 2 and one line."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    last = err.splitlines()[-1] if err else ""
-    assert last.startswith("error: "), err  # (lines before it are progress messages)
-    return last
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Prose and arithmetic lines of the tiny tokenizer's own corpus, as {"text": ...} rows."""
-    lines = [ln for ln in corpus_text().split("\n") if len(ln) > 40][:24]
-    p = tmp_path_factory.mktemp("train-data") / "data.jsonl"
-    p.write_text("".join(json.dumps({"text": ln}) + "\n" for ln in lines), encoding="utf-8")
-    return p
-
-
-@pytest.fixture(scope="module")
-def gsm8k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GSM8K-layout directory (train.jsonl + test.jsonl) of the corpus's GSM8K-style problems."""
-    rows = []
-    for block in corpus_text().split("Question: ")[1:]:
-        q, rest = block.split("\nAnswer: ", 1)
-        rows.append({"question": q, "answer": rest.strip()})
-    d = tmp_path_factory.mktemp("gsm8k")
-    for name, part in (("train.jsonl", rows[:40]), ("test.jsonl", rows[40:50])):
-        (d / name).write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
-    return d
+from tests.train.helpers import FAST
+from tests.train.helpers import cli as _cli
+from tests.train.helpers import error as _error
 
 
 def _check_serves(target: Path, draft: Path) -> None:
