@@ -109,7 +109,13 @@ def validate_cmd(
     sections = []
     if loaded is not None:
         forced = twopass.teacher_force(base_url, loaded, prep, vopts, run.model)
-        sections.append(twopass.section(loaded, forced, prep, run, vopts))
+        import shlex
+
+        from eagle3.train.adapt import adapt_command
+
+        # the paths are the user's to fill in: an external server does not say where its models are
+        adapt = shlex.join(adapt_command("QUANTIZED_DIR", "ADAPTED_DRAFT_DIR", "DRAFT_DIR"))
+        sections.append(twopass.section(loaded, forced, prep, run, vopts, adapt))
     base = val.evaluate(baseline_url, prep, vopts, "baseline") if baseline_url else None
     result = val.finish(run, base, prep, vopts, {"engine": "external"}, sections=sections)
     exit_on_report(result, summary_lines(result) + ([f"report: {report}"] if report else []))

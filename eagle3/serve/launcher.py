@@ -315,17 +315,16 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
                 if with_draft and baseline else None)
         sections = []
         if loaded is not None:
-            adapt = adapt_command(target, draft) if draft is not None else None
+            adapt = None
+            if draft is not None:
+                import shlex
+
+                from eagle3.train.adapt import adapt_command
+
+                out = Path(draft).with_name(Path(draft).name + "-adapted")
+                adapt = shlex.join(adapt_command(target, out, draft))
             sections.append(twopass.section(loaded, forced[0], prep, run, vopts, adapt))
         return validate.finish(run, base, prep, vopts, meta, sections=sections)
-
-
-def adapt_command(target: Path, draft: Path) -> str:
-    """The command that adapts ``draft`` to ``target`` (``train-draft --adapt``)."""
-    import shlex
-
-    out = Path(draft).with_name(Path(draft).name + "-adapted")
-    return shlex.join(["eagle3", "train-draft", str(target), str(out), "--init-from", str(draft), "--adapt"])
 
 
 def close_llm(llm: Any, rejoin: bool = False) -> None:

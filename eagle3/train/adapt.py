@@ -26,7 +26,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from eagle3.formats.files import MANIFEST_FILE
+from eagle3.checkpoint.files import MANIFEST_FILE
 
 # The preset (each entry a TrainOptions field). Measured on the shipped trained tiny pair against
 # its MXFP4 and W4A8 targets: docs/train_draft.md ("Adapting a draft to a quantized target").

@@ -475,7 +475,9 @@ class Thresholds:
     min_top1: float = 0.90  # fraction of positions whose served argmax is the source's token
     max_flips: float = 0.05  # fraction of scored answers whose correctness changed (either way)
     # A quantized target whose draft accepts this much less than on the source is worth adapting the
-    # draft to (train-draft --adapt): a report line, not a failure.
+    # draft to (train-draft --adapt): a report line, not a failure. train-draft's own margin
+    # (eagle3.train.adapt.RECOMMENDED_MARGIN, docs/train_draft.md: on the tiny pair W4A8 moved the
+    # accept length +2.3% / +0.6%, MXFP4 cost 3.6-3.9%); not imported, train already imports validate.
     accept_drop: float = 0.02  # relative drop of the mean accept length
 
     def check(self) -> None:

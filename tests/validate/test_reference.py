@@ -277,3 +277,21 @@ def test_return_token_ids_in_completions(plain_server: Any) -> None:
     firsts = [ch["choices"][0] for ch in chunks if ch["choices"]]
     assert firsts[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in f for f in firsts[1:])
     assert [t for f in firsts for t in f["token_ids"]] == c["token_ids"]
+
+
+def test_a_draft_that_accepts_less_on_the_served_model_gets_the_adapt_command() -> None:
+    """The draft-fit note: past the margin (2% of the mean accept length) the report names the
+    workload and prints the command that adapts the draft; within it, nothing."""
+    ref = refmod.Reference({"format": refmod.FORMAT, "version": refmod.VERSION, "logprobs": 2,
+                            "acceptance": {"gsm8k": {"mean_acceptance_length": 3.10},
+                                           "mtbench": {"mean_acceptance_length": 2.50}}})
+    item = refmod.RefItem("gsm8k", "gsm8k/0", 0, None, "x", [1], [5], [{5: -0.1, 6: -2.4}], "t")
+    parts = [refmod.WorkloadComparison("gsm8k", [item], [[{5: -0.1, 6: -2.4}]], [None], [None]),
+             refmod.WorkloadComparison("mtbench", [item], [[{5: -0.1, 6: -2.4}]], [None], [None])]
+    served = {"gsm8k": {"mean_acceptance_length": 2.98}, "mtbench": {"mean_acceptance_length": 2.47}}
+    out = refmod.compare(ref, "ref.gz", parts, served, refmod.Thresholds(), "eagle3 train-draft Q OUT "
+                         "--init-from D --adapt")
+    assert out["passed"] and len(out["notes"]) == 1
+    assert out["notes"][0].startswith("gsm8k: the draft's mean accept length is 3.9% below the source's")
+    assert out["notes"][0].endswith("eagle3 train-draft Q OUT --init-from D --adapt")
+    assert out["workloads"]["mtbench"]["acceptance"]["accept_length_change"] == pytest.approx(-0.012)
