@@ -74,7 +74,7 @@ def run_eagle3(target: Path, draft: Path, prompts: list[list[int]], max_tokens: 
                dtype: str) -> dict[str, Any]:
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.sampling import SamplingParams
-    from eagle3.train.trainer import kv_blocks
+    from eagle3.train.acceptance import kv_blocks
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     blocks = kv_blocks(prompts, max_tokens, k)

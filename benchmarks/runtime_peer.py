@@ -98,7 +98,7 @@ class Eagle3Runs:
         if cfg not in self.engines:
             from eagle3.runtime.engine.llm import LLM
             from eagle3.runtime.sampling import SamplingParams
-            from eagle3.train.trainer import kv_blocks
+            from eagle3.train.acceptance import kv_blocks
 
             k = _k_of(cfg, self.max_k)
             opts: dict[str, Any] = {"dtype": self.dtype, "tokenizer": None, "backend": self.backend,

@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -279,11 +279,25 @@ class Client:
             raise ServerError(f"{self.base_url}/v1/completions: a response without choices")
         return choices[0]
 
-    def run(self, coros: Callable[[Any, asyncio.Semaphore], Sequence[Any]]) -> list[Any]:
+    def map(self, fn: Callable[[Any, Any], Awaitable[Any]], items: Sequence[Any],
+            progress: Callable[[int, int], None] | None = None) -> list[Any]:
+        """``await fn(http, item)`` for every item, at most ``concurrency`` at once; results in item
+        order; ``progress(done, total)`` after each."""
         async def main() -> list[Any]:
             sem = asyncio.Semaphore(self.concurrency)
-            async with self._http() as client:
-                return list(await asyncio.gather(*coros(client, sem)))
+            done = 0
+
+            async def one(http: Any, item: Any) -> Any:
+                nonlocal done
+                async with sem:
+                    out = await fn(http, item)
+                done += 1
+                if progress is not None:
+                    progress(done, len(items))
+                return out
+
+            async with self._http() as http:
+                return list(await asyncio.gather(*(one(http, it) for it in items)))
 
         return asyncio.run(main())
 
@@ -317,26 +331,17 @@ def record(client: Client, items: Sequence[PromptItem], n: int,
            progress: Callable[[int, int], None] | None = None) -> list[list[RefItem]]:
     """The source's greedy continuation of every turn of every item with its top-``n`` per
     position; per item, per turn (a turn after the first carries the source's earlier answers)."""
-    done = [0]
+    async def one(http: Any, item: PromptItem) -> list[RefItem]:
+        out: list[RefItem] = []
+        for turn in range(item.num_turns):
+            tp = turn_prompt(item, [r.text for r in out])
+            ids = await client.prompt_ids(http, tp)
+            body = client.completion_body(ids, n, max_tokens=item.max_tokens, stop=list(item.stop))
+            choice = await client.complete(http, body)
+            out.append(_recorded(choice, item, turn, ids, f"{client.base_url} ({item.id}, turn {turn + 1})"))
+        return out
 
-    def coros(http: Any, sem: asyncio.Semaphore) -> list[Any]:
-        async def one(item: PromptItem) -> list[RefItem]:
-            out: list[RefItem] = []
-            async with sem:
-                for turn in range(item.num_turns):
-                    tp = turn_prompt(item, [r.text for r in out])
-                    ids = await client.prompt_ids(http, tp)
-                    body = client.completion_body(ids, n, max_tokens=item.max_tokens, stop=list(item.stop))
-                    choice = await client.complete(http, body)
-                    out.append(_recorded(choice, item, turn, ids, f"{client.base_url} ({item.id}, turn {turn + 1})"))
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], len(items))
-            return out
-
-        return [one(it) for it in items]
-
-    return client.run(coros)
+    return client.map(one, items, progress)
 
 
 def _recorded(choice: dict[str, Any], item: PromptItem, turn: int, ids: list[int], where: str) -> RefItem:
@@ -399,15 +404,7 @@ def check_tokenizer(client: Client, items: Sequence[PromptItem], refs: Sequence[
     and positions would not line up); later turns with the source's earlier answers."""
     pairs = [(turn_prompt(it, [r.text for r in rs[:t]]), rs[t]) for it, rs in zip(items, refs, strict=True)
              for t in range(len(rs))]
-
-    def coros(http: Any, sem: asyncio.Semaphore) -> list[Any]:
-        async def one(tp: TurnPrompt) -> list[int]:
-            async with sem:
-                return await client.prompt_ids(http, tp)
-
-        return [one(tp) for tp, _ in pairs]
-
-    for ids, (_, r) in zip(client.run(coros), pairs, strict=True):
+    for ids, (_, r) in zip(client.map(client.prompt_ids, [tp for tp, _ in pairs]), pairs, strict=True):
         if ids != r.prompt_ids:
             at = next((i for i, (a, b) in enumerate(zip(ids, r.prompt_ids, strict=False)) if a != b),
                       min(len(ids), len(r.prompt_ids)))
@@ -420,27 +417,17 @@ def check_tokenizer(client: Client, items: Sequence[PromptItem], refs: Sequence[
 def teacher_force(client: Client, refs: Sequence[RefItem], n: int, token_ids: bool = True,
                   progress: Callable[[int, int], None] | None = None) -> list[list[dict[Any, float]]]:
     """The served model's top-``n`` at every recorded position, under the source's context."""
-    done = [0]
+    async def one(http: Any, r: RefItem) -> list[dict[Any, float]]:
+        if not r.tokens:
+            return []
+        if not all(isinstance(t, int) for t in r.tokens):
+            raise ReferenceError(f"the reference's {r.workload} prompt {r.id} has token texts, not ids: "
+                                 f"it cannot be sent back as a token-id prompt")
+        body = client.completion_body(r.prompt_ids + list(r.tokens), n, max_tokens=1, echo=True)
+        choice = await client.complete(http, body)
+        return _forced(choice, r, n, token_ids, f"{client.base_url} ({r.workload} {r.id})")
 
-    def coros(http: Any, sem: asyncio.Semaphore) -> list[Any]:
-        async def one(r: RefItem) -> list[dict[Any, float]]:
-            if not r.tokens:
-                return []
-            if not all(isinstance(t, int) for t in r.tokens):
-                raise ReferenceError(f"the reference's {r.workload} prompt {r.id} has token texts, not ids: "
-                                     f"it cannot be sent back as a token-id prompt")
-            async with sem:
-                body = client.completion_body(r.prompt_ids + list(r.tokens), n, max_tokens=1, echo=True)
-                choice = await client.complete(http, body)
-            out = _forced(choice, r, n, token_ids, f"{client.base_url} ({r.workload} {r.id})")
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], len(refs))
-            return out
-
-        return [one(r) for r in refs]
-
-    return client.run(coros)
+    return client.map(one, refs, progress)
 
 
 def _forced(choice: dict[str, Any], r: RefItem, n: int, token_ids: bool, where: str) -> list[dict[Any, float]]:

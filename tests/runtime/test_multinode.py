@@ -131,8 +131,8 @@ def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None
     data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     port = free_port()
-    flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "4", "--max-tokens",
-             "16", "--concurrency", "4", "--dataset", str(data)]
+    flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "4", "--num-fewshot",
+             "1", "--max-tokens", "16", "--concurrency", "4", "--dataset", str(data)]
     target = tiny_dir / "kimi-k2.5"
     log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
     with _node(_serve_argv(target, 1, port, *flags), log1) as node1, \

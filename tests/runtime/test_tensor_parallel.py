@@ -250,14 +250,13 @@ def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
     from tests.validate import lmeval
 
     repo = Path(__file__).resolve().parents[2]
-    # shared/ beside the clone (lmeval's place), or beside the worktrees' parent for a worktree
     data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(repo))
     r = subprocess.run([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft",
                         str(tiny_dir / "kimi-k2.5-eagle3"), "--tensor-parallel-size", "2", "--dtype", "float32",
-                        "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", "--concurrency", "4",
-                        "--dataset", str(data), "--report", str(report)],
+                        "--validate", "gsm8k", "--limit", "4", "--num-fewshot", "1", "--max-tokens", "16",
+                        "--concurrency", "4", "--dataset", str(data), "--report", str(report)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(report.read_text())

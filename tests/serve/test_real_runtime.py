@@ -21,7 +21,7 @@ from eagle3.cli import main
 from tests.serve.servers import serve_cli
 from tests.validate import lmeval
 
-LIMIT, MAX_TOKENS = 8, 12
+LIMIT, MAX_TOKENS = 4, 12
 
 # A hang fails in minutes, not at the suite's 10-minute limit (the first test also pays for the
 # server's start-up: the fixture counts towards it).

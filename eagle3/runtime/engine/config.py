@@ -283,3 +283,21 @@ def engine_flags() -> list[tuple[dataclasses.Field[Any], Flag]]:
 def flag_name(f: dataclasses.Field[Any]) -> str:
     """The option of a flag field: ``--kernel-backend`` for ``backend``, else ``--`` + the name in dashes."""
     return f.metadata["flag"].name or "--" + f.name.replace("_", "-")
+
+
+class SpecShape:
+    """``k`` and ``tree`` of an object that holds ``config`` and ``draft`` (the LLM, its ModelRunner):
+    read from the one config, never stored beside it; 0 / None without a draft."""
+
+    config: EngineConfig
+    draft: Any
+
+    @property
+    def k(self) -> int:
+        """Draft tokens a step may verify: the config's k (auto: its ceiling); 0 without a draft."""
+        return self.config.max_k if self.draft is not None else 0
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """(topk, tree nodes with the root) when drafting trees (the config's), else None."""
+        return self.config.tree if self.draft is not None else None

@@ -53,7 +53,7 @@ from eagle3.errors import UsageError
 from eagle3.runtime import kv_cache
 from eagle3.runtime.engine import graphs
 from eagle3.runtime.engine.block_manager import BlockManager
-from eagle3.runtime.engine.config import EngineConfig
+from eagle3.runtime.engine.config import EngineConfig, SpecShape
 from eagle3.runtime.engine.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 from eagle3.runtime.engine.scheduler import Scheduler, fail
 from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
@@ -100,7 +100,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-class LLM:
+class LLM(SpecShape):
     """Target (+ optional EAGLE-3 draft) with a paged KV cache and continuous batching.
 
     ``target`` / ``draft`` are checkpoint directories (any format the loader reads) or already
@@ -194,16 +194,6 @@ class LLM:
         # generate()'s requests, and their final outputs filed by whichever thread stepped them
         self._collect: set[str] = set()
         self._results: dict[str, RequestOutput] = {}
-
-    @property
-    def k(self) -> int:
-        """Draft tokens a step may verify: the config's k (auto: its ceiling); 0 without a draft."""
-        return self.config.max_k if self.draft is not None else 0
-
-    @property
-    def tree(self) -> tuple[int, int] | None:
-        """(topk, tree nodes with the root) when drafting trees (the config's), else None."""
-        return self.config.tree if self.draft is not None else None
 
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:

@@ -24,7 +24,7 @@ import torch
 
 from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata, TreeMask
-from eagle3.runtime.engine.config import EngineConfig
+from eagle3.runtime.engine.config import EngineConfig, SpecShape
 from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
@@ -151,7 +151,7 @@ class StepOutput:
         return out
 
 
-class ModelRunner:
+class ModelRunner(SpecShape):
     """``config``: the engine's one :class:`EngineConfig` (k, the draft tree, block size, batch size,
     draft sampling), read where it is used. ``num_blocks``, ``max_model_len`` and ``device`` are what
     ``LLM`` resolved from it (the cache sized to memory, the context fitted to the cache, the rank's
@@ -211,16 +211,6 @@ class ModelRunner:
         if draft is not None:
             tree_drafting = TreeDrafting(config, self.forward_draft_tree) if self.tree is not None else None
             self.proposer = EagleProposer(draft, config, self.forward_draft, generator, tree_drafting)
-
-    @property
-    def k(self) -> int:
-        """Draft tokens a step may verify: the config's k (auto: its ceiling); 0 without a draft."""
-        return self.config.max_k if self.draft is not None else 0
-
-    @property
-    def tree(self) -> tuple[int, int] | None:
-        """(topk, tree nodes with the root) when drafting trees (the config's), else None."""
-        return self.config.tree if self.draft is not None else None
 
     @property
     def block_size(self) -> int:
