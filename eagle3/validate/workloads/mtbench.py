@@ -18,11 +18,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from eagle3.errors import UsageError
 from eagle3.validate.workloads.base import Item, LoadOptions, Workload
 
 NAME = "mtbench"
@@ -36,21 +34,16 @@ def question_file() -> Path:
     return Path(str(resources.files("eagle3.validate") / "data" / "mtbench" / "question.jsonl"))
 
 
+def _question_ok(row: Any) -> bool:
+    return (isinstance(row, dict) and isinstance(row.get("turns"), list) and bool(row["turns"])
+            and all(isinstance(t, str) for t in row["turns"]) and isinstance(row.get("category"), str))
+
+
 def read_questions(path: Path | None = None) -> list[dict[str, Any]]:
-    path = path or question_file()
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{path}:{n}: not JSON ({err.msg})") from err
-        if not (isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]
-                and all(isinstance(t, str) for t in row["turns"]) and isinstance(row.get("category"), str)):
-            raise UsageError(f"{path}:{n}: expected 'question_id', 'category' and 'turns' (a list of strings)")
-        rows.append(row)
-    return rows
+    from eagle3.validate.gsm8k import read_jsonl
+
+    return read_jsonl(path or question_file(), _question_ok,
+                      "'question_id', 'category' and 'turns' (a list of strings)")
 
 
 def load(opts: LoadOptions) -> Workload:
