@@ -276,9 +276,10 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
     require_valid_pair(target, draft)  # before the data set is read and anything is printed
     if source is not None:
         require_valid_pair(source, draft)
+    vopts.source = source
+    prep = validate.prepare(vopts)  # --record-reference (where the source's recording is kept) checked too
     keep = vopts.record_reference
     vopts.record_reference = None  # serve records only as part of --reference SRC_DIR here
-    prep = validate.prepare(vopts)
     vopts.api_key = api_key
     meta = {"target": str(target), "draft": None if draft is None else str(draft),
             "num_speculative_tokens": eopts.num_speculative_tokens if draft is not None else 0,

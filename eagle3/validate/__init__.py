@@ -48,6 +48,7 @@ class ValidateOptions:
     # pass 2 reads reference; logprobs is N (pass 1: default 20; pass 2: the reference's).
     record_reference: Path | None = None
     reference: Path | None = None
+    source: Path | None = None  # serve --reference SRC_DIR: recorded in this run, then compared
     logprobs: int | None = None
     tokenizer: Path | None = None  # prompts tokenized here instead of by the server's /tokenize
     max_kld: float | None = None  # None: the defaults of reference.Thresholds
@@ -115,7 +116,7 @@ class ValidateOptions:
                              "runs; give one")
         if self.logprobs is not None and not 1 <= self.logprobs <= 100:
             raise UsageError(f"--logprobs must be in 1..100, got {self.logprobs}")
-        compare = self.reference is not None
+        compare = self.reference is not None or self.source is not None
         given = [f for f, v in (("--max-kld", self.max_kld), ("--min-top1", self.min_top1),
                                 ("--max-flips", self.max_flips)) if v is not None]
         if given and not compare:

@@ -295,3 +295,26 @@ def test_a_draft_that_accepts_less_on_the_served_model_gets_the_adapt_command() 
     assert out["notes"][0].startswith("gsm8k: the draft's mean accept length is 3.9% below the source's")
     assert out["notes"][0].endswith("eagle3 train-draft Q OUT --init-from D --adapt")
     assert out["workloads"]["mtbench"]["acceptance"]["accept_length_change"] == pytest.approx(-0.012)
+
+
+def test_serve_reference_src_dir_takes_thresholds_and_checks_where_the_recording_goes(
+        tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --validate --reference SRC_DIR``: the thresholds and --logprobs go with it, and
+    --record-reference is an output like any other (never over a file without --overwrite, never
+    inside the source), refused before a model is loaded."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_dir / "kimi-k2.5", source)
+    config = (source / "config.json").read_bytes()
+    existing = tmp_path / "kept.jsonl.gz"
+    existing.write_bytes(b"not eagle3's")
+    serve = ["serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k",
+             "--limit", "1", "--reference", str(source), "--max-kld", "0.1", "--logprobs", "5"]
+    for extra, msg in (([str(existing)], "exists; pass --overwrite"),
+                       ([str(source / "config.json"), "--overwrite"], str(source))):
+        with pytest.raises(SystemExit) as e:
+            main([*serve, "--record-reference", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and "loading" not in err, err
+    assert existing.read_bytes() == b"not eagle3's" and (source / "config.json").read_bytes() == config
