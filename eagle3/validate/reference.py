@@ -176,6 +176,9 @@ def read(path: Path) -> Reference:
         raise ReferenceError(f"{path}: reference format version {header.get('version')!r}; this eagle3 reads {VERSION}")
     if not isinstance(header.get("logprobs"), int) or header["logprobs"] < 1:
         raise ReferenceError(f"{path}:1: field 'logprobs' must be a positive integer")
+    acceptance = header.get("acceptance", {})
+    if not isinstance(acceptance, dict) or not all(v is None or isinstance(v, dict) for v in acceptance.values()):
+        raise ReferenceError(f"{path}:1: field 'acceptance' must be an object of per-workload counters")
     if header.get("items") != len(rows) - 1:
         raise ReferenceError(f"{path}: header says {header.get('items')} prompts, the file has {len(rows) - 1} "
                              f"(truncated?)")
@@ -189,6 +192,10 @@ def _item(path: Path, n: int, row: Any) -> RefItem:
     for name, typ in _ITEM_FIELDS.items():
         if not isinstance(row.get(name), typ):
             raise ReferenceError(f"{path}:{n}: field {name!r} must be a {typ.__name__}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in row["prompt_ids"]):
+        raise ReferenceError(f"{path}:{n}: field 'prompt_ids' must be a list of token ids (integers >= 0)")
+    if not all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in row["tokens"]):
+        raise ReferenceError(f"{path}:{n}: field 'tokens' must be a list of token ids or token texts")
     if len(row["top"]) != len(row["tokens"]):
         raise ReferenceError(f"{path}:{n}: {len(row['tokens'])} tokens but {len(row['top'])} top-logprob entries")
     try:
@@ -196,7 +203,7 @@ def _item(path: Path, n: int, row: Any) -> RefItem:
     except (TypeError, ValueError) as err:
         raise ReferenceError(f"{path}:{n}: field 'top' must be lists of [token, logprob] pairs") from err
     return RefItem(row["workload"], row["id"], row["turn"], row.get("category"), row["prompt_sha256"],
-                   [int(t) for t in row["prompt_ids"]], list(row["tokens"]), top, row["text"],
+                   list(row["prompt_ids"]), list(row["tokens"]), top, row["text"],
                    row.get("finish_reason"))
 
 

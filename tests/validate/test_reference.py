@@ -143,8 +143,14 @@ def test_damaged_reference_files(recorded: Path, plain_server: Any, tmp_path: Pa
     bad_field = _rewrite(recorded, tmp_path / "bad.jsonl.gz",
                          lambda lines: [lines[0], lines[1].replace('"tokens": [', '"tokens": "x", "_": ['), *lines[2:]])
     other = _rewrite(recorded, tmp_path / "other.jsonl.gz", lambda lines: ['{"format": "something"}', *lines[1:]])
+    bad_ids = _rewrite(recorded, tmp_path / "ids.jsonl.gz",
+                       lambda lines: [lines[0], lines[1].replace('"prompt_ids": [', '"prompt_ids": ["a", '), *lines[2:]])
+    bad_acc = _rewrite(recorded, tmp_path / "acc.jsonl.gz",
+                       lambda lines: [lines[0].replace('"acceptance": {', '"acceptance": {"x": [1], '), *lines[1:]])
     for path, msg in ((not_gzip, "not a reference file eagle3 wrote"), (truncated, "truncated"),
                       (bad_field, f"{bad_field}:2: field 'tokens' must be a list"),
+                      (bad_ids, f"{bad_ids}:2: field 'prompt_ids' must be a list of token ids"),
+                      (bad_acc, f"{bad_acc}:1: field 'acceptance'"),
                       (other, "not an eagle3 reference"), (tmp_path / "missing.gz", "no such file")):
         code, _, err = _run(["--base-url", plain_server[0], *COMMON, "--reference", str(path)], capsys)
         assert code == 2 and msg in err, (path, err)
