@@ -8,7 +8,6 @@ one more :class:`Panel` in the list, drawn from its own key of the report; the f
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,9 +158,9 @@ def plot(report: dict[str, Any], path: Path, panels: Sequence[Panel] | None = No
         panel.draw(ax, report)
     fig.suptitle(title(report))
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    from eagle3.validate.report import write_aside
+
+    try:
+        write_aside(Path(path), lambda tmp: fig.savefig(tmp, dpi=100), suffix=".partial.png")
+    finally:
+        plt.close(fig)

@@ -28,7 +28,6 @@ import asyncio
 import gzip
 import hashlib
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -137,16 +136,17 @@ def _encode_top(top: dict[Any, float]) -> list[list[Any]]:
 
 def write(path: Path, ref: Reference) -> None:
     """Gzipped JSON lines (header first, one line per prompt), written aside and renamed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        f.write(json.dumps(dict(ref.header, items=len(ref.items))) + "\n")
-        for it in ref.items:
-            row = asdict(it)
-            row["top"] = [_encode_top(t) for t in it.top]
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    from eagle3.validate.report import strict_json, write_aside
+
+    def lines(tmp: Path) -> None:
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            f.write(json.dumps(strict_json(dict(ref.header, items=len(ref.items))), allow_nan=False) + "\n")
+            for it in ref.items:
+                row = asdict(it)
+                row["top"] = [_encode_top(t) for t in it.top]
+                f.write(json.dumps(row) + "\n")
+
+    write_aside(Path(path), lines)
 
 
 _ITEM_FIELDS = {"workload": str, "id": str, "turn": int, "prompt_sha256": str, "prompt_ids": list, "tokens": list,

@@ -71,3 +71,33 @@ def test_bench_report_inside_an_input(tiny_dir: Path, data: Path, capsys: pytest
     assert "report lies inside the input" in err
     err = _error(capsys, ["bench", "--base-url", DEAD, "--report", str(data)])
     assert "names a directory" in err
+
+
+def test_report_and_reference_writes_are_strict_json_and_leave_nothing_on_failure(tmp_path: Path) -> None:
+    """Written aside and renamed; NaN (lm-eval's stderr of one sample) is null, as strict parsers
+    need; an unwritable path or a full disk is one line naming the file, with no '.partial' left."""
+    import errno
+    import json
+
+    from eagle3.errors import OutputError
+    from eagle3.validate import reference as refmod
+    from eagle3.validate.report import write_aside, write_json_atomic
+
+    report = tmp_path / "r.json"
+    write_json_atomic(report, {"stderr": float("nan"), "x": [float("inf"), 1.0]})
+    assert json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(c)) == {"stderr": None,
+                                                                                          "x": [None, 1.0]}
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    ref = refmod.Reference({"format": refmod.FORMAT, "version": refmod.VERSION, "logprobs": 2})
+    for write in (lambda p: write_json_atomic(p, {}), lambda p: refmod.write(p, ref)):
+        with pytest.raises(OutputError, match=f"while writing {blocker / 'out'}$"):
+            write(blocker / "out")
+
+    def full_disk(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match="no space left on device while writing"):
+        write_aside(tmp_path / "full.json", full_disk)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "r.json"]
