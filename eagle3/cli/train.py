@@ -50,10 +50,11 @@ def train_draft(
 ) -> None:
     """Train an EAGLE-3 / 3.1 draft against TARGET with the runtime's own target model as teacher.
 
-    Example: eagle3 train-draft ./tiny/kimi-k2.5 ./draft --data gsm8k --dataset ./gsm8k --regenerate --steps 300
+    Examples:
 
+    \b
+    eagle3 train-draft ./tiny/kimi-k2.5 ./draft --data gsm8k --regenerate --steps 300
     eagle3 train-draft ./Kimi-K2.5 ./draft-mla --arch mla --eagle31 --aux-layer-ids 2,30,58 --draft-vocab-size 32000
-
     eagle3 train-draft ./Kimi-K2.5-MXFP4 ./draft-mxfp4 --init-from ./kimi-k2.5-eagle3 --adapt
 
     Writes OUT (convertible with eagle3 convert --engine vllm|sglang|atom|speculators), OUT/train_report.json
