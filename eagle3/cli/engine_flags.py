@@ -40,8 +40,10 @@ def flag_message(message: str) -> str:
     ``node_rank=3`` -> ``--node-rank 3``, ``'auto'`` -> ``auto``."""
     for f, _ in engine_flags():
         name = flag_name(f)
-        message = re.sub(rf"\b{f.name}=", name + " ", message)
-        message = re.sub(rf"\b{f.name}\b(?: \({re.escape(name)}\))?", name, message)
+        # a whole name only: not the tail of another field or flag (dtype in kv_cache_dtype, --kv-cache-dtype)
+        word = rf"(?<![\w-]){f.name}"
+        message = re.sub(rf"{word}=", name + " ", message)
+        message = re.sub(rf"{word}(?![\w-])(?: \({re.escape(name)}\))?", name, message)
     return message.replace("'auto'", AUTO)
 
 
