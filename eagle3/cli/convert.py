@@ -116,7 +116,17 @@ def quantize(
     from eagle3.quantize.acceptance import AcceptanceCheck
 
     measure = None
-    if target is not None:
+    if target is None:
+        d = AcceptanceCheck(Path())  # its defaults are the options'
+        given = [flag for flag, v, default in (("--eval-prompts", eval_prompts, d.prompts),
+                                               ("--eval-tokens", eval_tokens, d.tokens), ("--eval-k", eval_k, d.k),
+                                               ("--eval-fewshot", eval_fewshot, d.fewshot),
+                                               ("--device", device, d.device)) if v != default]
+        if given:
+            from eagle3.errors import UsageError
+
+            raise UsageError(f"{', '.join(given)} go with --target (the draft's acceptance beside it)")
+    else:
         measure = AcceptanceCheck(target, eval_prompts, eval_tokens, eval_k, eval_fewshot, device=device,
                                   progress=not quiet and not json_out and sys.stderr.isatty())
         measure.check()

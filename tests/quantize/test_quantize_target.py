@@ -38,7 +38,9 @@ def test_target_errors(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
     cases = [(["quantize", str(tiny_dir / "kimi-k2.5"), str(tmp_path / "a"), "--recipe", "mxfp4", "--scope", "experts",
                "--target", str(tiny_dir / "kimi-k2.5")], "not an EAGLE draft"),
              (["quantize", str(tiny_dir / "kimi-k2.5-eagle3"), str(tmp_path / "b"), "--recipe", "int4-draft",
-               "--target", str(tmp_path / "missing")], "not a checkpoint directory")]
+               "--target", str(tmp_path / "missing")], "not a checkpoint directory"),
+             (["quantize", str(tiny_dir / "kimi-k2.5-eagle3"), str(tmp_path / "c"), "--recipe", "int4-draft", *EVAL],
+              "--eval-prompts, --eval-tokens, --eval-fewshot go with --target")]
     for args, want in cases:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
