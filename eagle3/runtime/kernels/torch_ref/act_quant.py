@@ -24,11 +24,19 @@ if TYPE_CHECKING:  # pragma: no cover
 INT8_MAX = 127.0
 
 
+def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``amax / qmax`` (1 for an all-zero row) with IEEE division on every device. The divisor is a
+    tensor on ``amax``'s device on purpose: for ``tensor / python_scalar`` PyTorch's CUDA kernel
+    computes ``tensor * (1 / scalar)`` (BinaryDivTrueKernel.cu, "may lose one bit of precision"),
+    which differs by an ulp from the CPU's true division and from the Triton kernel's ``div_rn``."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+
+
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``scale = amax / 127``, ``q = round_half_even(x / scale)``."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    scale = _scale(amax, INT8_MAX)
     q = torch.round(xf / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -37,7 +45,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Per-row FP8 E4M3: ``scale = amax / 448`` (codecs.fp8_quantize saturates and rounds)."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / codecs.FP8_E4M3_MAX, torch.ones_like(amax))
+    scale = _scale(amax, codecs.FP8_E4M3_MAX)
     return codecs.fp8_quantize(xf, scale[:, None]), scale
 
 
