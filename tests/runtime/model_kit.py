@@ -15,12 +15,14 @@ from eagle3.runtime.interfaces import allocate_kv_cache
 class PagedKV:
     """Per-sequence block tables over one pool; ``step`` schedules ``{seq: tokens}`` and returns
     (input_ids, meta). Physical blocks are handed out in a shuffled order so that any confusion
-    between logical and physical blocks shows up."""
+    between logical and physical blocks shows up. Caches, ids and metadata live on the model's
+    device (the backend's: a model loaded onto a GPU runs there)."""
 
     def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0, num_layers: int | None = None):
-        shape, dtype = model.kv_cache_spec()
+        self.device = model.backend.device
         self.block_size = block_size
-        self.caches = allocate_kv_cache(model.kv_cache_spec(), num_layers or model.num_layers, num_blocks, block_size)
+        self.caches = allocate_kv_cache(model.kv_cache_spec(), num_layers or model.num_layers, num_blocks, block_size,
+                                        self.device)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[object, list[int]] = {}
@@ -47,12 +49,13 @@ class PagedKV:
         bt = torch.full((len(batch), width), -1, dtype=torch.int32)
         for b, sid in enumerate(batch):
             bt[b, : len(self.tables[sid])] = torch.tensor(self.tables[sid], dtype=torch.int32)
-        meta = AttnMetadata(positions=torch.tensor(pos, dtype=torch.int64),
-                            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-                            context_lens=torch.tensor(ctx, dtype=torch.int32),
-                            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                            block_tables=bt, block_size=self.block_size)
-        return torch.tensor(ids, dtype=torch.int64), meta
+        dev = self.device
+        meta = AttnMetadata(positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+                            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+                            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                            block_tables=bt.to(dev), block_size=self.block_size)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), meta
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ overwritten, then single-token decodes; every token's hidden state, aux states a
 bitwise those of its sequence run alone. Every Linear and MoE of the target runs the Triton GEMM /
 fused MoE kernels (asserted), attention the Triton MLA kernel.
 
-fp32 under the interpreter (its bf16 dot is wrong); the torch-backend test covers bf16."""
+fp32 (under the interpreter its bf16 dot is wrong; the torch-backend test covers bf16), on the GPU
+when there is one (the caches and metadata follow the model's device), else interpreted."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from tests.runtime.test_models_target import _schedule, _seqs, quantized  # noqa
 
 
 @pytest.mark.parametrize("fmt", ["int4-w4a16", "w4a8-int8"])
-def test_batch_invariance_on_triton(tiny_dir, quantized, fmt: str) -> None:  # noqa: F811
+def test_batch_invariance_on_triton(tiny_dir, quantized, fmt: str, device: torch.device) -> None:  # noqa: F811
     if fmt == "int4-w4a16":
-        m = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32, backend="triton")
+        m = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32, device=device, backend="triton")
     else:
-        m = load_target(quantized["w4a8"], dtype=torch.float32, act_override="int8", backend="triton")
+        m = load_target(quantized["w4a8"], dtype=torch.float32, device=device, act_override="int8", backend="triton")
     ops = [getattr(mod, a) for mod in m.modules() for a in ("op", "experts") if hasattr(mod, a)]
     assert any(isinstance(op, TritonMoE) for op in ops) and any(isinstance(op, TritonLinear) for op in ops)
     _schedule(m, _seqs(), default_aux_layer_ids(m.num_layers))

@@ -129,7 +129,7 @@ def test_graph_metadata_gives_the_eager_bits(device: torch.device, hkv: int, g: 
     assert torch.equal(got, want)
 
 
-def test_graph_metadata_reads_no_device_value() -> None:
+def test_graph_metadata_reads_no_device_value(device: torch.device) -> None:
     """A capture may not copy a device value to the host: with every tensor of the metadata on
     the ``meta`` device (no values at all) the plan of a graph's tree step still builds."""
     bt = _Batch(ctx=[30, 12], pre=[0, 0], trees=[_random_tree(17, k=2, steps=3, n=6), _random_tree(18, n=6)],
@@ -139,10 +139,10 @@ def test_graph_metadata_reads_no_device_value() -> None:
     meta = AttnMetadata(meta.positions.to(dev), meta.cu_seqlens_q.to(dev), meta.context_lens.to(dev),
                         meta.slot_mapping.to(dev), meta.block_tables.to(dev), meta.block_size, host_cu=meta.host_cu,
                         cache={}, tree=TreeMask(meta.tree.num_nodes, meta.tree.ancestors.to(dev)))
-    plan = get_backend("triton", torch.device("cpu")).plan_attention(meta)
+    plan = get_backend("triton", device).plan_attention(meta)
     assert plan.tree is not None and plan.tree[1].device == dev
     assert plan.chunks(2).shape[0] == 12 and plan.order(2).device == dev  # one chunk per tree query
     with pytest.raises(NotImplementedError):  # what an eager plan does here (it reads the paths back)
-        get_backend("triton", torch.device("cpu")).plan_attention(
+        get_backend("triton", device).plan_attention(
             AttnMetadata(meta.positions, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping, meta.block_tables,
                          meta.block_size, host_cu=meta.host_cu, tree=meta.tree))
