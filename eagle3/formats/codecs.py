@@ -53,6 +53,29 @@ _QUARK_SLOT_OF = (0, 4, 1, 5, 2, 6, 3, 7)
 # does the reorder for free (no gather over the tensor).
 _SHIFTS_NATURAL = tuple(4 * j for j in range(8))
 _SHIFTS_REORDER = tuple(4 * j for j in _QUARK_SLOT_OF)
+_SHIFT_TENSORS = {s: torch.tensor(s, dtype=torch.int32) for s in (_SHIFTS_NATURAL, _SHIFTS_REORDER)}
+
+
+_DEVICE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level constant ``table`` (a lookup table, the nibble shifts) on ``device``: copied
+    there once and kept, not per call (a copy from pageable host memory per call costs a host
+    sync, and is refused while a CUDA graph is being captured). The CPU gets the table itself."""
+    if device.type == "cpu":
+        return table
+    key = (id(table), device)
+    got = _DEVICE_TABLES.get(key)
+    if got is None:
+        got = _DEVICE_TABLES[key] = table.to(device)
+    return got
+
+
+def _shifts(shifts: tuple[int, ...]) -> torch.Tensor:
+    """The nibble shifts as an int32 tensor (the two layouts' kept as constants, see :func:`on_device`)."""
+    kept = _SHIFT_TENSORS.get(shifts)
+    return kept if kept is not None else torch.tensor(shifts, dtype=torch.int32)
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -70,7 +93,7 @@ def _pack_nibbles(u: torch.Tensor, shifts: tuple[int, ...] = _SHIFTS_NATURAL) ->
     u = u.reshape(*u.shape[:-1], -1, 8)
     # The fields do not overlap, so their int32 sum is their bitwise OR; the nibble shifted to bits
     # 28..31 wraps to the negative int32 with the right bit pattern (torch shifts as unsigned).
-    sh = torch.tensor(shifts, dtype=torch.int32, device=u.device)
+    sh = on_device(_shifts(shifts), u.device)
     return (u << sh).sum(-1, dtype=torch.int32)
 
 
@@ -78,7 +101,7 @@ def _unpack_nibbles(words: torch.Tensor, shifts: tuple[int, ...] = _SHIFTS_NATUR
     """int32 [..., W] -> int32 values 0..15 [..., 8W] (inverse of :func:`_pack_nibbles`)."""
     if words.dtype != torch.int32:
         raise ShapeError(f"packed INT4 tensor must be int32, got {words.dtype}")
-    sh = torch.tensor(shifts, dtype=torch.int32, device=words.device)
+    sh = on_device(_shifts(shifts), words.device)
     u = (words.unsqueeze(-1) >> sh) & 0xF  # arithmetic shift; the mask drops the sign copies
     return u.reshape(*words.shape[:-1], -1)
 
@@ -143,7 +166,7 @@ def ct_int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[i
         # One table lookup per byte gives both of its codes as fp32 ``q - 8`` (read as one int64):
         # unpack, convert and offset in one pass, ~2x faster than the nibble unpack below.
         b = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-        q = _CT_PAIR_LUT_I64.to(packed.device).index_select(0, b).view(torch.float32).view(n, -1)
+        q = on_device(_CT_PAIR_LUT_I64, packed.device).index_select(0, b).view(torch.float32).view(n, -1)
         q = (q if q.shape[1] == k else q[:, :k].contiguous()).reshape(n, -1, g)
     else:
         q = _unpack_nibbles_natural_u8(packed)[:, :k].to(compute).sub_(8).reshape(n, -1, g)
@@ -358,7 +381,7 @@ def _fp8_e4m3_to_float32(x8: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn -> fp32, the same bits as ``x8.to(torch.float32)``: a 256-entry table lookup,
     ~4x faster than torch's element-wise FP8 cast on CPU (the W4A8 stage-2 hot spot)."""
     idx = x8.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    return _FP8_E4M3_LUT.to(x8.device).index_select(0, idx).reshape(x8.shape)
+    return on_device(_FP8_E4M3_LUT, x8.device).index_select(0, idx).reshape(x8.shape)
 
 
 def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
@@ -510,7 +533,7 @@ def _w4a8_stage2_f32(x8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     like their 7 low bits (0x7F, NaN, cannot occur after the +-448 clamp)."""
     b = x8.view(torch.uint8)
     n, k = b.shape
-    lut = _FP8_E4M3_LUT.to(b.device)
+    lut = on_device(_FP8_E4M3_LUT, b.device)
     amax = lut.index_select(0, b.bitwise_and(0x7F).amax(dim=1).to(torch.int32))
     scale = _quark_int4_scale(amax)
     table = _quark_int4_round(lut[None, :], scale[:, None])  # [n, 256] int8
@@ -562,7 +585,7 @@ def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes -> float32 values."""
-    return _E2M1_LUT.to(codes.device)[codes.long()]
+    return on_device(_E2M1_LUT, codes.device)[codes.long()]
 
 
 def fp4_encode(x: torch.Tensor) -> torch.Tensor:
@@ -615,7 +638,7 @@ _E8M0_LUT = torch.where(torch.arange(256) == 255, float("nan"),
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     """E8M0 uint8 -> float32 ``2**(e-127)``; 255 is NaN."""
-    return _E8M0_LUT.to(e.device).index_select(0, e.reshape(-1).to(torch.int32)).reshape(e.shape)
+    return on_device(_E8M0_LUT, e.device).index_select(0, e.reshape(-1).to(torch.int32)).reshape(e.shape)
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -681,7 +704,7 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
     sticky = torch.bitwise_and(yi, 0xFFFFF).add_(0xFFFFF)
     idx = yi.bitwise_or_(sticky).bitwise_right_shift_(20).bitwise_and_(0xFFF)
     del sticky
-    codes = _FP4_X17_LUT.to(w.device).index_select(0, idx.reshape(-1))
+    codes = on_device(_FP4_X17_LUT, w.device).index_select(0, idx.reshape(-1))
     # Each table byte is code * 17 (the code in both nibbles). Read as little-endian int16 pairs
     # ``lo17 + 256 * hi17``, the low byte of ``pair >> 4`` is ``lo | hi << 4``: the packed byte.
     packed = codes.view(torch.int16).bitwise_right_shift_(4).to(torch.uint8)
@@ -696,7 +719,7 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise ShapeError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
     # One table lookup per byte gives both values (low nibble first): no unpack. The pair is read
     # as one int64 so the lookup is a flat index_select, ~2.5x faster than an embedding of pairs.
-    lut = _FP4_PAIR_LUT_I64.to(packed.device)
+    lut = on_device(_FP4_PAIR_LUT_I64, packed.device)
     vals = lut.index_select(0, packed.reshape(-1).to(torch.int32)).view(torch.float32)
     vals = vals.reshape(*packed.shape[:-1], -1)
     k = vals.shape[-1]

@@ -75,6 +75,19 @@ def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, num_blocks: int, block
             for _ in range(num_layers)]
 
 
+def model_device(model: object) -> torch.device:
+    """Where a loaded model computes: its kernel backend's device (the models keep their weights as
+    buffers, not parameters), else its first parameter's or buffer's, else the CPU. The engine and
+    the test helpers put the KV caches and the attention metadata there."""
+    dev = getattr(getattr(model, "backend", None), "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    for get in ("parameters", "buffers"):
+        for t in getattr(model, get, lambda: iter(()))():
+            return t.device
+    return torch.device("cpu")
+
+
 @runtime_checkable
 class TargetModel(Protocol):
     """DeepSeek-V3 / Kimi target (``eagle3.runtime.models.deepseek_v3.DeepseekV3Model``)."""
@@ -130,7 +143,8 @@ class DraftModel(Protocol):
         ...
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft vocab ids -> target vocab ids (``d + d2t[d]``; identity without ``d2t``)."""
+        """Draft vocab ids -> target vocab ids (``d + d2t[d]``; identity without ``d2t``), on the
+        device of ``draft_ids`` whichever device the map lives on."""
         ...
 
     def kv_cache_spec(self) -> KVCacheSpec:

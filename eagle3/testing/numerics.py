@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from eagle3.runtime.engine.model_runner import build_attn_metadata
-from eagle3.runtime.interfaces import allocate_kv_cache
+from eagle3.runtime.interfaces import allocate_kv_cache, model_device
 from eagle3.runtime.layers.moe import MoE
 
 # Logit tolerances between two implementations of the tiny models (|logits| < 8). bf16: 4 ulps at
@@ -137,7 +137,7 @@ def forced_logits(target: object, token_ids: Sequence[int], block_size: int = 4)
     n = len(token_ids)
     spec = target.kv_cache_spec()  # type: ignore[attr-defined]
     num_blocks = -(-n // block_size)
-    device = _device_of(target)
+    device = model_device(target)
     kv = allocate_kv_cache(spec, target.num_layers, num_blocks, block_size, device)  # type: ignore[attr-defined]
     meta = build_attn_metadata([list(range(num_blocks))], [0], [n], block_size, device)
     ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
@@ -146,15 +146,6 @@ def forced_logits(target: object, token_ids: Sequence[int], block_size: int = 4)
     rows = torch.arange(n, device=hidden.device)
     logits = at(hidden, rows) if at is not None else target.compute_logits(hidden)  # type: ignore[attr-defined]
     return logits.float().cpu()
-
-
-def _device_of(target: object) -> torch.device:
-    dev = getattr(target, "device", None)
-    if dev is not None:
-        return torch.device(dev)
-    for p in getattr(target, "parameters", lambda: iter(()))():
-        return p.device
-    return torch.device("cpu")
 
 
 def assert_generations_agree(ref_target: object, got_target: object, prompts: Sequence[Sequence[int]],

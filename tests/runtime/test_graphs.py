@@ -206,3 +206,47 @@ def test_real_graphs_equal_eager_on_the_gpu(tiny_dir: Path, backend: str, tree: 
     llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", **kw)
     assert llm.cuda_graphs
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    if backend == "triton":  # its steps capture: the tokens above came from replays, not a fallback
+        for g in (llm.runner.target_graphs, llm.runner.draft_graphs):
+            assert g is not None
+            assert g.failed is None and g.tree_failed is None and g.replays > 0, (g.failed, g.tree_failed, g.replays)
+
+
+class _AddressOnlyCapturer:
+    """Like a CUDA graph, the "replay" keeps no reference to what the captured function closes over
+    (the metadata, its cache): only the runner can keep those alive."""
+
+    def capture(self, fn):
+        fn()  # the warm-up fills the metadata's cache
+        out = fn()
+        return lambda: out
+
+
+def test_a_graph_keeps_the_tensors_it_reads_alive() -> None:
+    """A graph reads the tensors its warm-up left in ``AttnMetadata.cache`` (the Triton plan's chunk
+    lists) by address on every replay: the runner keeps its metadata, and the CUDA capturer the
+    captured function, for as long as the graph. (Freed after the capture, replays on the first GPU
+    run read reused memory: an illegal memory access.)"""
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+
+    def forward(static, meta):
+        if "chunks" not in meta.cache:
+            meta.cache["chunks"] = torch.arange(4)
+            made.append(weakref.ref(meta.cache["chunks"]))
+        return (static["input_ids"] * 2,)
+
+    runner = graphs.GraphRunner("t", forward, device=torch.device("cpu"), block_size=4, width=2, pad_block=9,
+                                max_num_seqs=2, max_q_len=1, capturer=_AddressOnlyCapturer())
+    runner.run([[0]], [1], 1, {"input_ids": torch.tensor([5])})
+    gc.collect()
+    assert len(made) == 1 and made[0]() is not None and runner.metas[(1, 1)].cache["chunks"] is made[0]()
+
+    fn = lambda: (torch.zeros(1),)  # noqa: E731
+    ref = weakref.ref(fn)
+    captured = graphs.CapturedGraph(type("G", (), {"replay": lambda self: None})(), fn(), fn)
+    del fn
+    gc.collect()
+    assert ref() is not None and captured()[0].shape == (1,)

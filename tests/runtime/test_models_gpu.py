@@ -1,15 +1,29 @@
-"""The torch reference on a GPU: the tiny target and a draft load onto CUDA/ROCm, agree with the
-CPU run, and stay batch invariant there too (cuBLAS picks kernels per shape like MKL does; the
-fixed-shape tiles must hold on the GPU as well). Skipped without a GPU."""
+"""The torch reference on a GPU: the tiny target and a draft load onto CUDA/ROCm and agree with the
+CPU run within rounding. Skipped without a GPU.
+
+What is claimed, and why not more: the reference is bit-exact and batch invariant on the CPU (MKL
+probed, tests/runtime/test_kernels_torch_ref.py); on a GPU cuBLAS picks its kernels by the batch
+count too, and the first GPU run (H200, fp32) saw a token's hidden state change with the batch
+composition. So on the GPU the rows of another composition agree within rounding; the bitwise
+promise on GPUs is the Triton backend's (tests/runtime/triton/test_triton_batch_invariance.py).
+fp32 GEMMs run in IEEE fp32 (TF32 off), so 1e-3 is a few hundred fp32 ulps. A bf16 token whose
+expert routing is a near tie (token 18 of this prompt: top-k margin 0.002 on the CPU) is routed
+differently by two implementations and its row differs by far more than rounding (the first GPU
+run: 1.68), so the GPU replays the CPU's routing (``RoutingTape``), and the other compositions
+replay the full forward's: rounding is compared, not a tie's coin flip."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.kernels.torch_ref import int8_linear
+from eagle3.runtime.layers.moe import MoE
 from eagle3.runtime.loader import load_draft, load_target
+from eagle3.testing.numerics import RoutingTape, _patched_routes
 from tests.runtime.model_kit import PagedKV
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -29,36 +43,71 @@ class _DevKV(PagedKV):
         return ids.cuda(), meta
 
 
+@contextmanager
+def _routed_as(model, tape: RoutingTape, rows, tokens):
+    """One forward of ``model`` in which rows ``rows`` take the recorded routing of tokens ``tokens``
+    (``tape``: one forward, its MoE layers in call order); the other rows route themselves."""
+    calls = iter(tape.routes)
+    rows, tokens = list(rows), list(tokens)
+
+    def hook(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, w = MoE.route(moe, x)
+        rec_ids, rec_w = next(calls)
+        ids[rows], w[rows] = rec_ids[tokens].to(x.device), rec_w[tokens].to(x.device)
+        return ids, w
+
+    with _patched_routes(model, hook):
+        yield
+
+
+@pytest.fixture
+def ieee_fp32():
+    """fp32 matmuls in IEEE fp32 (not TF32) for the test, whatever the process default."""
+    mm = torch.backends.cuda.matmul
+    if hasattr(mm, "fp32_precision"):
+        old = mm.fp32_precision
+        mm.fp32_precision = "ieee"
+        yield
+        mm.fp32_precision = old
+    else:
+        old = mm.allow_tf32
+        mm.allow_tf32 = False
+        yield
+        mm.allow_tf32 = old
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_matches_cpu_and_is_batch_invariant(tiny_dir, dtype: torch.dtype) -> None:
+def test_gpu_matches_cpu_within_rounding(tiny_dir, dtype: torch.dtype, ieee_fp32: None) -> None:
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(0, 768, (19,), generator=gen).tolist()
     b = torch.randint(0, 768, (7,), generator=gen).tolist()
     cpu = load_target(tiny_dir / "kimi-k2.5", dtype=dtype)
     gpu = load_target(tiny_dir / "kimi-k2.5", dtype=dtype, device="cuda")
     aux_ids = default_aux_layer_ids(gpu.num_layers)
+    tol = 1e-3 if dtype == torch.float32 else 0.1
     kv = PagedKV(cpu)
     x, meta = kv.step({"a": a})
-    with torch.no_grad():
+    tape = RoutingTape()
+    with torch.no_grad(), tape.record(cpu):
         ref, _ = cpu(x, meta, kv.caches, aux_ids)
     kv = _DevKV(gpu)
     x, meta = kv.step({"a": a})
-    with torch.no_grad():
+    with torch.no_grad(), tape.replay(gpu):
         full, full_aux = gpu(x, meta, kv.caches, aux_ids)
-    tol = 1e-3 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(full.float().cpu(), ref.float(), rtol=0, atol=tol)
-    # the same tokens in another batch composition: chunked with a second sequence, then decode
+    # the same tokens in another batch composition (chunked with a second sequence, then decode),
+    # the tokens of ``a`` routed as in the full forward: within rounding
     kv = _DevKV(gpu, seed=3)
     rows = []
     with torch.no_grad():
         x, meta = kv.step({"b": b, "a": a[:12]})
-        h, aux = gpu(x, meta, kv.caches, aux_ids)
-        rows.append((h[len(b):], aux[len(b):]))
-        for t in a[12:]:
-            x, meta = kv.step({"a": [t]})
-            rows.append(gpu(x, meta, kv.caches, aux_ids))
-    assert torch.equal(torch.cat([r[0] for r in rows]), full)
-    assert torch.equal(torch.cat([r[1] for r in rows]), full_aux)
+        with _routed_as(gpu, tape, range(len(b), len(b) + 12), range(12)):
+            rows.append(gpu(x, meta, kv.caches, aux_ids)[0][len(b):])
+        for i in range(12, len(a)):
+            x, meta = kv.step({"a": [a[i]]})
+            with _routed_as(gpu, tape, [0], [i]):
+                rows.append(gpu(x, meta, kv.caches, aux_ids)[0])
+    torch.testing.assert_close(torch.cat(rows).float().cpu(), full.float().cpu(), rtol=0, atol=tol)
     d = load_draft(tiny_dir / "kimi-k2.6-eagle3.1-mla", gpu)
     dkv = _DevKV(d, num_layers=1)
     x, meta = dkv.step({"a": a[1:]})

@@ -33,7 +33,12 @@ are constant for that key (``cu_seqlens_q`` = ``arange(B'+1) * n``, kept on the 
 ``AttnMetadata.host_cu``) plus views of the static buffers; the Triton attention plan keeps its
 chunk list (a function of ``cu`` only) in ``AttnMetadata.cache``, filled by the eager warm-up run
 and reused by the capture, and converts positions / block tables by device ops that the graph
-records. A backend whose ops sync with the host (the torch reference's MoE and attention schedule;
+records. A graph keeps no references to what it reads, so the runner keeps each graph's metadata
+(and the capturer the captured function) for as long as the graph: the chunk lists are made by the
+warm-up, outside the graph's memory pool, and were freed after the first GPU run's capture
+(replays then read reused memory). Constant tables a kernel reads (codecs' lookup tables) are
+copied to the device once per device and kept (``codecs.on_device``), never per call: a copy from
+pageable host memory is not allowed under capture. A backend whose ops sync with the host (the torch reference's MoE and attention schedule;
 not the Triton backend, whose fused MoE sizes its buffers by an upper bound) fails to capture: the runner then logs why once and runs
 that model eagerly from then on. Unverified without a GPU (this session had none): the capture
 itself, and replay timings.
@@ -218,12 +223,25 @@ class CudaGraphCapturer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
+        return CapturedGraph(graph, out, fn)
 
-        def replay() -> Outputs:
-            graph.replay()
-            return out
 
-        return replay
+@dataclass
+class CapturedGraph:
+    """A captured graph and its outputs; calling it replays. A graph holds raw addresses, no
+    references: the tensors it reads that were made outside its pool (the metadata ``forward``
+    closes over, the plan's chunk lists the warm-up put in ``AttnMetadata.cache``) must live as
+    long as the graph, so the captured function is kept with it. (Dropped after the capture, they
+    were freed and a replay read whatever the allocator put there next: an illegal memory access,
+    or silently wrong rows.)"""
+
+    graph: Any
+    out: Outputs
+    forward: Callable[[], Outputs]  # kept alive: see the class doc
+
+    def __call__(self) -> Outputs:
+        self.graph.replay()
+        return self.out
 
 
 class EagerCapturer:
@@ -261,6 +279,9 @@ class GraphRunner:
         self.static = StaticBuffers(self.sizes[-1] * rows, self.sizes[-1], width, device, extra or {})
         self.capturer = capturer if capturer is not None else default_capturer()
         self.graphs: dict[tuple[int, ...], Callable[[], Outputs]] = {}
+        # The metadata each graph was captured with: its cache holds device tensors (the plan's
+        # chunk lists) that the graph reads on every replay, so it lives as long as the graph.
+        self.metas: dict[tuple[int, ...], AttnMetadata] = {}
         self.failed: str | None = None  # why capture failed (the model then runs eagerly)
         # why a tree step's capture failed (tree steps then run eagerly; chain and decode graphs stay)
         self.tree_failed: str | None = None
@@ -309,6 +330,7 @@ class GraphRunner:
                 _reset_capture_state()
                 return None
             self.graphs[key] = replay
+            self.metas[key] = meta
         self.replays += 1
         return copy_out(replay(), b * q_len)
 

@@ -57,7 +57,7 @@ from eagle3.runtime.engine.config import EngineConfig, SpecShape
 from eagle3.runtime.engine.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 from eagle3.runtime.engine.scheduler import Scheduler, fail
 from eagle3.runtime.engine.sequence import ScheduledSeq, Sequence
-from eagle3.runtime.interfaces import DraftModel, TargetModel
+from eagle3.runtime.interfaces import DraftModel, TargetModel, model_device
 from eagle3.runtime.logprobs import TokenLogprob, check_counts
 from eagle3.runtime.sampling import SamplingParams, make_generator
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
@@ -105,7 +105,8 @@ class LLM(SpecShape):
 
     ``target`` / ``draft`` are checkpoint directories (any format the loader reads) or already
     loaded models (:class:`~eagle3.runtime.interfaces.TargetModel` /
-    :class:`~eagle3.runtime.interfaces.DraftModel`). ``draft=None`` runs plain decoding.
+    :class:`~eagle3.runtime.interfaces.DraftModel`); a loaded target runs on the device it was
+    loaded on (``device`` may be left out; another one is refused). ``draft=None`` runs plain decoding.
     ``tokenizer`` is ``"auto"`` (AutoTokenizer from the target directory when it has one), a path,
     a tokenizer object, or None (token-id prompts only).
     ``backend``: the kernel backend, ``auto`` (triton on a GPU where triton imports, aiter on ROCm
@@ -129,6 +130,9 @@ class LLM(SpecShape):
         cfg = self.config
         cfg.check_address()  # ranks on several nodes need node 0's address before anything starts
         self.device = torch.device(cfg.device)
+        if _is_model(target):  # a loaded target runs where its weights are (KV caches, metadata too)
+            explicit = "device" in options or (config is not None and self.device != torch.device("cpu"))
+            self.device = _loaded_device(target, self.device, explicit)
         self.target_path = None if _is_model(target) else Path(target)  # type: ignore[arg-type]
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self._workers: Any = None  # engine.worker.TPWorkers at tensor_parallel_size > 1
@@ -601,6 +605,18 @@ class LLM(SpecShape):
 
 def _is_model(obj: Any) -> bool:
     return not isinstance(obj, (str, os.PathLike))
+
+
+def _loaded_device(model: Any, configured: torch.device, explicit: bool) -> torch.device:
+    """The engine's device for an already loaded target: the model's (the configured default, the
+    CPU, would put the KV caches and the attention metadata on another device than the weights).
+    One line when a device was asked for explicitly and the model is elsewhere."""
+    have = model_device(model)
+    same = configured.type == have.type and configured.index in (None, have.index)
+    if explicit and not same:
+        raise UsageError(f"device={str(configured)!r}, but the target was loaded on {str(have)!r}; pass the same "
+                         f"device (or none), or load the target with device={str(configured)!r}")
+    return have
 
 
 def _check_kv_format(model: Any, kv_cache_dtype: str, role: str) -> Any:

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from eagle3.errors import UsageError
 from eagle3.runtime.config import RopeSpec, yarn_get_mscale
 from eagle3.runtime.kernels.base import KernelBackend
 
@@ -81,7 +82,12 @@ class RotaryEmbedding(nn.Module):
         """``[T, dim/2]`` each, in ``dtype`` (once per forward, shared by all layers). On CPU rows of
         a per-position table: every element is a function of its position alone (an elementwise
         product, cos/sin on the scalar path, elementwise scale and cast), so a table row has the
-        bits a per-step computation gives. Elsewhere computed per call (no host sync: CUDA graphs)."""
+        bits a per-step computation gives. Elsewhere computed per call (no host sync: CUDA graphs).
+        Metadata built on another device than the model's is one line naming both (it surfaced as
+        an index_select device error deep in the first layer)."""
+        if positions.device != self.inv_freq.device:
+            raise UsageError(f"attention metadata (positions) on {positions.device}, the model on "
+                             f"{self.inv_freq.device}: build the metadata on the model's device")
         if positions.device.type == "cpu" and positions.numel() and int(positions.min()) >= 0:
             idx = positions.to(torch.int64)
             cos, sin = self._table(int(idx.max()) + 1, dtype)

@@ -119,4 +119,6 @@ class Eagle3DraftModel(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:
             return draft_ids
-        return draft_ids + self.d2t[draft_ids]
+        # the map lives with the weights; the ids may come from the host (the proposer's table)
+        ids = draft_ids.to(self.d2t.device)
+        return (ids + self.d2t[ids]).to(draft_ids.device)
