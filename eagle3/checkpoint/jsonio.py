@@ -4,6 +4,7 @@ written as strict JSON (no NaN/Infinity) with write errors as one line."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,15 @@ def write_json(path: Path, data: Any) -> None:
     # allow_nan=False: Infinity/NaN are not JSON; every report must load in strict parsers.
     with writing(path):
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def strict_json(data: Any) -> Any:
+    """``data`` with NaN / Infinity as null: they are not JSON, and strict parsers (jq, JSON.parse)
+    refuse the file (lm-eval's stderr of a single sample is NaN)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: strict_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict_json(v) for v in data]
+    return data

@@ -1,12 +1,14 @@
 """Low-level file I/O for checkpoints: positioned reads and writes that finish what one syscall
-leaves, range copies between files, and the one-line error for an OSError met while writing."""
+leaves, range copies between files, the one-line error for an OSError met while writing, and
+writing a file aside then renaming it (a reader never sees half a file)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from eagle3.errors import CheckpointError, OutputError
@@ -29,6 +31,22 @@ def writing(path: str | os.PathLike[str]) -> Iterator[None]:
         yield
     except OSError as e:
         raise write_error(e, path) from None
+
+
+def write_aside(path: Path, write: Callable[[Path], None], suffix: str = ".partial") -> None:
+    """``write(tmp)`` beside ``path``, then rename: a reader never sees half a file. On failure the
+    temporary file goes, and an OSError (disk full, unwritable) is one line naming ``path``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + suffix)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(e, path) from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -158,7 +158,7 @@ def plot(report: dict[str, Any], path: Path, panels: Sequence[Panel] | None = No
         panel.draw(ax, report)
     fig.suptitle(title(report))
     fig.tight_layout()
-    from eagle3.validate.report import write_aside
+    from eagle3.checkpoint.rawio import write_aside
 
     try:
         write_aside(Path(path), lambda tmp: fig.savefig(tmp, dpi=100), suffix=".partial.png")

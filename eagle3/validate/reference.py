@@ -136,7 +136,8 @@ def _encode_top(top: dict[Any, float]) -> list[list[Any]]:
 
 def write(path: Path, ref: Reference) -> None:
     """Gzipped JSON lines (header first, one line per prompt), written aside and renamed."""
-    from eagle3.validate.report import strict_json, write_aside
+    from eagle3.checkpoint.jsonio import strict_json
+    from eagle3.checkpoint.rawio import write_aside
 
     def lines(tmp: Path) -> None:
         with gzip.open(tmp, "wt", encoding="utf-8") as f:

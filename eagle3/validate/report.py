@@ -15,11 +15,9 @@ comparison) is one more function that adds its key and calls :func:`add_failure`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,38 +279,11 @@ def _gsm8k_accuracy(sections: dict[str, Any], which: str | None) -> Any:
     return (scores or {}).get("accuracy")
 
 
-def write_aside(path: Path, write: Callable[[Path], None], suffix: str = ".partial") -> None:
-    """``write(tmp)`` beside ``path``, then rename: a reader never sees half a file. On failure the
-    temporary file goes, and an OSError (disk full, unwritable) is one line naming ``path``."""
-    from eagle3.checkpoint.rawio import write_error
-
-    path = Path(path)
-    tmp = path.with_name(path.name + suffix)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(e, path) from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
-def strict_json(data: Any) -> Any:
-    """``data`` with NaN / Infinity as null: they are not JSON, and strict parsers (jq, JSON.parse)
-    refuse the file (lm-eval's stderr of a single sample is NaN)."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {k: strict_json(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [strict_json(v) for v in data]
-    return data
-
-
 def write_json_atomic(path: Path, data: Any) -> None:
-    """The report as strict JSON, written aside (:func:`write_aside`)."""
+    """The report as strict JSON, written aside (:func:`~eagle3.checkpoint.rawio.write_aside`)."""
+    from eagle3.checkpoint.jsonio import strict_json
+    from eagle3.checkpoint.rawio import write_aside
+
     text = json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n"
     write_aside(path, lambda tmp: tmp.write_text(text))
 

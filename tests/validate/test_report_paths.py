@@ -79,9 +79,10 @@ def test_report_and_reference_writes_are_strict_json_and_leave_nothing_on_failur
     import errno
     import json
 
+    from eagle3.checkpoint.rawio import write_aside
     from eagle3.errors import OutputError
     from eagle3.validate import reference as refmod
-    from eagle3.validate.report import write_aside, write_json_atomic
+    from eagle3.validate.report import write_json_atomic
 
     report = tmp_path / "r.json"
     write_json_atomic(report, {"stderr": float("nan"), "x": [float("inf"), 1.0]})
