@@ -446,8 +446,10 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
                           kv_cache_memory=int(args.e2e_kv_gib * 2**30), kv_cache_dtype=kv, **_spec_kwargs(shape))
             except Exception as err:  # noqa: BLE001
                 rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
+                print(e2e_line(rows[-1]), flush=True)
                 continue
             steps = _count_steps(llm)
+            n_before = len(rows)
             g = torch.Generator().manual_seed(0)
             for batch in args.e2e_batches:
                 prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(batch)]
@@ -471,11 +473,20 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
                                                           if verifies else 1.0)
                 except Exception as err:  # noqa: BLE001
                     rows.append({**row, "batch": batch, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
+            for r in rows[n_before:]:  # as they come: a run cut short still shows its finished rows
+                print(e2e_line(r), flush=True)
             llm.close()
             del llm
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def e2e_line(r: dict[str, Any]) -> str:
+    return (f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} {r['spec']:8s} kv={r['kv_cache_dtype']:5s} "
+            f"b={r.get('batch', '-')} "
+            + (f"{r['decode_tokens_per_s']:.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms" if r["status"] == "ok"
+               else r["status"]))
 
 
 def _count_steps(llm: Any) -> list[int]:
@@ -629,11 +640,6 @@ def main(argv: list[str] | None = None) -> int:
             report["slice"] = str(slice_dir)
             report["draft"] = None if draft is None else str(draft)
             report["e2e"] = e2e_rows(args, slice_dir, draft)
-            for r in report["e2e"]:
-                print(f"e2e {r['backend']:6s} graphs={r['graphs']!s:5s} {r['spec']:8s} kv={r['kv_cache_dtype']:5s} "
-                      f"b={r.get('batch', '-')} "
-                      + (f"{r['decode_tokens_per_s']:.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms" if r["status"] == "ok"
-                         else r["status"]))
             report["spec_lines"] = spec_lines(report["e2e"])
             for line in report["spec_lines"]:
                 print(line)
