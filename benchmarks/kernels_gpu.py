@@ -405,9 +405,16 @@ def _generate_s(llm: Any, prompts: list[list[int]], n: int) -> float:
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    llm.generate(prompts, sp)
+    outs = llm.generate(prompts, sp)
     sync()
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    # A request that failed inside the engine ends early with finish_reason "error": its row would
+    # time less work and look fast (a first GPU run printed trees at 0.77 ms TPOT that way).
+    bad = [o for o in outs if o.finish_reason == "error" or len(o.token_ids) != n]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(outs)} requests did not generate {n} tokens "
+                           f"({bad[0].finish_reason}: {bad[0].error or len(bad[0].token_ids)})")
+    return dt
 
 
 def _spec_kwargs(shape: tuple[int, int, int] | str | None) -> dict[str, Any]:

@@ -166,3 +166,24 @@ def test_fp8_kv_rows_dry_run_on_the_cpu(bench, tiny_dir: Path, monkeypatch: pyte
     assert all(r["status"] == "ok" for r in e2e), e2e
     auto, fp8 = e2e[0]["kv_tokens_total"], e2e[2]["kv_tokens_total"]
     assert fp8 > auto  # the same memory holds more fp8 tokens (CPU: 4x, its bf16 cache is kept in fp32)
+
+
+def test_a_row_whose_requests_failed_is_an_error(bench, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that fails inside the engine ends early: the row says so instead of timing less work
+    (on a first GPU run, tree rows whose every request failed printed a 0.77 ms TPOT)."""
+    from eagle3.runtime.engine.llm import LLM
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    real = LLM.generate
+
+    def failing(self, prompts, sp=None):  # noqa: ANN001, ANN202
+        outs = real(self, prompts, sp)
+        outs[-1].token_ids, outs[-1].finish_reason, outs[-1].error = outs[-1].token_ids[:1], "error", "boom"
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", failing)
+    a = bench.parse_args(["--backends", "torch", "--e2e-batches", "2", "--e2e-tokens", "3",
+                          "--e2e-kv-gib", "0.01", "--e2e-kv-dtypes", "auto"])
+    rows = bench.e2e_rows(a, tiny_dir / "kimi-k2.5")
+    assert [r["status"] for r in rows] == ["error: RuntimeError: 1 of 2 requests did not generate 3 tokens "
+                                           "(error: boom)"] * 2
