@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
+from eagle3.runtime import kv_cache
 from eagle3.runtime.engine.model_runner import build_attn_metadata
 from eagle3.runtime.interfaces import allocate_kv_cache, model_device
 from eagle3.runtime.layers.moe import MoE
@@ -118,6 +119,64 @@ class RoutingTape:
             yield
 
 
+class CacheTape:
+    """The fp8 KV codes of one forward, recorded from one model and written over another's: fp8
+    codes are a step function of the latent (one e4m3 step is 6-12% of a value), so two
+    implementations whose latents differ by fp32 rounding store different codes wherever a value
+    sits on a rounding boundary, and one such code moves later logits by far more than rounding
+    (a perturbation of the latents by 7.6e-6, relative, flipped 2-7 of the tiny target's 92,736
+    cached values per teacher-forced pass and moved fp32 logits by up to 0.074). The cache write
+    is shared code (``TorchBackend.write_cache``, the fp8 numbers of ``runtime.kv_cache``); the
+    replay makes the attention kernels under test read the reference's codes, as
+    :class:`RoutingTape` makes the experts the reference's."""
+
+    def __init__(self) -> None:
+        self.codes: list[torch.Tensor] = []
+
+    @contextmanager
+    def record(self, model: object) -> Iterator[None]:
+        def hook(write, cache, slots, values, scale=1.0):  # noqa: ANN001, ANN202 - the backend's signature
+            write(cache, slots, values, scale)
+            self.codes.append(kv_cache.bits(cache)[slots.to(cache.device, torch.int64)].clone())
+
+        with _patched_writes(model, hook):
+            yield
+
+    @contextmanager
+    def replay(self, model: object) -> Iterator[None]:
+        calls = iter(self.codes)
+
+        def hook(write, cache, slots, values, scale=1.0):  # noqa: ANN001, ANN202
+            write(cache, slots, values, scale)  # its own write (the same work), then the reference's codes
+            codes = next(calls)
+            assert codes.shape[0] == slots.shape[0], "replayed cache codes for a different number of tokens"
+            kv_cache.bits(cache)[slots.to(cache.device, torch.int64)] = codes.to(cache.device)
+
+        with _patched_writes(model, hook):
+            yield
+
+
+@contextmanager
+def _patched_writes(model: object, hook: object) -> Iterator[None]:
+    """``hook(write, ...)`` in place of every fp8 cache write of ``model``'s kernel backends."""
+    mods = getattr(model, "modules", lambda: iter(()))()
+    backends = {id(be): be for m in mods if (be := getattr(m, "backend", None)) is not None}.values()
+    for be in backends:
+        write = be.write_cache
+
+        def patched(cache, slots, values, scale=1.0, _write=write):  # noqa: ANN001, ANN202
+            if not kv_cache.is_fp8(cache.dtype):
+                return _write(cache, slots, values, scale)
+            return hook(_write, cache, slots, values, scale)  # type: ignore[operator]
+
+        be.write_cache = patched
+    try:
+        yield
+    finally:
+        for be in backends:
+            del be.write_cache
+
+
 @contextmanager
 def _patched_routes(model: object, hook: object) -> Iterator[None]:
     mods = [m for m in getattr(model, "modules", lambda: iter(()))() if isinstance(m, MoE)]
@@ -154,7 +213,8 @@ def assert_generations_agree(ref_target: object, got_target: object, prompts: Se
     """Two engines' greedy generations of ``prompts`` agree as far as the math guarantees.
 
     The reference's tokens are teacher-forced through both targets, the second replaying the
-    first's expert routing (:class:`RoutingTape`): their logits must agree within ``tol``
+    first's expert routing (:class:`RoutingTape`) and, for an fp8 KV cache, the first's cache codes
+    (:class:`CacheTape`): their logits must agree within ``tol``
     (:func:`assert_greedy_agrees`). Both engines' own tokens must equal the teacher-forced argmax up
     to the first near tie: a step whose logit margin is at most ``2 * tol``, or a token so far whose
     routing margin is at most ``router`` (default: :func:`router_tol` of bf16). After a near tie
@@ -168,10 +228,10 @@ def assert_generations_agree(ref_target: object, got_target: object, prompts: Se
             assert not got, f"{what}: prompt {i}: reference emitted nothing, the other {got}"
             continue
         history = list(prompt) + ref[:-1]
-        tape = RoutingTape()
-        with tape.record(ref_target):
+        tape, codes = RoutingTape(), CacheTape()
+        with tape.record(ref_target), codes.record(ref_target):
             ref_l = forced_logits(ref_target, history)[len(prompt) - 1:]
-        with tape.replay(got_target):
+        with tape.replay(got_target), codes.replay(got_target):
             got_l = forced_logits(got_target, history)[len(prompt) - 1:]
         assert_greedy_agrees(ref_l, got_l, tol, f"{what}: prompt {i}")
         _assert_tokens_until_near_tie(ref_l, tape.margins, len(prompt), tol, router,

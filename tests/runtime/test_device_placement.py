@@ -14,12 +14,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3.errors import UsageError
 from eagle3.formats import codecs
+from eagle3.runtime.engine import graphs
 from eagle3.runtime.engine.llm import LLM, _loaded_device
 from eagle3.runtime.engine.model_runner import build_attn_metadata, build_tree_attn_metadata
 from eagle3.runtime.interfaces import model_device
 from eagle3.runtime.kernels.torch_ref import mxfp4_qdq
-from eagle3.runtime.loader import load_target
+from eagle3.runtime.loader import load_draft, load_target
+from eagle3.runtime.sampling import SamplingBatch, SamplingParams
 from eagle3.runtime.spec.tree import DraftTree, depths
+from eagle3.runtime.spec.tree_proposer import draft_tree
+from eagle3.runtime.spec.tree_rejection import tree_rejection_sample
 
 META = torch.device("meta")
 
@@ -95,3 +99,38 @@ def test_lookup_tables_go_to_a_device_once() -> None:
         codecs.ct_int4_unpack(words, 32)
     assert seen.ops == []
     assert codecs.on_device(codecs._E8M0_LUT, META) is codecs.on_device(codecs._E8M0_LUT, META)
+
+
+def test_a_host_tree_is_verified_on_the_logits_device() -> None:
+    """The engine keeps a verified tree's structure on the host (scheduler lists, the step's
+    attention metadata); the walk runs next to the target's logits. On the first GPU runs every
+    tree step failed here ("indices should be either on cpu or on the same device")."""
+    par = torch.tensor([[-1, 0, 0, 1, 2]])
+    tree = DraftTree(par, torch.tensor([[1, 2, 3, 4, 5]]), depths(par), torch.zeros(1, 5))
+    greedy = SamplingBatch.build([SamplingParams(temperature=0.0)], [None])
+    res = tree_rejection_sample(torch.empty(1, 5, 16, device=META), tree, greedy)
+    assert {t.device for t in (res.token_ids, res.num_accepted, res.node_ids, res.last_node)} == {META}
+
+
+def test_a_tree_step_is_drafted_and_padded_on_the_models_device(tiny_dir: Path) -> None:
+    """Draft-tree steps: the builder, the tree masks and the drafted tree follow the draft's
+    device, and a graph step's padded ancestor mask stays there (no host round trip)."""
+    target = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32, device="meta")
+    draft = load_draft(tiny_dir / "kimi-k2.5-eagle3", target, device="meta")
+    seen: list[torch.Tensor] = []
+
+    def step(ids, hidden, tables, starts, counts, positions, tree):
+        seen.extend([ids, hidden, tree.ancestors])
+        assert positions.device.type == "cpu"  # RoPE positions: host values, copied with the metadata
+        return hidden.clone(), hidden.clone()
+
+    h = draft.hidden_size
+    tree = draft_tree(draft, step, torch.tensor([5, 6], device=META), torch.empty(2, h, device=META),
+                      torch.empty(2, h, device=META), [7, 9], [[0, 1, 2], [3, 4, 5]], topk=2, steps=3, num_nodes=6)
+    assert seen and {t.device for t in seen} == {META}
+    assert {t.device for t in (tree.parents, tree.tokens, tree.depth, tree.scores)} == {META}
+    n = 4
+    step_ = graphs.TreeStep(n, torch.ones(2, n, n, dtype=torch.bool, device=META), torch.arange(4).view(2, 2))
+    padded = graphs.pad_uniform_step([[0, 1], [2]], [2, 1], 2, 4, 3, 4, 9, step_)
+    assert padded.ancestors is not None and padded.ancestors.device == META
+    assert padded.positions.device.type == "cpu"  # copied in with the other host metadata, before a replay

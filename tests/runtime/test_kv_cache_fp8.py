@@ -301,3 +301,28 @@ def test_serve_validate_fp8(pair: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert server["kv_cache_dtype"] == "fp8_e4m3" and server["kv_cache_storage"] == "float8_e4m3fn"
     assert server["kv_bytes_per_token"] == 4 * 576 + 2 * 2 * 64  # 4 layers' latents + the Llama draft's K, V
     assert r["speculative"]["acceptance_rate"] > 0.5
+
+
+def test_a_cache_tape_gives_the_other_target_the_references_codes(tiny_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two implementations whose latents differ by rounding store different fp8 codes where a value
+    sits on a rounding boundary: here the second target's latents are perturbed (2^-14, relative),
+    which flips codes and moves its logits by far more than fp32 rounding; replaying the first's
+    codes (numerics.CacheTape) gives it the first's cache, and so its logits, bit for bit."""
+    from eagle3.testing.numerics import CacheTape, forced_logits
+
+    kw = dict(tokenizer=None, dtype="float32", num_blocks=8, block_size=4, kv_cache_dtype="fp8")
+    target = LLM(tiny_dir / "kimi-k2.5", None, **kw).target
+    history = [9, 8, 7, 6, 5, 4, 3, 2, 1, 700, 12, 5, 17]
+    tape = CacheTape()
+    with tape.record(target):
+        want = forced_logits(target, history)
+    assert tape.codes and all(c.dtype == torch.uint8 for c in tape.codes)
+    quantize = kv_cache.quantize
+    gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(kv_cache, "quantize", lambda v, dtype, scale: quantize(
+        v.float() * (1 + 2.0 ** -14 * torch.randn(v.shape, generator=gen)), dtype, scale))
+    assert float((forced_logits(target, history) - want).abs().max()) > 1e-3  # flipped codes
+    with tape.replay(target):
+        assert torch.equal(forced_logits(target, history), want)
+    assert "write_cache" not in vars(target.backend)  # the patch is gone

@@ -87,7 +87,8 @@ def build_tree_attn_metadata(block_tables: Seq[Seq[int]], starts: Seq[int], tree
 
 def _tree_of(item: ScheduledSeq) -> DraftTree | None:
     """The draft tree ``item`` verifies this step (root: its last real token), or None (a chain,
-    or no drafts)."""
+    or no drafts). On the host, like the block tables: the step's attention metadata is built from
+    it there and moved once; ``tree_rejection_sample`` walks it on the logits' device."""
     parents = item.seq.draft_parents
     if not item.samples or not item.draft_ids or parents is None or len(parents) != len(item.draft_ids) + 1:
         return None

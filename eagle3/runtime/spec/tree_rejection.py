@@ -91,7 +91,8 @@ def tree_rejection_sample(target_logits: torch.Tensor, tree: DraftTree, batch: S
     Args:
       target_logits: float32 ``[B, N, V]``; row ``i`` is the target's prediction for the token
         after node ``i`` (its root-to-node path appended to the committed context).
-      tree: parents and tokens (target vocabulary) of the trees.
+      tree: parents and tokens (target vocabulary) of the trees, on any device (walked on the
+        logits' device).
       batch: one sampling row per request.
       draft_probs: float32 ``[B, N, V]``: row ``i`` the distribution node ``i``'s children were
         sampled from without replacement, or None for point-mass children (see the module
@@ -99,9 +100,14 @@ def tree_rejection_sample(target_logits: torch.Tensor, tree: DraftTree, batch: S
       generator: the engine's generator for rows without their own.
     """
     b, n, v = target_logits.shape
+    # The engine's trees are host structure (scheduler lists; the step's attention metadata is
+    # built from them there): their shape (depth, children) is read where they are, without a
+    # device sync, and the index tensors the walk needs go where the logits are. (On a GPU a host
+    # tree failed every tree step: "indices should be either on cpu or on the same device".)
     d = tree.max_depth
-    kids = children(torch.where(node_valid(tree.parents), tree.parents, -1))  # [B, N, C]
-    tokens = tree.tokens.clamp(0, v - 1)
+    dev = target_logits.device
+    kids = children(torch.where(node_valid(tree.parents), tree.parents, -1)).to(dev)  # [B, N, C]
+    tokens = tree.tokens.to(dev).clamp(0, v - 1)
     walk = _walk_greedy(target_logits.argmax(dim=-1), kids, tokens, d)
     final = target_logits.argmax(dim=-1).gather(1, walk.cur[:, None]).squeeze(1)
 
