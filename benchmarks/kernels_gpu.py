@@ -19,6 +19,10 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
                    Triton: ``eagle3.runtime.kernels.triton.linear``
 ``linear_bf16``    the same shape in bf16 (attention / shared-expert projections of the native model)
 ``rmsnorm``        RMSNorm over hidden 7168 ; ``act_quant_int8``: per-token int8 quantization
+``router_fp32``    the MoE router ``x.float() @ W_gate.T``, 7168 -> 384 in fp32 (``be.matmul``);
+                   bytes = the fp32 weight + rows. Triton: ``triton.dense_gemm`` (batch invariant;
+                   torch: cuBLAS on 16-row tiles)
+``mla_absorb``     the MLA absorption ``q_nope[h] @ W_UK[h]``, 64 heads x 128 -> 512 in bf16 (``be.bmm``)
 =================  ===========================================================================
 
 A Triton row whose kernel module is not in this tree says ``not built`` (the backend would still
@@ -76,7 +80,7 @@ GROUP = 32
 DEVICE = "cuda"  # the kernel cases' device (a CPU dry run of the case builders sets "cpu")
 AUTO_MAX_K = 3  # --spec-shapes auto: num_speculative_tokens="auto" up to this k
 KERNELS = ("mla_decode", "mla_verify", "mla_decode_fp8", "mla_verify_fp8", "moe_w4a16", "linear_w4a16", "linear_bf16",
-           "rmsnorm", "act_quant_int8")
+           "rmsnorm", "act_quant_int8", "router_fp32", "mla_absorb")
 KV_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # --e2e-kv-dtypes (the engine's kv_cache_dtype)
 FP8_KV_SCALE = 0.05  # the fp8 kernel rows' per-tensor scale (any value: the kernel's work does not depend on it)
 BACKENDS = ("torch", "triton")
@@ -97,6 +101,8 @@ TRITON_KERNEL: dict[str, tuple[str, str]] = {
     "linear_bf16": ("eagle3.runtime.kernels.triton.linear", "launch"),
     "rmsnorm": ("eagle3.runtime.kernels.triton.rmsnorm", "rms_norm"),
     "act_quant_int8": ("eagle3.runtime.kernels.triton.act_quant", "quantize_int8_per_token"),
+    "router_fp32": ("eagle3.runtime.kernels.triton.dense_gemm", "matmul"),
+    "mla_absorb": ("eagle3.runtime.kernels.triton.dense_gemm", "bmm"),
 }
 
 
@@ -377,6 +383,15 @@ class Kernels:
 
                 fn = lambda: quantize_int8_per_token(x)  # noqa: E731
             return fn, batch * HIDDEN * (2 + 1) + batch * 4, {}
+        if kernel == "router_fp32":
+            wt = torch.randn(HIDDEN, EXPERTS, device=dev, generator=self.gen)
+            xf = x.float()
+            return lambda: be.matmul(xf, wt), (HIDDEN + batch) * EXPERTS * 4 + batch * HIDDEN * 4, {}
+        if kernel == "mla_absorb":
+            w_uk = torch.randn(MLA_HEADS, 128, D_LAT, device=dev, dtype=torch.bfloat16, generator=self.gen)
+            q = torch.randn(batch, MLA_HEADS, 128, device=dev, dtype=torch.bfloat16, generator=self.gen)
+            qt = q.transpose(0, 1)  # as the model passes it (q_nope, read in place)
+            return lambda: be.bmm(qt, w_uk), MLA_HEADS * (128 * D_LAT + batch * (128 + D_LAT)) * 2, {}
         raise ValueError(kernel)
 
     def row(self, kernel: str, backend: str, batch: int) -> dict[str, Any]:
@@ -623,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["kernels"].append(row)
                 frac = row.get("hbm_fraction")
                 print(f"{kernel:15s} {backend:6s} b={batch:<3d} " + (
-                    f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" + (f"  {100 * frac:5.1f}% of HBM" if frac else "")
+                    f"{row['bytes_per_s'] / 1e9:8.1f} GB/s {row['seconds'] * 1e6:8.1f} us"
+                    + (f"  {100 * frac:5.1f}% of HBM" if frac else "")
                     if row["status"] == "ok" else row["status"]), flush=True)
     if not args.skip_e2e:
         slice_dir = args.slice

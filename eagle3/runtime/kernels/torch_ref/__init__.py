@@ -35,8 +35,9 @@ model, never on the batch:
 
 On a GPU the tiles keep their shapes, but cuBLAS picks its kernels by the batch count of the
 tile ``bmm`` as well, and the first GPU run (H200, fp32) saw a token's hidden state change with the
-batch composition: the bitwise promise holds on the CPU; on GPUs it is the Triton backend's
-(``tests/runtime/test_models_gpu.py`` checks the reference there within rounding).
+batch composition: the bitwise promise holds on the CPU; on GPUs it is the Triton backend's, whose
+router and MLA absorption products run its own fixed-tile kernel there (``triton/dense_gemm.py``;
+``tests/runtime/test_models_gpu.py`` checks this reference on a GPU within rounding).
 
 On CPU, bf16/fp16 models keep their GEMM operands in fp32 (:func:`compute_dtype`): the products
 of bf16 values are exact in fp32, so this is a bf16 GEMM with fp32 accumulation, ~10x faster on

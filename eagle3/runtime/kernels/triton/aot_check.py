@@ -27,6 +27,7 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
 
     from eagle3.runtime.kernels.triton import (
         act_quant,
+        dense_gemm,
         linear,
         mla_attention,
         paged_attention,
@@ -71,7 +72,29 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
          scales),
         ("paged gqa bf16 group 8 d128 fp8e4nv cache", paged_attention._paged_kernel,
          dict(paged_ptrs, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"), dict(paged, TREE=False), scales),
-    ] + _gemm_cases(linear)
+    ] + _gemm_cases(linear) + _dense_cases(dense_gemm)
+
+
+def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
+    """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads, 128 x 512)
+    and the fp32 router (7168 x 384, split K) with its split sum. The router serves in fp32 (named
+    f32, not fp32: ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    import triton.language as tl
+
+    def bmm(label: str, ptr: str, dot: Any, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
+                                                                      tuple[str, ...]]:
+        bm, bn, bk, splits = dense_gemm.tiles(n, k)
+        consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=splits, KC=dense_gemm.K_CHUNK, BM=bm, BN=bn, BK=bk)
+        return (label, dense_gemm._bmm_kernel, dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if splits == 1 else "*fp32"),
+                consts, ())
+
+    _, _, _, router_splits = dense_gemm.tiles(384, 7168)
+    return [
+        bmm("dense bmm bf16 mla absorption 128 x 512", "*bf16", tl.bfloat16, 512, 128),
+        bmm("dense gemm router f32 ieee 7168 x 384, split K", "*fp32", tl.float32, 384, 7168),
+        ("dense gemm split-K sum", dense_gemm._sum_splits_kernel, dict(p_ptr="*fp32", o_ptr="*fp32"),
+         dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK), ()),
+    ]
 
 
 def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:

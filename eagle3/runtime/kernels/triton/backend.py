@@ -2,11 +2,10 @@
 
 Triton kernels: the weighted ops - quantized and dense GEMMs on the packed canonical weights
 (``linear.py``: W4A16, W4A8 int8 / FP8-stage, MXFP4, FP8, dense) and the fused MoE (``moe.py``) -
-and RMSNorm (+ fused residual add), rotary, per-token int8 / fp8 activation quantization, MLA
-attention over the paged latent cache and paged MHA / GQA attention. The small dense products
-(router, MLA absorption ``bmm``) still delegate to the exact torch reference (docs/kernels.md lists
-what is designed but not built). Every op here keeps the reference's batch-invariance contract,
-so speculative greedy output equals plain greedy output.
+the small dense products (router, MLA absorption ``bmm``: ``dense_gemm.py``, on a GPU), RMSNorm
+(+ fused residual add), rotary, per-token int8 / fp8 activation quantization, MLA attention over
+the paged latent cache and paged MHA / GQA attention. Every op here keeps the reference's
+batch-invariance contract, so speculative greedy output equals plain greedy output.
 
 On a CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
 is imported); that is how CI checks them.
@@ -22,17 +21,25 @@ from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata
 from eagle3.runtime.kernels.base import LinearOp, MoEOp, register_backend
 from eagle3.runtime.kernels.torch_ref import TorchBackend
-from eagle3.runtime.kernels.triton import act_quant, common, mla_attention, paged_attention, rmsnorm, rotary
+from eagle3.runtime.kernels.triton import (
+    act_quant,
+    common,
+    dense_gemm,
+    mla_attention,
+    paged_attention,
+    rmsnorm,
+    rotary,
+)
 from eagle3.runtime.kernels.triton.linear import TritonLinear
 from eagle3.runtime.kernels.triton.moe import TritonMoE
 from eagle3.runtime.kernels.triton.plan import TritonAttnPlan, plan_attention
 
 
 class TritonBackend(TorchBackend):
-    """Inherits from the torch reference every op it does not override (below): ``matmul`` /
-    ``bmm`` / ``matrix`` (router, MLA absorption), SiLU / sigmoid, ``cos_sin`` (once per forward;
-    the YaRN math stays in layers/rotary.py) and ``write_cache``; inheriting keeps this backend
-    complete whatever the interface gains meanwhile."""
+    """Inherits from the torch reference every op it does not override (below): ``matrix``,
+    SiLU / sigmoid, ``cos_sin`` (once per forward; the YaRN math stays in layers/rotary.py) and
+    ``write_cache`` (elementwise or copies: a row's bits never depend on the batch); inheriting
+    keeps this backend complete whatever the interface gains meanwhile."""
 
     name = "triton"
 
@@ -48,6 +55,21 @@ class TritonBackend(TorchBackend):
 
     def moe(self) -> MoEOp:
         return TritonMoE()
+
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        """The router GEMM: a Triton kernel off the CPU (cuBLAS picks its kernel from the whole
+        call's shape, so the reference's row tiles are batch invariant only on the CPU); on the CPU
+        the reference itself, whose row tiles are exact there (the interpreter would only be slower,
+        and the CPU bits stay the reference's)."""
+        if x.device.type == "cpu":
+            return super().matmul(x, w_t)
+        return dense_gemm.matmul(x, w_t)
+
+    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The MLA absorption products, dispatched as :meth:`matmul`."""
+        if x.device.type == "cpu":
+            return super().bmm(x, w)
+        return dense_gemm.bmm(x, w)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm.rms_norm(x, weight, eps)[0]

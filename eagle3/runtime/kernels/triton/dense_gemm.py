@@ -1,0 +1,115 @@
+"""The small dense products of the Triton backend: the MoE router (``x.float() @ W_gate.T`` in
+fp32) and the absorbed MLA ``bmm`` (``q_nope[h] @ W_UK[h]``, ``o_lat[h] @ W_UV[h]``).
+
+Why not cuBLAS: the torch reference computes these as row tiles of 16 (``torch_ref.gemm``), which
+makes a row's bits independent of the batch on the CPU, but on a GPU cuBLAS picks its kernel (and
+its split-K) from the whole call's shape, the number of tiles included: the same token routed in
+a batch of 16 rows and in one of 20 got router logits an ulp apart, and the hidden states drifted
+from there (the Triton batch-invariance test failed on an H200 by ~1e-5 in fp32).
+
+Here ``out[b] = x[b] @ w[b]`` runs as programs of ``BM`` (16) rows x ``BN`` columns per batch
+entry, walking K in steps of ``BK``; tile sizes follow from ``N`` and ``K`` only. A long ``K`` is
+split at fixed multiples of :data:`K_CHUNK` (so the router's 7168-wide reduction still spreads
+over the SMs at batch 1): each chunk's fp32 partial is written aside and the partials are summed
+in chunk order by a second kernel. The chunking depends on ``K`` alone, so a row's bits never
+depend on the other rows or on their number. fp32 operands run ``tl.dot`` in IEEE precision (not
+TF32: the reference is fp32); bf16 / fp16 operands use the tensor cores with fp32 accumulation,
+rounded once to the output dtype (as cuBLAS does).
+
+Operands take any strides (``q_nope.transpose(0, 1)`` and the weights are read in place). The
+computation dtype is the weight's (the reference's ``_pad_rows(x, ROW_TILE, w.dtype)``); the result
+is in ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from eagle3.runtime.kernels.triton.common import INTERPRET, block, dot_dtype, mma, tl_dtype, widen
+
+BLOCK_M = 16  # rows per program: fixed (tl.dot needs 16), as linear.BLOCK_M
+K_CHUNK = 1024  # K split points at multiples of this (a multiple of every BK below)
+SUM_BLOCK = 1024  # elements per program of the split-K sum
+
+
+def tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, K splits) from the weight's shape only, never the row count."""
+    return BLOCK_M, min(64, block(n)), min(64, block(k)), triton.cdiv(k, K_CHUNK)
+
+
+@triton.jit
+def _bmm_kernel(x_ptr, w_ptr, o_ptr, M, N, K, s_xb, s_xm, s_xk, s_wb, s_wk, s_wn, s_os, s_ob, s_om,
+                DOT: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, KC: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``o[s, b, m, n] = sum over k in chunk s of x[b, m, k] * w[b, k, n]`` (one chunk when
+    ``SPLITS == 1``, then ``o`` is the output itself). Grid: (row tiles, column tiles, B * SPLITS)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2) // SPLITS
+    s = tl.program_id(2) % SPLITS
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rk0 = tl.arange(0, BK)
+    xb = x_ptr + b.to(tl.int64) * s_xb
+    wb = w_ptr + b.to(tl.int64) * s_wb
+    k_lo = s * KC
+    k_hi = tl.minimum(k_lo + KC, K)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        rk = k0 + rk0
+        k_ok = rk < k_hi
+        a = tl.load(xb + rm[:, None] * s_xm + rk[None, :] * s_xk, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(wb + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
+        acc += mma(a.to(DOT), w.to(DOT), IEEE)
+    o = o_ptr + s.to(tl.int64) * s_os + b.to(tl.int64) * s_ob
+    tl.store(o + rm[:, None] * s_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, o_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``o[i] = p[0, i] + p[1, i] + ...`` in chunk order (fp32), rounded once to ``o``'s dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    acc = tl.load(p_ptr + i, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * numel + i, mask=ok, other=0.0)
+    tl.store(o_ptr + i, acc.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bf16 results go through fp32 under the interpreter (no bf16 there: common.py)."""
+    return torch.float32 if INTERPRET and dtype == torch.bfloat16 else dtype
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [B, M, K] @ w [B, K, N]`` (a weight of one batch entry may be broadcast: stride 0), in
+    ``w.dtype`` with fp32 accumulation, returned in ``x.dtype`` as a contiguous ``[B, M, N]``."""
+    bsz, m, k = x.shape
+    n = w.shape[-1]
+    if w.shape[0] != bsz or w.shape[1] != k:
+        raise ValueError(f"bmm operands {list(x.shape)} x {list(w.shape)} do not fit")
+    out_dtype = _store_dtype(x.dtype)
+    out = torch.empty(bsz, m, n, dtype=out_dtype, device=x.device)
+    if m and n and bsz:
+        bm, bn, bk, splits = tiles(n, k)
+        dd = dot_dtype(w.dtype)
+        xs, ws = widen(x), widen(w)
+        dest = out if splits == 1 else torch.empty(splits, bsz, m, n, dtype=torch.float32, device=x.device)
+        s_os = 0 if splits == 1 else dest.stride(0)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), bsz * splits)
+        _bmm_kernel[grid](xs, ws, dest, m, n, k, xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0),
+                          ws.stride(1), ws.stride(2), s_os, out.stride(0), out.stride(1),
+                          DOT=tl_dtype(dd), IEEE=dd == torch.float32, SPLITS=splits, KC=K_CHUNK,
+                          BM=bm, BN=bn, BK=bk)
+        if splits > 1:
+            numel = out.numel()
+            _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](dest, out, numel, SPLITS=splits, BLOCK=SUM_BLOCK)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w_t [K, N]`` (the router): :func:`bmm` with one batch entry."""
+    return bmm(x[None], w_t[None])[0]
