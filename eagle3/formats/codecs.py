@@ -73,9 +73,9 @@ def on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _shifts(shifts: tuple[int, ...]) -> torch.Tensor:
-    """The nibble shifts as an int32 tensor (the two layouts' kept as constants, see :func:`on_device`)."""
-    kept = _SHIFT_TENSORS.get(shifts)
-    return kept if kept is not None else torch.tensor(shifts, dtype=torch.int32)
+    """The nibble shifts of one of the two layouts as a kept int32 tensor: :func:`on_device` caches
+    by the table's identity, so a tensor made per call must never reach it."""
+    return _SHIFT_TENSORS[shifts]
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -40,8 +40,8 @@ warm-up, outside the graph's memory pool, and were freed after the first GPU run
 copied to the device once per device and kept (``codecs.on_device``), never per call: a copy from
 pageable host memory is not allowed under capture. A backend whose ops sync with the host (the torch reference's MoE and attention schedule;
 not the Triton backend, whose fused MoE sizes its buffers by an upper bound) fails to capture: the runner then logs why once and runs
-that model eagerly from then on. Unverified without a GPU (this session had none): the capture
-itself, and replay timings.
+that model eagerly from then on. On an H200 the Triton backend's target and draft graphs (chain and
+tree) capture and replay with the eager tokens; HIP graphs are unverified (docs/kernels.md).
 """
 
 from __future__ import annotations
