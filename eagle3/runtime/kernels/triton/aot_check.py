@@ -37,15 +37,10 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
     )
 
     bf, i32 = "*bf16", "*i32"
-    mla_ptrs = dict(q_ptr=bf, kv_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32, path_ptr=i32,
-                    order_ptr=i32)
     paged_ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, o_ptr=bf, chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32,
                       path_ptr=i32, order_ptr=i32)
     scales = ("scale", "v_scale")  # fp32 scalars (v_scale: an fp8 cache's value scale, 1.0 otherwise)
-    bh, qt = mla_attention.tile_shape(64, 512)
     bg, gqt = paged_attention.tile_shape(8)
-    mla = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, BLOCK_N=mla_attention.BLOCK_N, BLOCK_L=512,
-               BLOCK_R=64, PATH=plan.TREE_MAX_NODES, _warps=8)
     paged = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
                  BLOCK_V=128, PATH=plan.TREE_MAX_NODES)
     return [
@@ -58,21 +53,58 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
          dict(QMAX=127.0, TO_INT8=True, BLOCK=8192), ()),
         ("act quant fp8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32"),
          dict(QMAX=448.0, TO_INT8=False, BLOCK=8192), ()),
-        ("mla bf16 64 heads 512+64", mla_attention._mla_kernel, mla_ptrs, dict(mla, TREE=False), scales),
-        ("mla bf16 64 heads 512+64 tree", mla_attention._mla_kernel, mla_ptrs, dict(mla, TREE=True), scales),
-        # the fp8 KV cache (runtime/kv_cache.py): OCP e4m3 (Hopper, gfx950) and e4m3fnuz (gfx942) latents
-        ("mla bf16 64 heads 512+64 fp8e4nv cache", mla_attention._mla_kernel, dict(mla_ptrs, kv_ptr="*fp8e4nv"),
-         dict(mla, TREE=False), scales),
-        ("mla bf16 64 heads 512+64 fp8e4b8 cache", mla_attention._mla_kernel, dict(mla_ptrs, kv_ptr="*fp8e4b8"),
-         dict(mla, TREE=False), scales),
-        ("mla fp32 ieee 512+64", mla_attention._mla_kernel, {k: "*fp32" if v == bf else v for k, v in mla_ptrs.items()},
-         dict(mla, DOT=tl.float32, IEEE=True, TREE=False), scales),
         ("paged gqa bf16 group 8 d128", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=False), scales),
         ("paged gqa bf16 group 8 d128 tree", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=True),
          scales),
         ("paged gqa bf16 group 8 d128 fp8e4nv cache", paged_attention._paged_kernel,
          dict(paged_ptrs, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"), dict(paged, TREE=False), scales),
-    ] + _gemm_cases(linear) + _dense_cases(dense_gemm)
+    ] + _mla_cases(mla_attention, plan) + _gemm_cases(linear) + _dense_cases(dense_gemm)
+
+
+def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
+    """MLA at Kimi-K2.5's head layout (64 heads, latent 512 + rope 64), each GPU family with its own
+    tiles (``_targets``): split stage 1 (decode / verify, also over trees and fp8 latents: OCP e4m3
+    on Hopper and gfx950, e4m3fnuz on gfx942), the split merge, and the serial kernel (prefill)."""
+    import triton.language as tl
+
+    bf, i32, f32 = "*bf16", "*i32", "*fp32"
+    index = dict(chunk_ptr=i32, pos_ptr=i32, bt_ptr=i32, lo_ptr=i32, path_ptr=i32, order_ptr=i32)
+    split_ptrs = dict(index, q_ptr=bf, kv_ptr=bf, po_ptr=f32, pl_ptr=f32, pm_ptr=f32)
+    serial_ptrs = dict(index, q_ptr=bf, kv_ptr=bf, o_ptr=bf, ro_ptr=f32, rl_ptr=f32, rm_ptr=f32, so_ptr=f32,
+                       sl_ptr=f32, sm_ptr=f32)
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]] = []
+    for family, targets in (("cuda", ("cuda:90",)), ("hip", ("hip:gfx942", "hip:gfx950"))):
+        shape = mla.tiles(64, 512, family)
+        bh, qt = shape.block_h, shape.qt
+        rows = bh * qt
+        tag = f"{bh} heads x {qt} token"
+        base = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, HB=64 // bh, BLOCK_N=mla.BLOCK_N, D_LAT=512,
+                    D_ROPE=64, BLOCK_L=512, BLOCK_R=64, TREE=False, PATH=plan.TREE_MAX_NODES, _warps=shape.warps,
+                    _stages=shape.stages, _targets=targets)
+        bf16 = dict(base, SPLIT=mla.split_size(64, 512, 64, 2))
+        fp8 = dict(base, SPLIT=mla.split_size(64, 512, 64, 1))
+        serial = dict(BD=max(16, min(512, mla.MERGE_TILE // rows)))
+        fp8_types = [("fp8e4nv", targets)] + ([("fp8e4b8", ("hip:gfx942",))] if family == "hip" else [])
+        out += [
+            (f"mla split bf16 {tag}, 512+64", mla._mla_split_kernel, split_ptrs, bf16, ("scale",)),
+            (f"mla split bf16 {tag}, 512+64 tree", mla._mla_split_kernel, split_ptrs, dict(bf16, TREE=True),
+             ("scale",)),
+            *[(f"mla split bf16 {tag}, 512+64 {t} cache", mla._mla_split_kernel, dict(split_ptrs, kv_ptr=f"*{t}"),
+               dict(fp8, _targets=tt), ("scale",)) for t, tt in fp8_types],
+            (f"mla split fp32 ieee {tag}, 512+64", mla._mla_split_kernel,
+             {k: f32 if v == bf else v for k, v in split_ptrs.items()}, dict(bf16, DOT=tl.float32, IEEE=True),
+             ("scale",)),
+            (f"mla serial bf16 {tag}, 512+64", mla._mla_serial_kernel, serial_ptrs, dict(bf16, **serial),
+             ("scale", "v_scale")),
+            (f"mla serial bf16 {tag}, 512+64 tree", mla._mla_serial_kernel, serial_ptrs,
+             dict(bf16, TREE=True, **serial), ("scale", "v_scale")),
+        ]
+    hg = min(64, max(1, mla.MERGE_TILE // 512))
+    out.append(("mla split merge 64 heads, 512", mla._mla_merge_kernel, dict(po_ptr="*fp32", pl_ptr="*fp32",
+                pm_ptr="*fp32", o_ptr="*bf16", pos_ptr="*i32"),
+                dict(SPLIT=mla.split_size(64, 512, 64, 2), D_LAT=512, HG=hg, BD=min(512, mla.MERGE_TILE // hg)),
+                ("v_scale",)))
+    return out
 
 
 def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
@@ -148,13 +180,17 @@ def main(argv: list[str]) -> int:
                 continue  # fnuz fp8 is AMD's (MI300): NVIDIA targets have no such type
             consts = dict(consts)
             warps = consts.pop("_warps", 4)
+            stages = consts.pop("_stages", None)
+            only = consts.pop("_targets", None)  # tiles chosen per GPU family
+            if only is not None and f"{target.backend}:{target.arch}" not in only:
+                continue
             sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32")
                    for a in fn.arg_names}
             name = f"{target.backend}:{target.arch}"
             t0 = time.time()
             try:
                 k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target,
-                                   options={"num_warps": warps})
+                                   options={"num_warps": warps, **({} if stages is None else {"num_stages": stages})})
             except Exception as exc:  # report every kernel, then fail
                 failed += 1
                 print(f"{name} {label}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
