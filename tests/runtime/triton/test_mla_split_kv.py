@@ -77,21 +77,27 @@ def _wider(meta: AttnMetadata, extra: int) -> AttnMetadata:
                         torch.cat([meta.block_tables, pad], 1), meta.block_size)
 
 
-def test_a_row_has_its_bits_alone_in_a_batch_in_a_verify_window_and_under_a_graph_width(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_row_has_its_bits_alone_in_a_batch_in_a_verify_window_and_under_a_graph_width() -> None:
     meta = _meta([(20, 1), (33, 1), (35, 4), (70, 5)], 4, seed=6)
     heads = 64
     assert mla.tile_shape(heads, D_LAT) == (64, 1)  # one token per program: rows = heads
     cache = _randn(_slots(meta), D_LAT + D_ROPE, dtype=torch.float32, seed=7)
     q = _randn(meta.num_tokens, heads, D_LAT + D_ROPE, dtype=torch.float32, seed=8)
-    full = _attend(q, cache, meta, None)
-    assert torch.equal(_attend(q, cache, _wider(meta, 40), None), full)
-    monkeypatch.setattr(mla, "WORKSPACE_BUDGET", 0)  # the launch a too-large workspace picks: serial
-    assert torch.equal(_attend(q, cache, _wider(meta, 40), None), full)
-    monkeypatch.undo()
+    full = _attend(q, cache, meta, "split")
+    for mode in MODES:  # a graph's static width: more split programs, all exiting
+        assert torch.equal(_attend(q, cache, _wider(meta, 40), mode), full), mode
     for t in range(meta.num_tokens):  # every verify window's and prefill chunk's token as a decode row
         alone = _attend(q[t: t + 1], cache, _one_token(meta, t), None)
         assert torch.equal(alone[0], full[t]), f"token {t}"
+
+
+def test_the_launch_follows_the_workspace_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mla, "INTERPRET", False)
+    assert mla.launch_mode(64, 16, 64, 512) == "split"  # Kimi decode at batch 64 over 4096 keys: 134 MB
+    assert mla.launch_mode(64, 1024, 64, 512) == "serial"  # a graph of 64 rows over 256 Ki positions
+    assert mla.launch_mode(1, 1, 64, 512) == "serial"  # one split: no workspace at all
+    monkeypatch.setattr(mla, "INTERPRET", True)
+    assert mla.launch_mode(64, 16, 64, 512) == "serial"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -107,21 +113,23 @@ def test_split_over_an_fp8_latent(mode: str) -> None:
 
 
 def test_kimi_head_shapes_over_several_default_splits() -> None:
-    """64 heads, latent 512 + rope 64, fp16: the model's own split (256 keys over a 2-byte cache)."""
-    assert mla.split_size(64, 512, 64, 2) == 256 and mla.split_size(64, 512, 64, 1) == 512
+    """64 heads, latent 512 + rope 64, fp16: the model's own split (256 keys; a TP-8 shard's 64)."""
+    assert mla.split_size(64, 512, 64) == 256 and mla.split_size(8, 512, 64) == 64
     be = get_backend("triton", DEVICE)
-    meta = _meta([(300, 1), (270, 3)], 16)
+    meta = _meta([(260, 1), (258, 3)], 16)
     cache = _randn(_slots(meta), 576, dtype=torch.float16, seed=12) * 0.2
     q = _randn(meta.num_tokens, 1, 64, 576, dtype=torch.float16, seed=13) * 0.2
     args = (q, cache[:, None, :], cache[:, None, :512], meta, 576 ** -0.5)
     torch.testing.assert_close(be.attention(*args), REF.attention(*args), rtol=4e-3, atol=4e-3)
 
 
-@pytest.mark.parametrize("verify", [False, True])
-def test_tree_nodes_equal_their_chains_across_splits(monkeypatch: pytest.MonkeyPatch, verify: bool) -> None:
+@pytest.mark.parametrize(("mode", "verify"), [("split", False), ("serial", True)])
+def test_tree_nodes_equal_their_chains_across_splits(monkeypatch: pytest.MonkeyPatch, mode: str, verify: bool) -> None:
+    """Through the backend (the plan's tree chunks) with splits of 32 keys, each launch."""
     monkeypatch.setattr(mla, "split_size", lambda *a: S)
+    monkeypatch.setattr(mla, "launch_mode", lambda *a: mode)
     trees = [_random_tree(1), None, _random_tree(3, k=4, steps=2, n=6)]
-    bt = _Batch(ctx=[27, 9, 60], pre=[0, 1, 3], trees=trees, seed=4)  # trees straddle keys 32 and 64
+    bt = _Batch(ctx=[27, 9, 40], pre=[0, 1, 3], trees=trees, seed=4)  # trees straddle key 32, then past it
     store, _, _ = _caches(1, 48, 32, True, seed=5)
     store = store.to(DEVICE)
     kc, vc = store[:, None, :], store[:, None, :32]

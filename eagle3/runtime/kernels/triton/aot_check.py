@@ -81,8 +81,7 @@ def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict
         base = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=bh, QT=qt, HB=64 // bh, BLOCK_N=mla.BLOCK_N, D_LAT=512,
                     D_ROPE=64, BLOCK_L=512, BLOCK_R=64, TREE=False, PATH=plan.TREE_MAX_NODES, _warps=shape.warps,
                     _stages=shape.stages, _targets=targets)
-        bf16 = dict(base, SPLIT=mla.split_size(64, 512, 64, 2))
-        fp8 = dict(base, SPLIT=mla.split_size(64, 512, 64, 1))
+        bf16 = fp8 = dict(base, SPLIT=mla.split_size(64, 512, 64))
         serial = dict(BD=max(16, min(512, mla.MERGE_TILE // rows)))
         fp8_types = [("fp8e4nv", targets)] + ([("fp8e4b8", ("hip:gfx942",))] if family == "hip" else [])
         out += [
@@ -102,7 +101,7 @@ def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict
     hg = min(64, max(1, mla.MERGE_TILE // 512))
     out.append(("mla split merge 64 heads, 512", mla._mla_merge_kernel, dict(po_ptr="*fp32", pl_ptr="*fp32",
                 pm_ptr="*fp32", o_ptr="*bf16", pos_ptr="*i32"),
-                dict(SPLIT=mla.split_size(64, 512, 64, 2), D_LAT=512, HG=hg, BD=min(512, mla.MERGE_TILE // hg)),
+                dict(SPLIT=mla.split_size(64, 512, 64), D_LAT=512, HG=hg, BD=min(512, mla.MERGE_TILE // hg)),
                 ("v_scale",)))
     return out
 

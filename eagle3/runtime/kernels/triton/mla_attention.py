@@ -10,7 +10,7 @@ values are the first ``kv_lora`` dims of that same row. So one kernel serves dec
 
 **What a row computes** (its bits are a function of its own query, keys and position only):
 the keys are cut into *splits* of ``S`` absolute positions, split ``j`` holding keys ``[j*S,
-(j+1)*S)``; ``S`` follows from the model (heads, latent width, cache dtype: :func:`split_size`),
+(j+1)*S)``; ``S`` follows from the model (heads and latent width: :func:`split_size`),
 never from the batch. Within a split an online softmax in fp32 walks key tiles of ``BLOCK_N``
 from the split's first key (scores as two dots, latent part and rope part, so 576 is not padded
 to 1024; then ``p`` in the dot dtype times the latent tile, which doubles as the value tile: the
@@ -23,7 +23,8 @@ Keys past a row's position inside its last split add exact zeros (``p = exp(-inf
 is finite; splits past its position never enter its merge.
 
 **Two launch modes compute exactly that** (the same jit helpers, tile shapes and warps, so the
-same bits; tested bitwise), chosen per launch by memory only:
+same bits; tested bitwise), chosen per launch by memory only (:func:`launch_mode`; the serial one
+under the interpreter, where each program costs Python time):
 
 * *split* (decode and verify): stage 1, grid (chunk x head block, split), one program per split
   writing its fp32 partial per query token; stage 2, grid (token, head group, column block),
@@ -37,11 +38,14 @@ same bits; tested bitwise), chosen per launch by memory only:
   column blocks so that no second ``rows x latent`` accumulator lives in registers. A chunk
   whose keys fit one split needs no workspace and is the whole story for short contexts.
 
-Tiles (:func:`tile_shape`): the score tile has ``QT * BLOCK_H`` rows (token-major). On sm90 all
-64 Kimi heads are one head block (64 rows at decode), so each key's 576 values are loaded once
-per query token, not once per 16 heads; on gfx942 (64 KiB of LDS) 32 heads. Fewer heads (a TP
-shard, the tiny models) fill the rows with query tokens of the same sequence, so a verify window
-shares each latent tile it reads.
+Tiles (:func:`tiles`): the score tile has ``QT * BLOCK_H`` rows (token-major). On sm90 all 64
+Kimi heads are one head block (64 rows at decode), so each key's 576 values are loaded once per
+query token, not once per 16 heads; on gfx942 (64 KiB of LDS, 4 warps for 512 registers a lane)
+32 heads, the two head blocks of a token adjacent in the grid so that the second reads the
+latent from L2. Fewer heads (a TP shard, the tiny models) fill the rows with query tokens of the
+same sequence, so a verify window shares each latent tile it reads. On sm90 the 64 x 512 fp32
+accumulator (128 registers a thread over 8 warps) leaves the pipelined loop a few registers
+short: ptxas spills 24 bytes a thread (docs/kernels.md has the table).
 
 Draft trees (``TREE``, plan.tree_arrays): a tree query's ``pos`` is its virtual position (tree
 start + depth) and its virtual keys ``start ..`` are read at its ancestors' cache positions in depth
@@ -59,7 +63,15 @@ import torch
 import triton
 import triton.language as tl
 
-from eagle3.runtime.kernels.triton.common import block, dot_dtype, mma, tl_dtype, tree_key_positions, widen
+from eagle3.runtime.kernels.triton.common import (
+    INTERPRET,
+    block,
+    dot_dtype,
+    mma,
+    tl_dtype,
+    tree_key_positions,
+    widen,
+)
 from eagle3.runtime.kernels.triton.plan import TREE_MAX_NODES, TritonAttnPlan
 
 BLOCK_N = 32  # keys per tile (a split holds a whole number of tiles)
@@ -105,13 +117,15 @@ def tile_shape(heads: int, d_lat: int, target: str = "cuda") -> tuple[int, int]:
     return t.block_h, t.qt
 
 
-def split_size(heads: int, d_lat: int, d_rope: int, kv_bytes: int) -> int:
-    """Keys per split: the smallest power of two whose latent bytes cover its fp32 partial written
-    by stage 1 and read back by the merge, so the partials cost at most as much traffic as the keys
-    (Kimi, 64 heads: 256 keys over a bf16 cache, 512 over fp8; a TP-8 shard of 8 heads: 64). A
-    model constant: the cache dtype and head layout are fixed for an engine's life."""
+def split_size(heads: int, d_lat: int, d_rope: int) -> int:
+    """Keys per split: the smallest power of two whose latent, at two bytes a value, covers the
+    split's fp32 partial written by stage 1 and read back by the merge (Kimi, 64 heads: 256; a
+    TP-8 shard of 8 heads: 64). Not halved for an fp8 cache: at 64 heads a program is bound by its
+    dots (139 kFLOP per key, 121 FLOP per bf16 byte, the H200's ridge ~206), so a split's time
+    follows its keys, not its bytes, and fewer, longer splits would only cut the parallelism. A
+    model constant: never the batch."""
     partial = 2 * heads * (d_lat + 2) * 4
-    row = (d_lat + d_rope) * kv_bytes
+    row = (d_lat + d_rope) * 2
     return min(SPLIT_MAX, max(SPLIT_MIN, triton.next_power_of_2(-(-partial // row))))
 
 
@@ -340,6 +354,14 @@ def _fold(o_ptr, ro_ptr, rl_ptr, rm_ptr, so_ptr, sl_ptr, sm_ptr, tid, h, at, min
 
 # -- launch ---------------------------------------------------------------------------------------
 
+def launch_mode(tokens: int, n_splits: int, heads: int, d_lat: int) -> str:
+    """``"split"`` while its partials (tokens x splits x heads x (latent + 2) fp32) fit
+    :data:`WORKSPACE_BUDGET` and there is more than one split; else ``"serial"``, as always under
+    the interpreter (which runs each program in Python: fewer programs, the same bits)."""
+    fits = 1 < n_splits <= 65535 and tokens * n_splits * heads * (d_lat + 2) * 4 <= WORKSPACE_BUDGET
+    return "split" if fits and not INTERPRET else "serial"
+
+
 def _target(device: torch.device) -> str:
     return "hip" if device.type == "cuda" and getattr(torch.version, "hip", None) else "cuda"
 
@@ -353,11 +375,10 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
 
     ``split`` (keys per split, a multiple of :data:`BLOCK_N`) and ``mode`` (``"split"`` /
     ``"serial"``) are for tests: by default the split follows :func:`split_size` and the mode the
-    workspace it needs; both modes give the same bits."""
+    workspace it needs (serial under the interpreter); both modes give the same bits."""
     t, heads, d = q.shape
     d_rope = d - d_lat
     dtype = q.dtype
-    kv_bytes = kv_cache.element_size()  # the storage's, before the interpreter widens bf16
     qs = widen(q)
     if qs.stride(-1) != 1:
         qs = qs.contiguous()
@@ -367,7 +388,7 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
     out = torch.empty((t, heads, d_lat), dtype=qs.dtype, device=q.device)
     if not t:
         return out if out.dtype == dtype else out.to(dtype)
-    s = split if split is not None else split_size(heads, d_lat, d_rope, kv_bytes)
+    s = split if split is not None else split_size(heads, d_lat, d_rope)
     if s % BLOCK_N or s & (s - 1):
         raise ValueError(f"split {s}: a power of two multiple of {BLOCK_N} keys")
     shape = tiles(heads, d_lat, _target(q.device))
@@ -375,9 +396,7 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, d_lat: int, plan: Tri
     hb = triton.cdiv(heads, bh)
     chunks = plan.chunks(qt)
     n_splits = triton.cdiv(plan.block_tables.shape[1] * plan.block_size, s)  # host shapes only
-    partial_bytes = t * n_splits * heads * (d_lat + 2) * 4
-    if mode is None:
-        mode = "split" if 1 < n_splits <= 65535 and partial_bytes <= WORKSPACE_BUDGET else "serial"
+    mode = mode or launch_mode(t, n_splits, heads, d_lat)
     dd = dot_dtype(qs.dtype)
     tree = plan.tree is not None
     lo, paths = plan.tree if tree else (plan.positions, plan.positions)  # unread without TREE
