@@ -64,7 +64,8 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
 def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
     """MLA at Kimi-K2.5's head layout (64 heads, latent 512 + rope 64), each GPU family with its own
     tiles (``_targets``): split stage 1 (decode / verify, also over trees and fp8 latents: OCP e4m3
-    on Hopper and gfx950, e4m3fnuz on gfx942), the split merge, and the serial kernel (prefill)."""
+    on Hopper and gfx950, e4m3fnuz on gfx942), the split merge, and the serial kernel (prefill; its
+    tree and fp8 branches are stage 1's code)."""
     import triton.language as tl
 
     bf, i32, f32 = "*bf16", "*i32", "*fp32"
@@ -95,8 +96,6 @@ def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict
              ("scale",)),
             (f"mla serial bf16 {tag}, 512+64", mla._mla_serial_kernel, serial_ptrs, dict(bf16, **serial),
              ("scale", "v_scale")),
-            (f"mla serial bf16 {tag}, 512+64 tree", mla._mla_serial_kernel, serial_ptrs,
-             dict(bf16, TREE=True, **serial), ("scale", "v_scale")),
         ]
     hg = min(64, max(1, mla.MERGE_TILE // 512))
     out.append(("mla split merge 64 heads, 512", mla._mla_merge_kernel, dict(po_ptr="*fp32", pl_ptr="*fp32",
