@@ -10,10 +10,13 @@ on small shapes, for every canonical weight format.
 * Row invariance: a row's output bits do not change with the rows around it or the batch size.
 * Both tile shapes run on every machine: the interpreter's whole-width tiles and the compiled (GPU)
   ones, every model dtype for the shapes the machine itself uses, fp32 for the other.
+* Split-K: the compiled tiles with K cut into 32-wide chunks (the small test weights split only
+  when forced): the partials and their chunk-order sum kernel, for the Linear and the fused MoE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -25,7 +28,7 @@ from eagle3.errors import UsageError  # noqa: E402
 from eagle3.formats import codecs  # noqa: E402
 from eagle3.runtime.kernels import torch_ref  # noqa: E402
 from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight  # noqa: E402
-from eagle3.runtime.kernels.triton import linear, moe  # noqa: E402
+from eagle3.runtime.kernels.triton import gemm_tiles, linear, moe  # noqa: E402
 from eagle3.runtime.kernels.triton.common import INTERPRET  # noqa: E402
 
 # (rtol, atol relative to the largest |reference| output) of the float paths, per model dtype: the
@@ -84,7 +87,7 @@ def tile_shapes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """The tile shapes are forced either way: the default follows ``TRITON_INTERPRET``, so without
     this a GPU would run its compiled tiles twice and the whole-width ones never."""
     tiles, interpret = linear.tiles, request.param == "interpreted-tiles"
-    monkeypatch.setattr(linear, "tiles", lambda fmt, n, k: tiles(fmt, n, k, interpret=interpret))
+    monkeypatch.setattr(linear, "tiles", lambda fmt, n, k, group=0: tiles(fmt, n, k, group, interpret=interpret))
     return request.param
 
 
@@ -203,3 +206,68 @@ def test_moe_alignment_shapes_depend_on_shapes_only() -> None:
             assert sorted(sorted_ids[sorted_ids < t * k].tolist()) == list(range(t * k))  # each pair once
             assert (ids.reshape(-1)[rows[real].long()] == used.repeat_interleave(bm).view(-1, bm)[real]).all()
         assert len(shapes) == 1
+
+
+@pytest.fixture
+def split_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled tile rule with K cut into chunks of one 32-wide step (the rule itself splits
+    only long K: ``test_gemm_tiles.py``), so the partials and :func:`linear._splitk_kernel` run."""
+
+    def forced(fmt: int, n: int, k: int, group: int = 0) -> gemm_tiles.GemmTiles:
+        bk = max(32, group)
+        return dataclasses.replace(gemm_tiles.gemm_tiles(fmt, n, k, group), bk=bk, split=k // bk)
+
+    monkeypatch.setattr(linear, "tiles", forced)
+
+
+SPLIT_CASES = [("int4-g32-ct", None), ("int4-g16-quark", None), ("int4-chan-quark", "int8"),
+               ("int4-chan-quark", "fp8"), ("mxfp4", "mxfp4"), ("fp8-block", None), ("fp8-tensor", "fp8"),
+               ("dense", None)]
+
+
+@pytest.mark.parametrize(("fmt", "act"), SPLIT_CASES, ids=[f"{f}-{a or 'w-only'}" for f, a in SPLIT_CASES])
+def test_split_k_linear_matches_reference(fmt: str, act: str | None, split_tiles: None, device: torch.device) -> None:
+    """K = 96 in three chunks. Bitwise: the integer paths against the reference (int64 chunk sums
+    are exact in any order), and a row alone / in another batch against itself in the batch (the
+    rows are the N side of every dot - other rows are other MMA / BLAS columns, whose values never
+    enter a row's sums - and the chunks are added in chunk order). Float paths: TOL."""
+    g = torch.Generator().manual_seed(zlib.crc32(fmt.encode()) % 1000 + 7)
+    w = _weight(fmt, N, K, g)
+    x = torch.randn(33, K, generator=g)
+    ref, op = torch_ref.TorchLinear(), linear.TritonLinear()
+    ref.prepare(w, act, torch.float32, device)
+    op.prepare(w, act, torch.float32, device)
+    assert linear.tiles(op.bank.fmt, N, K, op.bank.group).split == 3
+    xd = x.to(device)
+    y = op(xd)
+    _check(y, ref(xd), act in ("int8", "fp8"), torch.float32)
+    assert torch.equal(op(xd[20:21]), y[20:21])
+    assert torch.equal(op(torch.cat([xd[:3] * 2, xd[20:21]]))[3:], y[20:21])
+
+
+MOE_SPLIT_CASES = [("int4-g32-ct", None), ("int4-chan-quark", "int8"), ("mxfp4", "mxfp4")]
+
+
+@pytest.mark.parametrize(("fmt", "act"), MOE_SPLIT_CASES, ids=[f"{f}-{a or 'w-only'}" for f, a in MOE_SPLIT_CASES])
+def test_split_k_fused_moe_matches_reference(fmt: str, act: str | None, split_tiles: None,
+                                             device: torch.device) -> None:
+    """Both grouped GEMMs split (K = 64 in two chunks): SiLU-and-mul, the W4A8 weight scales of each
+    pair's expert and the routing weight applied after the chunk sum. A token's bits: bitwise
+    alone and in the batch (as above); the reference: TOL (exact for the integer GEMMs, but the
+    SiLU's exp and the fp32 combine are float)."""
+    g = torch.Generator().manual_seed(5)
+    h, inter = 64, 64
+    gate, up = ([_weight(fmt, inter, h, g) for _ in range(E)] for _ in range(2))
+    down = [_weight(fmt, h, inter, g) for _ in range(E)]
+    x = torch.randn(T, h, generator=g).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(T)]).to(device)
+    wts = torch.rand(T, TOPK, generator=g).to(device)
+    ref, op = torch_ref.TorchMoE(), moe.TritonMoE()
+    ref.prepare(gate, up, down, act, torch.float32, device)
+    op.prepare(gate, up, down, act, torch.float32, device)
+    assert linear.tiles(op.w13.fmt, 2 * inter, h, op.w13.group).split == 2
+    assert linear.tiles(op.w2.fmt, h, inter, op.w2.group).split == 2
+    y = op(x, ids, wts)
+    _check(y, ref(x, ids, wts), False, torch.float32)
+    assert torch.equal(op(x[4:6], ids[4:6], wts[4:6]), y[4:6])
+    assert torch.equal(op(x[6:7], ids[6:7], wts[6:7]), y[6:7])

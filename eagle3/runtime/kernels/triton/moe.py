@@ -86,7 +86,7 @@ class TritonMoE(MoEOp):
         if self.w2.n != self.hidden or self.w2.k != self.inter:
             raise ShapeError(f"down experts are [{self.w2.n}, {self.w2.k}], expected [{self.hidden}, {self.inter}]")
         # one BLOCK_M for both GEMMs: the alignment is shared
-        self.block_m = linear.tiles(self.w13.fmt, self.w13.n, self.w13.k)[0]
+        self.block_m = linear.tiles(self.w13.fmt, self.w13.n, self.w13.k, self.w13.group).bm
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.w13.resident() + self.w2.resident()
@@ -104,17 +104,19 @@ class TritonMoE(MoEOp):
         if t == 0:
             return x.new_empty(0, self.hidden)
         sorted_ids, expert_ids = align(topk_ids, self.num_experts, self.block_m)
-        total = int(sorted_ids.numel())
+        grid_m = int(sorted_ids.numel()) // self.block_m
         sdt = linear.store_dtype(self.dtype)
+        pair_eids = topk_ids.reshape(-1)  # the expert of each pair (the exact path's split-K sum)
         a, sa = self._operand(x)
-        # zeros: the unused blocks past the aligned rows are skipped by the kernel, never written
-        inter = torch.zeros(total, self.inter, dtype=sdt, device=x.device)
+        # one row per pair, written by GEMM 1 for every pair (padding rows are never stored)
+        inter = torch.empty(t * k, self.inter, dtype=sdt, device=x.device)
         linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,
-                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True)
+                      grid_m=grid_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True,
+                      pair_eids=pair_eids)
         a2, sa2 = self._operand(inter.to(self.dtype) if sdt != self.dtype else inter)
         pair_out = torch.empty(t * k, self.hidden, dtype=torch.float32, device=x.device)
         rw = topk_weights.float().reshape(-1).contiguous()
         linear.launch(self.w2, a2, sa2, pair_out, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.hidden,
-                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=2, rw=rw)
+                      grid_m=grid_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=2, rw=rw, pair_eids=pair_eids)
         # the reference's combine: fp32 products (made in the kernel) summed over the slots
         return pair_out.view(t, k, self.hidden).sum(1).to(self.dtype)
