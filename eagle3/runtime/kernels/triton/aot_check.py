@@ -76,22 +76,28 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
 
 
 def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
-    """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads, 128 x 512)
-    and the fp32 router (7168 x 384, split K) with its split sum. The router serves in fp32 (named
-    f32, not fp32: ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads: q_nope [128]
+    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K)
+    with its split sum, with the tiles of each weight shape. Unit strides are constexprs, as the
+    JIT specialises them at run time. The router serves in fp32 (named f32, not fp32:
+    ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    import torch
     import triton.language as tl
 
-    def bmm(label: str, ptr: str, dot: Any, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
-                                                                      tuple[str, ...]]:
-        bm, bn, bk, splits = dense_gemm.tiles(n, k)
-        consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=splits, KC=dense_gemm.K_CHUNK, BM=bm, BN=bn, BK=bk)
-        return (label, dense_gemm._bmm_kernel, dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if splits == 1 else "*fp32"),
-                consts, ())
+    def bmm(label: str, dtype: torch.dtype, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
+                                                                     tuple[str, ...]]:
+        t = dense_gemm.tiles(n, k, dtype)
+        ptr, dot = ("*fp32", tl.float32) if dtype == torch.float32 else ("*bf16", tl.bfloat16)
+        consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=t.split, KC=k // t.split, BM=t.bm, BN=t.bn, BK=t.bk,
+                      s_xk=1, s_wn=1, _warps=t.warps)
+        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel,
+                dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if t.split == 1 else "*fp32"), consts, ())
 
-    _, _, _, router_splits = dense_gemm.tiles(384, 7168)
+    router_splits = dense_gemm.tiles(384, 7168, torch.float32).split
     return [
-        bmm("dense bmm bf16 mla absorption 128 x 512", "*bf16", tl.bfloat16, 512, 128),
-        bmm("dense gemm router f32 ieee 7168 x 384, split K", "*fp32", tl.float32, 384, 7168),
+        bmm("dense bmm bf16 mla absorption q_nope @ W_UK 128 -> 512", torch.bfloat16, 512, 128),
+        bmm("dense bmm bf16 mla absorption o_lat @ W_UV 512 -> 128", torch.bfloat16, 128, 512),
+        bmm("dense gemm router f32 ieee 7168 -> 384", torch.float32, 384, 7168),
         ("dense gemm split-K sum", dense_gemm._sum_splits_kernel, dict(p_ptr="*fp32", o_ptr="*fp32"),
          dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK), ()),
     ]
