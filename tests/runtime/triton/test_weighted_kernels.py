@@ -55,6 +55,10 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
                           in_features=k)
     if fmt == "mxfp4":
         return MXFP4Weight(*codecs.mxfp4_quantize(wf))
+    if fmt == "mxfp4-wide-scales":  # E8M0 bytes outside [2, 252] (here 2^-126): the general decode, not the bit one
+        packed, scale = codecs.mxfp4_quantize(wf)
+        scale[::3, 0] = 1
+        return MXFP4Weight(packed, scale)
     if fmt == "fp8-block":
         # 64-wide K blocks: the compiled tiles (BK 64) read one scale per row, the interpreted
         # ones (BK 128) gather them per element
@@ -70,8 +74,8 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
 # (weight format, activation quantization); the integer paths are the ones with int8 / fp8 activations
 LINEAR_CASES = [("int4-g32-ct", None), ("int4-g16-quark", None), ("int4-chan-quark", None),
                 ("int4-chan-quark", "int8"), ("int4-chan-order", "int8"), ("int4-chan-int8", "int8"),
-                ("int4-chan-quark", "fp8"), ("mxfp4", None), ("mxfp4", "mxfp4"), ("fp8-block", None),
-                ("fp8-chan", None), ("fp8-tensor", "fp8"), ("dense", None), ("dense", "mxfp4")]
+                ("int4-chan-quark", "fp8"), ("mxfp4", None), ("mxfp4", "mxfp4"), ("mxfp4-wide-scales", None),
+                ("fp8-block", None), ("fp8-chan", None), ("fp8-tensor", "fp8"), ("dense", None), ("dense", "mxfp4")]
 
 
 def _check(y: torch.Tensor, ref: torch.Tensor, exact: bool, dtype: torch.dtype) -> None:

@@ -118,7 +118,7 @@ def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, A
         a = {1: "*i8", 3: "*u8"}[kw.get("A_DIGITS", 1)] if exact else "*bf16"
         consts = dict(K=k, WFMT=fmt, GROUP=group, SBN=0, SBK=0, HAS_TS=False, S_RND=0, W_RND=1, OUT_RND=1,
                       EXACT=False, A_DIGITS=1, W_DIGITS=1, UNIT=1.0, GATHER=0, GLU=False, SCATTER=False,
-                      DOT=tl.bfloat16, IEEE=False, BF16W=False, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk,
+                      DOT=tl.bfloat16, IEEE=False, BF16W=False, MXF=False, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk,
                       _warps=t.warps)
         consts.update(kw)
         out = "*fp32" if kw.get("SCATTER") else "*bf16"
@@ -141,13 +141,14 @@ def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, A
     w4a16 = dict(group=32, S_RND=1, BF16W=True)  # Moonshot INT4 group 32, bf16 scales: the bf16x2 decode
     int8 = dict(EXACT=True)  # W4A8, int8 activations (per-channel INT4)
     fp8 = dict(EXACT=True, A_DIGITS=3, UNIT=2.0 ** -9)  # W4A8 FP8-stage: E4M3 activations, 3 int8 dots
+    mxfp4 = dict(BF16W=True, MXF=True)  # E8M0 bytes in [2, 252]: bf16 bits of code x scale by integer ops
     return [  # every weight decode, the GLU / gather / scatter variants, the exact paths, a Linear
         *case("gemm moe w13 w4a16 g32 7168 -> 2x2048", int4, "*i32", "*bf16", *w13, **w4a16, **moe1),
         *case("gemm moe w2 w4a16 g32 2048 -> 7168", int4, "*i32", "*bf16", *w2, **w4a16, **moe2),
         *case("gemm moe w13 w4a8 int8 7168 -> 2x2048", int4, "*i32", "*fp32", *w13, **int8, **moe1),
         *case("gemm moe w2 w4a8 fp8-stage 2048 -> 7168", int4, "*i32", "*fp32", *w2, **fp8, **moe2),
-        *case("gemm moe w13 mxfp4 7168 -> 2x2048", mx, "*i32", "*u8", *w13, **moe1),
-        *case("gemm moe w2 mxfp4 2048 -> 7168", mx, "*i32", "*u8", *w2, **moe2),
+        *case("gemm moe w13 mxfp4 7168 -> 2x2048", mx, "*i32", "*u8", *w13, **mxfp4, **moe1),
+        *case("gemm moe w2 mxfp4 2048 -> 7168", mx, "*i32", "*u8", *w2, **mxfp4, **moe2),
         *case("gemm w4a16 g32 7168 -> 4096", int4, "*i32", "*bf16", 4096, 7168, **w4a16),
         *case("gemm bf16 7168 -> 4096", linear.DENSE, "*bf16", "*bf16", 4096, 7168),
         *case("gemm fp8 block 128 7168 -> 2048", linear.FP8, "*u8", "*fp32", 2048, 7168, SBN=128, SBK=128),

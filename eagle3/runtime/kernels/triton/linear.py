@@ -183,9 +183,10 @@ def _per_word(s, G: tl.constexpr, BK: tl.constexpr):
 
 @_device_fn
 def _mxfp4_value(c):
-    """E2M1 codes (int32) -> fp32 values: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 ((1 + m/2) * 2^(e-1),
-    subnormal m/2), bit 3 the sign."""
+    """Stored MXFP4 codes (int32; magnitudes 0 and 1 swapped, :func:`_mxfp4_words`) -> fp32 values:
+    E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 ((1 + m/2) * 2^(e-1), subnormal m/2), bit 3 the sign."""
     i = c & 7
+    i = tl.where(i < 2, i ^ 1, i)
     mag = tl.where(i < 2, i.to(tl.float32) * 0.5,
                    (1.0 + (i % 2).to(tl.float32) * 0.5) * ((((i >> 1) + 126) << 23).to(tl.float32, bitcast=True)))
     return tl.where(c >= 8, -mag, mag)
@@ -198,33 +199,57 @@ def _e8m0(sc):
 
 
 @_device_fn
-def _pair_values(t, s2, ts, WFMT: tl.constexpr, GROUP: tl.constexpr, HAS_TS: tl.constexpr,
-                 S_RND: tl.constexpr, W_RND: tl.constexpr, EXACT: tl.constexpr, BF16W: tl.constexpr):
-    """Weights of elements ``2i``, ``2i + 1`` of each packed word, from ``t = (w >> 4i) & 0x000F000F``:
-    INT4 codes (exact path), or values in the model dtype (bf16 when ``BF16W``, else fp32).
-    ``s2``: the scale per (row, word, half) or per row; ``ts``: per-row tensor scales."""
+def _mxfp4_bits(t, sx):
+    """bf16 bit patterns of stored MXFP4 codes ``j`` (bits 0-3 and 16-19 of ``t``) times
+    ``2^(sc - 127)``, by integer ops on both halves at once. With magnitudes 0 and 1 swapped in
+    storage, ``sx + 64 j`` is the product's exponent and mantissa for every magnitude but zero
+    (``j = 1``: masked): ``sx = (sc - 1) << 7`` is 0.5's, 64 j adds ``j // 2`` to the exponent and
+    ``j & 1`` as its top mantissa bit (1, 1.5, 2, 3, 4, 6 for j = 2..7); the sign moves from bit 3
+    to bit 15. Exact (the product is a bf16 value) when every scale byte is in ``[2, 252]`` (no
+    subnormal, no overflow: ``Bank.mx_fast``)."""
+    j = t & 0x00070007
+    v = j * 64 + sx
+    nz = ((j ^ 0x00010001) + 0x7FFF7FFF) & -2147450880  # bit 15 of a half set iff its j != 1 (-0x7fff8000)
+    return (((t << 12) & -2147450880) | v) & ((nz - ((nz >> 15) & 0x00010001)) | -2147450880)
+
+
+@_device_fn
+def _pair_values(ws, s2, ts, WFMT: tl.constexpr, GROUP: tl.constexpr, HAS_TS: tl.constexpr,
+                 S_RND: tl.constexpr, W_RND: tl.constexpr, EXACT: tl.constexpr, BF16W: tl.constexpr,
+                 MXF: tl.constexpr):
+    """Weights of elements ``2i``, ``2i + 1`` of each packed word, from ``ws = w >> 4i`` (their codes
+    in bits 0-3 and 16-19): INT4 codes (exact path), or values in the model dtype (bf16 when
+    ``BF16W``, else fp32). ``s2``: the scale per (row, word, half) or per row (MXFP4 with ``MXF``:
+    ``(sc - 1) << 7`` per word and half); ``ts``: per-row tensor scales."""
     if EXACT:
-        return _code_pair(t) - 8
+        v = _code_pair(ws & 0x000F000F) - 8
     elif WFMT == 1:
+        t = (ws & 0x000F000F) | 0x43004300  # bf16 halves 128 + u
         if BF16W:  # (128 + u) - 136 = q exactly; the multiply rounds q * s once to bf16
-            return (_halves(t | 0x43004300, True) - tl.full([1, 1, 1], 136.0, tl.bfloat16)) * s2
+            v = (_halves(t, True) - tl.full([1, 1, 1], 136.0, tl.bfloat16)) * s2
         else:
-            q = _halves(t | 0x43004300, False) - 136.0
+            q = _halves(t, False) - 136.0
             if GROUP > 0:
                 v = _rnd(q * s2, S_RND)  # q * s in the scale's dtype (compressed-tensors' rule)
                 if HAS_TS:
                     v = v * ts
             else:
                 v = q * s2  # merged fp32 channel scale
-            return _rnd(v, W_RND)
+            v = _rnd(v, W_RND)
+    elif MXF:  # (the bit decode masks what it needs)
+        if BF16W:
+            v = _halves(_mxfp4_bits(ws, s2), True)
+        else:
+            v = _rnd(_halves(_mxfp4_bits(ws, s2), False), W_RND)
     else:
-        return _rnd(_mxfp4_value(_code_pair(t)) * s2, W_RND)
+        v = _rnd(_mxfp4_value(_code_pair(ws & 0x000F000F)) * s2, W_RND)
+    return v
 
 
 @_device_fn
 def _w_tile(we, se, tse, wrow, n_ok, k0, s_wn, s_sn, K: tl.constexpr, WFMT: tl.constexpr, GROUP: tl.constexpr,
             SBN: tl.constexpr, SBK: tl.constexpr, HAS_TS: tl.constexpr, S_RND: tl.constexpr, W_RND: tl.constexpr,
-            EXACT: tl.constexpr, BF16W: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
+            EXACT: tl.constexpr, BF16W: tl.constexpr, MXF: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
     """Weight tile ``[BN, BK]`` (rows ``wrow``, inputs ``k0 ..``): integer codes for the exact path,
     else model-dtype values (bf16, or fp32 holding them). ``we`` / ``se`` / ``tse``: this expert's
     codes / scales / tensor scales. Masked lanes hold finite values, met by zero activations or
@@ -244,21 +269,25 @@ def _w_tile(we, se, tse, wrow, n_ok, k0, s_wn, s_sn, K: tl.constexpr, WFMT: tl.c
             rg = k0 // G + tl.arange(0, BK // G)
             sm = n_ok[:, None] if EVEN_K else n_ok[:, None] & (rg < (K + G - 1) // G)[None, :]
             if WFMT == 2:
-                sc = tl.load(se + wrow[:, None] * s_sn + rg[None, :], mask=sm, other=127).to(tl.int32)
-                sw = _per_word(_e8m0(sc), G, BK)
+                sc = _per_word(tl.load(se + wrow[:, None] * s_sn + rg[None, :], mask=sm, other=127).to(tl.int32), G,
+                               BK)
+                if MXF:  # the exponent field of code 1 (0.5) in both halves
+                    s2 = ((sc - 1) << 7) | ((sc - 1) << 23)
+                else:
+                    s2 = tl.join(_e8m0(sc), _e8m0(sc))
             else:
                 sw = _per_word(tl.load(se + wrow[:, None] * s_sn + rg[None, :], mask=sm, other=0.0), G, BK)
                 if not BF16W:
                     sw = sw.to(tl.float32)
-            s2 = tl.join(sw, sw)
+                s2 = tl.join(sw, sw)
             if HAS_TS:
                 ts = tl.load(tse + wrow, mask=n_ok, other=0.0)[:, None, None]
         else:  # per-channel INT4: the merged fp32 row scale
             s2 = tl.load(se + wrow, mask=n_ok, other=0.0)[:, None, None]
-        v0 = _pair_values(words & 0x000F000F, s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W)
-        v1 = _pair_values((words >> 4) & 0x000F000F, s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W)
-        v2 = _pair_values((words >> 8) & 0x000F000F, s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W)
-        v3 = _pair_values((words >> 12) & 0x000F000F, s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W)
+        v0 = _pair_values(words, s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W, MXF)
+        v1 = _pair_values((words >> 4), s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W, MXF)
+        v2 = _pair_values((words >> 8), s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W, MXF)
+        v3 = _pair_values((words >> 12), s2, ts, WFMT, GROUP, HAS_TS, S_RND, W_RND, EXACT, BF16W, MXF)
         return _assemble(v0, v1, v2, v3)
     else:
         rk = k0 + tl.arange(0, BK)
@@ -315,7 +344,7 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
                  HAS_TS: tl.constexpr, S_RND: tl.constexpr, W_RND: tl.constexpr, OUT_RND: tl.constexpr,
                  EXACT: tl.constexpr, A_DIGITS: tl.constexpr, W_DIGITS: tl.constexpr, UNIT: tl.constexpr,
                  GATHER: tl.constexpr, GLU: tl.constexpr, SCATTER: tl.constexpr, DOT: tl.constexpr,
-                 IEEE: tl.constexpr, BF16W: tl.constexpr, SPLIT: tl.constexpr,
+                 IEEE: tl.constexpr, BF16W: tl.constexpr, MXF: tl.constexpr, SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out = epilogue(a @ W.T)``. ``GATHER=0``: rows ``0..M-1`` of ``a`` (a Linear). MoE
     (``GATHER`` 1 / 2): program row ``r`` is pair ``rows[r]`` (``>= M``: padding) of expert
@@ -373,7 +402,7 @@ def _gemm_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, rw_ptr, rows_ptr,
         am = row_ok[:, None] if EVEN_K else row_ok[:, None] & (rk < K)[None, :]
         a = tl.load(a_ptr + arow[:, None] * stride_am + rk[None, :], mask=am, other=0)
         w = _w_tile(we, se, tse, wrow, n_ok, k0, s_wn, s_sn, K, WFMT, GROUP, SBN, SBK, HAS_TS, S_RND, W_RND, EXACT,
-                    BF16W, EVEN_K, BK)
+                    BF16W, MXF, EVEN_K, BK)
         if EXACT:
             if A_DIGITS == 3:
                 a = _e4m3_units(a.to(tl.int32))
@@ -471,6 +500,7 @@ class Bank:
     sbk: int = 0
     has_ts: bool = False
     s_rnd: int = 0
+    mx_fast: bool = False  # MXFP4 with every E8M0 byte in [2, 252]: products built as bf16 bits (_mxfp4_bits)
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         role = "dense" if self.fmt == DENSE else "packed"
@@ -504,9 +534,12 @@ def _int4_words(w: Int4Weight) -> torch.Tensor:
 
 
 def _mxfp4_words(w: MXFP4Weight) -> torch.Tensor:
-    """An MXFP4 weight's E2M1 codes (even element in the low nibble of each byte) as :func:`pack_words`."""
+    """An MXFP4 weight's E2M1 codes (even element in the low nibble of each byte) as :func:`pack_words`,
+    magnitudes 0 and 1 swapped (``c ^ 1`` when ``c & 6 == 0``, the sign bit kept): the kernels'
+    decode is then linear in the code except for zero (:func:`_mxfp4_bits`)."""
     p = w.packed
-    return pack_words(torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1))
+    c = torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1)
+    return pack_words(torch.where(c & 6 == 0, c ^ 1, c))
 
 
 def _scales(t: torch.Tensor) -> torch.Tensor:
@@ -553,7 +586,9 @@ def make_bank(experts: list[list[LinearWeight]], dtype: torch.dtype, device: tor
     if isinstance(first, MXFP4Weight):
         if k % 32:
             raise ShapeError(f"MXFP4 weight width {k} is not a multiple of 32")
-        return Bank(MXFP4, n, k, stack(_mxfp4_words), stack(lambda w: w.scale), empty)
+        s = stack(lambda w: w.scale)
+        fast = bool(s.numel()) and int(s.min()) >= 2 and int(s.max()) <= 252  # one read at load time
+        return Bank(MXFP4, n, k, stack(_mxfp4_words), s, empty, mx_fast=fast)
     if isinstance(first, FP8Weight):
         fs: list[FP8Weight] = flat  # type: ignore[assignment]
         if any(w.block != first.block for w in fs):
@@ -621,8 +656,9 @@ def launch(bank: Bank, a: torch.Tensor, sa: torch.Tensor | None, out: torch.Tens
     if t.split > 1:  # raw partial sums, one [m, ncols] slab per K chunk
         dest = torch.empty(t.split, m, ncols, dtype=torch.int64 if exact else torch.float32, device=out.device)
         p_stride = m * ncols
-    bf16w = (not INTERPRET and not exact and bank.fmt == INT4 and bank.group > 0 and not bank.has_ts
-             and bank.s.dtype == torch.bfloat16 and dtype == torch.bfloat16)
+    bf16 = not INTERPRET and not exact and dtype == torch.bfloat16  # compiled bf16: decode to bf16 directly
+    bf16w = bf16 and ((bank.fmt == INT4 and bank.group > 0 and not bank.has_ts and bank.s.dtype == torch.bfloat16)
+                      or (bank.fmt == MXFP4 and bank.mx_fast))
     unit = (2.0 ** -9 if mode == "fp8" else 1.0) * (2.0 ** -9 if exact and bank.fmt == FP8 else 1.0)
     _gemm_kernel[(grid_m, triton.cdiv(n_out, bo), t.split)](
         a, sa if sa is not None else dummy, w, bank.s, bank.ts, dest, rw if rw is not None else dummy,
@@ -633,7 +669,7 @@ def launch(bank: Bank, a: torch.Tensor, sa: torch.Tensor | None, out: torch.Tens
         HAS_TS=bank.has_ts, S_RND=bank.s_rnd, W_RND=_RND[dtype], OUT_RND=_RND[dtype], EXACT=exact,
         A_DIGITS=3 if mode == "fp8" else 1, W_DIGITS=3 if exact and bank.fmt == FP8 else 1, UNIT=unit,
         GATHER=gather, GLU=glu, SCATTER=rw is not None, DOT=tl_dtype(dd), IEEE=dd == torch.float32, BF16W=bf16w,
-        SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
+        MXF=bank.mx_fast, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
     if t.split > 1:
         _splitk_kernel[(triton.cdiv(m, SPLITK_ROWS), triton.cdiv(n_out, bo))](
             dest, sa if sa is not None else dummy, bank.s, out, rw if rw is not None else dummy,
