@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from eagle3.errors import UsageError  # noqa: E402
 from eagle3.formats import codecs  # noqa: E402
 from eagle3.runtime.kernels import torch_ref  # noqa: E402
-from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight  # noqa: E402
+from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, dequantize  # noqa: E402
 from eagle3.runtime.kernels.triton import gemm_tiles, linear, moe  # noqa: E402
 from eagle3.runtime.kernels.triton.common import INTERPRET  # noqa: E402
 
@@ -275,3 +275,34 @@ def test_split_k_fused_moe_matches_reference(fmt: str, act: str | None, split_ti
     _check(y, ref(x, ids, wts), False, torch.float32)
     assert torch.equal(op(x[4:6], ids[4:6], wts[4:6]), y[4:6])
     assert torch.equal(op(x[6:7], ids[6:7], wts[6:7]), y[6:7])
+
+
+def test_compiled_bf16_decode_recipes_match_dequantize() -> None:
+    """The decodes only a GPU runs (``linear.py``, ``BF16W``), replayed in torch on the words
+    ``make_bank`` stores: INT4 ``bf16(128 + u) - 136`` times the bf16 group scale in bf16 (one
+    rounding of the exact product, as ``mul.rn.bf16x2``), and the MXFP4 bit construction read as
+    bf16, are bitwise ``base.dequantize``'s bf16 weights. Pure integer / bf16 arithmetic: bitwise
+    on any machine."""
+    g = torch.Generator().manual_seed(11)
+    wf = torch.randn(8, 64, generator=g) * torch.logspace(-3, 1, 8)[:, None]  # scales over 4 decades
+    q, scale = codecs.ct_int4_quantize(wf, 32)
+    w4 = Int4Weight(q, scale.to(torch.bfloat16), 32, packing="ct", in_features=64)
+    words = linear.make_bank([[w4]], torch.bfloat16, torch.device("cpu")).w[0]
+    halves = torch.stack([(words >> (4 * i)) & 0x000F000F for i in range(4)], dim=-1)  # [N, W, pair i]
+    pairs = (halves | 0x43004300).contiguous().view(torch.bfloat16).view(8, 8, 4, 2)  # bf16 (128 + u), K order
+    s = w4.scale.repeat_interleave(32, dim=1).view(8, 8, 4, 2)
+    v = (pairs - torch.tensor(136.0, dtype=torch.bfloat16)) * s
+    assert torch.equal(v.reshape(8, 64), dequantize(w4, torch.bfloat16))
+
+    mx = MXFP4Weight(*codecs.mxfp4_quantize(wf))
+    bank = linear.make_bank([[mx]], torch.bfloat16, torch.device("cpu"))
+    assert bank.mx_fast
+    sx = (mx.scale.to(torch.int32) - 1).repeat_interleave(4, dim=1) << 7  # per word
+    sx = sx | (sx << 16)
+    ws = torch.stack([bank.w[0] >> (4 * i) for i in range(4)], dim=-1)
+    j = ws & 0x00070007
+    val = j * 64 + sx[..., None]
+    nz = ((j ^ 0x00010001) + 0x7FFF7FFF) & -2147450880
+    bits = (((ws << 12) & -2147450880) | val) & ((nz - ((nz >> 15) & 0x00010001)) | -2147450880)
+    v = bits.contiguous().view(torch.bfloat16).view(8, 64)
+    assert torch.equal(v, dequantize(mx, torch.bfloat16))
