@@ -170,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-batches", type=_csv_ints, default=[1, 16])
     p.add_argument("--e2e-tokens", type=int, default=32)
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true", help="end-to-end rows only")
+    p.add_argument("--e2e-graphs", choices=("both", "on", "off"), default="both",
+                   help="end-to-end rows with CUDA graphs (on), eager (off) or both")
     p.add_argument("--e2e-kv-gib", type=float, default=4.0, help="KV cache per end-to-end engine (GiB)")
     p.add_argument("--e2e-kv-dtypes", type=_csv_names(KV_DTYPES), default=["auto", "fp8"],
                    help="KV cache dtypes of the plain end-to-end rows (the speculative rows: auto)")
@@ -513,7 +516,7 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
         configs += [(b, shape, "auto") for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
     for backend, shape, kv in configs:
-        for eager in (True, False):
+        for eager in {"both": (True, False), "on": (False,), "off": (True,)}[getattr(args, "e2e_graphs", "both")]:
             row: dict[str, Any] = {"backend": backend, "graphs": not eager, "kv_cache_dtype": kv,
                                    "spec": "plain" if shape is None else shape if isinstance(shape, str)
                                    else ",".join(map(str, shape))}
@@ -686,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     if peak is None:
         print(f"note: {device!r} is not in the HBM peak table; pass --hbm-peak TB/s for fractions", file=sys.stderr)
     k = Kernels(args, peak)
-    for kernel in args.kernels:
+    for kernel in [] if args.skip_kernels else args.kernels:
         for batch in args.batches:
             for backend in args.backends:
                 row = k.row(kernel, backend, batch)
