@@ -290,7 +290,7 @@ def table(rows: list[Row]) -> str:
                            f"{loads} | {r.async_loads} | {_mma(r)} | {r.occupancy if r.occupancy is not None else '-'} |")
             else:
                 loads = " / ".join(str(r.loads[w]) for w in ("128", "64", "32", "narrow"))
-                out.append(f"| {name} | {row.warps} | {r.registers} | {r.spill_store_bytes} / {r.spill_load_bytes} | "
+                out.append(f"| {name} | {row.warps} | {r.registers} | {_kib(r.spill_store_bytes)} / {_kib(r.spill_load_bytes)} | "
                            f"{_kib(r.shared_bytes)} | {loads} | {r.async_loads} | {_mma(r)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
