@@ -117,3 +117,9 @@ def test_table_marks_spills(tmp_path: Path) -> None:
     doc.write_text(f"a\n{aot_check.DOC_BEGIN}\nold\n{aot_check.DOC_END}\nb\n")
     aot_check.update_doc(doc, text)
     assert doc.read_text() == f"a\n{aot_check.DOC_BEGIN}\n{text}{aot_check.DOC_END}\nb\n"
+    # a KNOWN_SPILLS entry that names no case is stale too (a kernel renamed or removed)
+    known = next(iter(aot_check.KNOWN_SPILLS))
+    assert aot_check.stale_known_spills([], [known]) == [f"{k} (no such case)" for k in aot_check.KNOWN_SPILLS
+                                                           if k != known]
+    with pytest.raises(ValueError, match="expected cuda:CAPABILITY"):
+        aot_check.parse_target("cuda:sm90")

@@ -309,17 +309,19 @@ def update_doc(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def stale_known_spills(rows: list[Row]) -> list[str]:
-    """KNOWN_SPILLS entries whose kernel compiled here without spilling ("target label")."""
-    return [f"{r.target} {r.kernel}" for r in rows if r.resources is not None and not r.resources.spills
-            and r.target in KNOWN_SPILLS.get(r.kernel, ())]
+def stale_known_spills(rows: list[Row], labels: list[str] | None = None) -> list[str]:
+    """KNOWN_SPILLS entries whose kernel compiled here without spilling ("target label"), and with
+    ``labels`` (the case list's) entries that name no case at all (a kernel renamed or removed)."""
+    stale = [f"{r.target} {r.kernel}" for r in rows if r.resources is not None and not r.resources.spills
+             and r.target in KNOWN_SPILLS.get(r.kernel, ())]
+    return stale + [f"{label} (no such case)" for label in KNOWN_SPILLS if labels is not None and label not in labels]
 
 
-def report(rows: list[Row]) -> dict[str, Any]:
+def report(rows: list[Row], labels: list[str] | None = None) -> dict[str, Any]:
     import triton
 
     return {"triton": triton.__version__, "targets": list(dict.fromkeys(r.target for r in rows)),
-            "failed": sum(r.failed for r in rows), "stale_known_spills": stale_known_spills(rows),
+            "failed": sum(r.failed for r in rows), "stale_known_spills": stale_known_spills(rows, labels),
             "kernels": [r.to_json() for r in rows]}
 
 
@@ -353,10 +355,17 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"aot_check: {err}", file=sys.stderr)
         return 2
+    if args.update_doc is not None:
+        doc = args.update_doc.read_text() if args.update_doc.is_file() else ""
+        if DOC_BEGIN not in doc or DOC_END not in doc:
+            print(f"aot_check: --update-doc {args.update_doc}: no such file or no aot-table markers", file=sys.stderr)
+            return 2
     rows: list[Row] = []
+    cases = _cases()
+    labels = [c[0] for c in cases]
     try:
         for target in targets:
-            for label, fn, ptrs, consts, floats in _cases():
+            for label, fn, ptrs, consts, floats in cases:
                 if (args.bf16_only and not production(label)) or not applies(label, target):
                     continue
                 if args.only is not None and args.only not in label:
@@ -374,9 +383,9 @@ def main(argv: list[str]) -> int:
             update_doc(args.update_doc, text)
     if args.json is not None:
         tmp = args.json.with_name(args.json.name + ".partial")
-        tmp.write_text(json.dumps(report(rows), indent=2) + "\n")
+        tmp.write_text(json.dumps(report(rows, labels), indent=2) + "\n")
         os.replace(tmp, args.json)
-    for entry in stale_known_spills(rows):
+    for entry in stale_known_spills(rows, labels):
         print(f"aot_check: {entry} no longer spills: remove it from KNOWN_SPILLS", file=sys.stderr)
     failed = [r for r in rows if r.failed]
     if failed:
