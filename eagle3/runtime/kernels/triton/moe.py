@@ -10,19 +10,24 @@ Per call:
    MoE can be captured in a CUDA / HIP graph.
 2. Grouped GEMM 1 (:func:`linear._gemm_kernel`, ``GATHER=1, GLU``): each program reads its rows'
    tokens from ``x`` and one expert's gate and up rows (decoded in registers from the packed
-   codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, in sorted order.
-3. Grouped GEMM 2 (``GATHER=2, SCATTER``): the down projection of the sorted rows, rounded to
-   the model dtype, times the pair's routing weight in fp32, written to the pair's own row.
+   codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, to the pair's row of
+   the intermediate (one row per pair).
+3. Grouped GEMM 2 (``GATHER=2, SCATTER``): the down projection of the pairs' intermediate rows,
+   rounded to the model dtype, times the pair's routing weight in fp32, written to the pair's row.
+   Both GEMMs split K as the weight's shape says (:mod:`gemm_tiles`; Kimi-K2.5: gate + up in 4
+   chunks, down in 2): the chunks' partials are summed in chunk order by
+   :func:`linear._splitk_kernel`, which then applies SiLU-and-mul / the routing weight.
 4. The top-k combine: the fp32 per-pair rows summed over the slots with the reference's op, in
    slot order, then cast to the model dtype.
 
 Weight formats: as :mod:`linear` (W4A16, W4A8 int8 and FP8-stage exact integer GEMMs, MXFP4,
-FP8, dense). W4A8 activations are quantized per token before GEMM 1 and per sorted row before
-GEMM 2 (``act_quant``); MXFP4 activations are fake-quantized per 32-block as the reference does.
+FP8, dense). W4A8 activations are quantized per token before GEMM 1 and per pair before GEMM 2
+(``act_quant``); MXFP4 activations are fake-quantized per 32-block as the reference does.
 
-Batch invariance: a pair's row is computed by a fixed-shape tile whatever the other rows of its
-block are (padding rows are zeros and never written), with no split-K, and its combine sums the
-same k values in the same order; so a token's result does not depend on the batch.
+Batch invariance: a pair's row is one column of a fixed-shape tile's MMA, whatever the other rows
+of its block are (padding rows are zeros and never written); its K chunks and their order follow
+from the weight's shape; its combine sums the same k values in the same order; so a token's result
+does not depend on the batch.
 """
 
 from __future__ import annotations
