@@ -40,8 +40,6 @@ KNOWN_SPILLS: dict[str, tuple[str, ...]] = {
     "mla bf16 64 heads 512+64 fp8e4nv cache": ("cuda:90", "hip:gfx942", "hip:gfx950"),
     "mla bf16 64 heads 512+64 fp8e4b8 cache": ("hip:gfx942",),
     "paged gqa bf16 group 8 d128 tree": ("cuda:90",),
-    "gemm moe w13 w4a8 fp8-stage 7168": ("cuda:90",),
-    "dense gemm router f32 ieee 7168 x 384, split K": ("cuda:90",),
 }
 DOC_BEGIN, DOC_END = "<!-- aot-table begin (aot_check --update-doc) -->", "<!-- aot-table end -->"
 
@@ -100,54 +98,82 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
 
 
 def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
-    """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads, 128 x 512)
-    and the fp32 router (7168 x 384, split K) with its split sum. The router serves in fp32 (named
-    f32, not fp32: ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads: q_nope [128]
+    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K)
+    with its split sum, with the tiles of each weight shape. Unit strides are constexprs, as the
+    JIT specialises them at run time. The router serves in fp32 (named f32, not fp32:
+    ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    import torch
     import triton.language as tl
 
-    def bmm(label: str, ptr: str, dot: Any, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
-                                                                      tuple[str, ...]]:
-        bm, bn, bk, splits = dense_gemm.tiles(n, k)
-        consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=splits, KC=dense_gemm.K_CHUNK, BM=bm, BN=bn, BK=bk)
-        return (label, dense_gemm._bmm_kernel, dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if splits == 1 else "*fp32"),
-                consts, ())
+    def bmm(label: str, dtype: torch.dtype, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
+                                                                     tuple[str, ...]]:
+        t = dense_gemm.tiles(n, k, dtype)
+        ptr, dot = ("*fp32", tl.float32) if dtype == torch.float32 else ("*bf16", tl.bfloat16)
+        consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=t.split, KC=k // t.split, BM=t.bm, BN=t.bn, BK=t.bk,
+                      s_xk=1, s_wn=1, _warps=t.warps)
+        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel,
+                dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if t.split == 1 else "*fp32"), consts, ())
 
-    _, _, _, router_splits = dense_gemm.tiles(384, 7168)
+    router_splits = dense_gemm.tiles(384, 7168, torch.float32).split
     return [
-        bmm("dense bmm bf16 mla absorption 128 x 512", "*bf16", tl.bfloat16, 512, 128),
-        bmm("dense gemm router f32 ieee 7168 x 384, split K", "*fp32", tl.float32, 384, 7168),
+        bmm("dense bmm bf16 mla absorption q_nope @ W_UK 128 -> 512", torch.bfloat16, 512, 128),
+        bmm("dense bmm bf16 mla absorption o_lat @ W_UV 512 -> 128", torch.bfloat16, 128, 512),
+        bmm("dense gemm router f32 ieee 7168 -> 384", torch.float32, 384, 7168),
         ("dense gemm split-K sum", dense_gemm._sum_splits_kernel, dict(p_ptr="*fp32", o_ptr="*fp32"),
          dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK), ()),
     ]
 
 
 def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
-    """The GEMM kernel as the Kimi-K2.5 MoE (hidden 7168, expert width 2048) and attention
-    projections launch it, with the compiled tile shapes."""
+    """The GEMM kernel as the Kimi-K2.5 MoE (hidden 7168, expert width 2048: gate + up 7168 -> 2 x 2048,
+    down 2048 -> 7168) and a dense 7168 -> 4096 launch it, with the compiled tile shapes and
+    split-K of each weight shape (``gemm_tiles``), and the split-K sum of each epilogue."""
     import triton.language as tl
 
-    def case(label: str, fmt: int, w: str, s: str, n: int, k: int,
-             **kw: Any) -> tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]:
-        bm, bn, bk = linear.tiles(fmt, n, k, interpret=False)
+    Case = tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]
+    sums: list[dict[str, Any]] = []
+
+    def case(label: str, fmt: int, w: str, s: str, n: int, k: int, group: int = 0, **kw: Any) -> list[Case]:
+        t = linear.tiles(fmt, n, k, group, interpret=False)
         exact = kw.get("EXACT", False)
         a = {1: "*i8", 3: "*u8"}[kw.get("A_DIGITS", 1)] if exact else "*bf16"
-        consts = dict(K=k, WFMT=fmt, PACK=0, GROUP=0, SBN=0, SBK=0, HAS_TS=False, S_RND=0, W_RND=1, OUT_RND=1,
+        consts = dict(K=k, WFMT=fmt, GROUP=group, SBN=0, SBK=0, HAS_TS=False, S_RND=0, W_RND=1, OUT_RND=1,
                       EXACT=False, A_DIGITS=1, W_DIGITS=1, UNIT=1.0, GATHER=0, GLU=False, SCATTER=False,
-                      DOT=tl.bfloat16, IEEE=False, BM=bm, BN=bn, BK=bk)
+                      DOT=tl.bfloat16, IEEE=False, BF16W=False, MXF=False, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk,
+                      _warps=t.warps)
         consts.update(kw)
-        ptrs = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=w, s_ptr=s, ts_ptr="*fp32", out_ptr="*fp32" if kw.get("SCATTER")
-                    else "*bf16", rw_ptr="*fp32", rows_ptr="*i32", eid_ptr="*i32")
-        return (label, linear._gemm_kernel, ptrs, consts, ())
+        out = "*fp32" if kw.get("SCATTER") else "*bf16"
+        part = ("*i64" if exact else "*fp32") if t.split > 1 else out
+        ptrs = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=w, s_ptr=s, ts_ptr="*fp32", out_ptr=part, rw_ptr="*fp32",
+                    rows_ptr="*i32", eid_ptr="*i32")
+        cases: list[Case] = [(f"{label}, split {t.split}", linear._gemm_kernel, ptrs, consts, ())]
+        red = {k: consts[k] for k in ("EXACT", "UNIT", "OUT_RND", "GATHER", "GLU", "SCATTER")}
+        red = dict(red, SPLIT=t.split, BR=linear.SPLITK_ROWS, BN=t.bn)
+        if t.split > 1 and red not in sums:  # each distinct epilogue of the split-K sum once
+            sums.append(red)
+            cases.append((f"{label}: split-K sum", linear._splitk_kernel,
+                          dict(part_ptr=part, sa_ptr="*fp32", s_ptr=s, out_ptr=out, rw_ptr="*fp32", pe_ptr="*i64"),
+                          red, ()))
+        return cases
 
+    int4, mx, w13, w2 = linear.INT4, linear.MXFP4, (2 * 2048, 7168), (7168, 2048)
     moe1 = dict(GATHER=1, GLU=True)
     moe2 = dict(GATHER=2, SCATTER=True)
-    return [  # the GLU / gather / scatter variants, the exact two-digit-group path, each weight decode
-        case("gemm moe w13 w4a16 ct g32 7168", linear.INT4, "*i32", "*bf16", 2 * 2048, 7168, PACK=1, GROUP=32,
-             S_RND=1, **moe1),
-        case("gemm moe w2 mxfp4 2048", linear.MXFP4, "*u8", "*u8", 7168, 2048, **moe2),
-        case("gemm moe w13 w4a8 fp8-stage 7168", linear.INT4, "*i32", "*fp32", 2 * 2048, 7168, PACK=2,
-             EXACT=True, A_DIGITS=3, UNIT=2.0 ** -9, **moe1),
-        case("gemm fp8 block 128 7168", linear.FP8, "*u8", "*fp32", 2048, 7168, SBN=128, SBK=128),
+    w4a16 = dict(group=32, S_RND=1, BF16W=True)  # Moonshot INT4 group 32, bf16 scales: the bf16x2 decode
+    int8 = dict(EXACT=True)  # W4A8, int8 activations (per-channel INT4)
+    fp8 = dict(EXACT=True, A_DIGITS=3, UNIT=2.0 ** -9)  # W4A8 FP8-stage: E4M3 activations, 3 int8 dots
+    mxfp4 = dict(BF16W=True, MXF=True)  # E8M0 bytes in [2, 252]: bf16 bits of code x scale by integer ops
+    return [  # every weight decode, the GLU / gather / scatter variants, the exact paths, a Linear
+        *case("gemm moe w13 w4a16 g32 7168 -> 2x2048", int4, "*i32", "*bf16", *w13, **w4a16, **moe1),
+        *case("gemm moe w2 w4a16 g32 2048 -> 7168", int4, "*i32", "*bf16", *w2, **w4a16, **moe2),
+        *case("gemm moe w13 w4a8 int8 7168 -> 2x2048", int4, "*i32", "*fp32", *w13, **int8, **moe1),
+        *case("gemm moe w2 w4a8 fp8-stage 2048 -> 7168", int4, "*i32", "*fp32", *w2, **fp8, **moe2),
+        *case("gemm moe w13 mxfp4 7168 -> 2x2048", mx, "*i32", "*u8", *w13, **mxfp4, **moe1),
+        *case("gemm moe w2 mxfp4 2048 -> 7168", mx, "*i32", "*u8", *w2, **mxfp4, **moe2),
+        *case("gemm w4a16 g32 7168 -> 4096", int4, "*i32", "*bf16", 4096, 7168, **w4a16),
+        *case("gemm bf16 7168 -> 4096", linear.DENSE, "*bf16", "*bf16", 4096, 7168),
+        *case("gemm fp8 block 128 7168 -> 2048", linear.FP8, "*u8", "*fp32", 2048, 7168, SBN=128, SBK=128),
     ]
 
 
