@@ -31,6 +31,14 @@ delegate that op to torch). HBM peaks by device name: H100 SXM 3.35 TB/s, H100 P
 The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed). The fp8
 cache's rows are printed beside bf16's (``kv_lines``): time per call and bytes/s, same batch and backend.
 
+Byte floors: each row's bytes are the fewest one call must move (weights + KV + activations in and
+out, each once), so ``floor_s`` = bytes / HBM peak is the shortest time the call can take, printed
+beside the measured time with ``x_floor`` = measured / floor (1 / the HBM fraction). The MoE row
+counts the distinct experts its random routing touched (``active_experts``; the uniform-routing
+expectation ``expected_active_experts`` beside it). End to end, each plain row gets the slice's
+decode-step floor at its batch from the memory plan (``eagle3.plan.decode_floor``: every weight the
+step reads, the embedding by rows, the KV cache at the rows' mean context) and its TPOT over it.
+
 End to end (``--slice DIR``, made by ``eagle3 make-slice DIR --layers 2 --experts 8``, or
 ``--make-slice`` to write one under ``--work``): ``LLM(slice, backend=torch|triton,
 enforce_eager=...)`` greedy, ``--e2e-batches`` prompts of 32 random tokens; decode tokens/s =
@@ -162,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-batches", type=_csv_ints, default=[1, 16])
     p.add_argument("--e2e-tokens", type=int, default=32)
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true", help="end-to-end rows only")
+    p.add_argument("--e2e-graphs", choices=("both", "on", "off"), default="both",
+                   help="end-to-end rows with CUDA graphs (on), eager (off) or both")
     p.add_argument("--e2e-kv-gib", type=float, default=4.0, help="KV cache per end-to-end engine (GiB)")
     p.add_argument("--e2e-kv-dtypes", type=_csv_names(KV_DTYPES), default=["auto", "fp8"],
                    help="KV cache dtypes of the plain end-to-end rows (the speculative rows: auto)")
@@ -240,6 +251,50 @@ def moe_bytes(active_experts: int, tokens: int) -> int:
 def fraction(bytes_moved: int, seconds: float, peak_tbps: float | None) -> tuple[float, float | None]:
     bw = bytes_moved / seconds
     return bw, (None if peak_tbps is None else bw / (peak_tbps * 1e12))
+
+
+def floor_fields(bytes_moved: float, seconds: float, peak_tbps: float | None) -> dict[str, float | None]:
+    """The byte floor of a call (its bytes at the HBM peak) and the measured time over it."""
+    if not peak_tbps:
+        return {"floor_s": None, "x_floor": None}
+    floor = bytes_moved / (peak_tbps * 1e12)
+    return {"floor_s": floor, "x_floor": seconds / floor}
+
+
+def e2e_floors(rows: list[dict[str, Any]], slice_dir: Path, peak_tbps: float | None, prompt: int = 32,
+               tokens: int = 32) -> list[str]:
+    """Add the slice's decode-step floor (``eagle3.plan.decode_floor`` at the row's batch, one GPU,
+    the decode's mean context ``prompt + tokens / 2``) to each plain row, and say TPOT / floor."""
+    from eagle3 import plan
+
+    model = plan.load_model(slice_dir)
+    context = prompt + tokens // 2
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or r.get("spec") != "plain":
+            continue
+        kv = r.get("kv_cache_dtype", "auto")
+        f = plan.decode_floor(model, gpus=1, batch=r["batch"], context=context,
+                              kv_cache_dtype="bf16" if kv == "auto" else kv, hbm_tbps=peak_tbps)
+        r["floor_bytes"] = f.total_bytes
+        r["floor_ms"] = None if f.floor_seconds is None else 1e3 * f.floor_seconds
+        r["x_floor"] = None if f.floor_seconds is None else r["tpot_ms"] / r["floor_ms"]
+        out.append(f"floor e2e {r['backend']} graphs={r['graphs']} kv={kv} b={r['batch']}: step reads "
+                   f"{f.total_bytes / 1e9:.2f} GB" + ("" if r["floor_ms"] is None else
+                                                     f" = {r['floor_ms']:.3f} ms at {peak_tbps:g} TB/s; TPOT "
+                                                     f"{r['tpot_ms']:.2f} ms = {r['x_floor']:.1f}x floor"))
+    return out
+
+
+def kernel_line(row: dict[str, Any]) -> str:
+    """One kernel row as printed: bytes/s, time, HBM fraction, and the byte floor beside the time."""
+    head = f"{row['kernel']:15s} {row['backend']:6s} b={row['batch']:<3d} "
+    if row["status"] != "ok":
+        return head + row["status"]
+    frac, floor = row.get("hbm_fraction"), row.get("floor_s")
+    return (head + f"{row['bytes_per_s'] / 1e9:8.1f} GB/s {row['seconds'] * 1e6:8.1f} us"
+            + (f"  {100 * frac:5.1f}% of HBM" if frac else "")
+            + (f"  floor {floor * 1e6:7.1f} us ({row['x_floor']:.1f}x)" if floor else ""))
 
 
 def goal_lines(rows: list[dict[str, Any]], device: str) -> list[str]:
@@ -360,8 +415,11 @@ class Kernels:
                                for _ in range(batch)])
             w = torch.rand(batch, TOPK, device=dev, generator=self.gen)
             active = int(torch.unique(ids).numel())
+            from eagle3.plan import expected_distinct_experts
+
             return (lambda: op(x, ids, w), moe_bytes(active, batch),
-                    {"experts": self.args.experts, "active_experts": active, "op": type(op).__name__})
+                    {"experts": self.args.experts, "active_experts": active, "op": type(op).__name__,
+                     "expected_active_experts": expected_distinct_experts(self.args.experts, TOPK, batch)})
         if kernel in ("linear_w4a16", "linear_bf16"):
             op = be.linear()
             if kernel == "linear_w4a16":
@@ -407,7 +465,7 @@ class Kernels:
             return {**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]}
         bw, frac = fraction(nbytes, s, self.peak)
         return {**row, **extra, "status": "ok", "seconds": s, "bytes": nbytes, "bytes_per_s": bw,
-                "hbm_fraction": frac}
+                "hbm_fraction": frac, **floor_fields(nbytes, s, self.peak)}
 
 
 def _generate_s(llm: Any, prompts: list[list[int]], n: int) -> float:
@@ -458,7 +516,7 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
         configs += [(b, shape, "auto") for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
     for backend, shape, kv in configs:
-        for eager in (True, False):
+        for eager in {"both": (True, False), "on": (False,), "off": (True,)}[getattr(args, "e2e_graphs", "both")]:
             row: dict[str, Any] = {"backend": backend, "graphs": not eager, "kv_cache_dtype": kv,
                                    "spec": "plain" if shape is None else shape if isinstance(shape, str)
                                    else ",".join(map(str, shape))}
@@ -631,16 +689,12 @@ def main(argv: list[str] | None = None) -> int:
     if peak is None:
         print(f"note: {device!r} is not in the HBM peak table; pass --hbm-peak TB/s for fractions", file=sys.stderr)
     k = Kernels(args, peak)
-    for kernel in args.kernels:
+    for kernel in [] if args.skip_kernels else args.kernels:
         for batch in args.batches:
             for backend in args.backends:
                 row = k.row(kernel, backend, batch)
                 report["kernels"].append(row)
-                frac = row.get("hbm_fraction")
-                print(f"{kernel:15s} {backend:6s} b={batch:<3d} " + (
-                    f"{row['bytes_per_s'] / 1e9:8.1f} GB/s {row['seconds'] * 1e6:8.1f} us"
-                    + (f"  {100 * frac:5.1f}% of HBM" if frac else "")
-                    if row["status"] == "ok" else row["status"]), flush=True)
+                print(kernel_line(row), flush=True)
     if not args.skip_e2e:
         slice_dir = args.slice
         if slice_dir is None and args.make_slice:
@@ -664,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             report["draft"] = None if draft is None else str(draft)
             report["e2e"] = e2e_rows(args, slice_dir, draft)
             report["spec_lines"] = spec_lines(report["e2e"])
-            for line in report["spec_lines"]:
+            report["floor_lines"] = e2e_floors(report["e2e"], slice_dir, peak, tokens=args.e2e_tokens)
+            for line in report["spec_lines"] + report["floor_lines"]:
                 print(line)
     report["goals"] = goal_lines(report["kernels"], device)
     report["kv_lines"] = kv_lines(report["kernels"])

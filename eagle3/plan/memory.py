@@ -52,16 +52,18 @@ SCHEMA_VERSION = 1
 class Gpu:
     name: str
     memory: int  # bytes the device reports
+    hbm_tbps: float | None = None  # HBM peak, vendor figure (TB/s = 1e12 B/s): the decode floor's rate
 
 
 # Device memory as the driver reports it: nvidia-smi total (H100 SXM 81559 MiB, H200 143771 MiB);
 # AMD Instinct HBM is 192 / 256 / 288 GiB (8 stacks of 24 / 32 / 36 GiB), which AMD sells as "GB".
+# HBM peaks are the vendors' datasheet figures (benchmarks/kernels_gpu.py matches the same by device name).
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("NVIDIA H100 SXM (80 GB HBM3)", 81559 * 1024**2),
-    "h200": Gpu("NVIDIA H200 (141 GB HBM3e)", 143771 * 1024**2),
-    "mi300x": Gpu("AMD Instinct MI300X (192 GB HBM3)", 192 * GiB),
-    "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB),
-    "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB),
+    "h100": Gpu("NVIDIA H100 SXM (80 GB HBM3)", 81559 * 1024**2, 3.35),
+    "h200": Gpu("NVIDIA H200 (141 GB HBM3e)", 143771 * 1024**2, 4.8),
+    "mi300x": Gpu("AMD Instinct MI300X (192 GB HBM3)", 192 * GiB, 5.3),
+    "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB, 6.0),
+    "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB, 8.0),
 }
 # Bytes per cached value, by name: the runtime's table (fp8 of any kind is one byte: twice bf16's tokens).
 KV_DTYPE_BYTES = kv_cache.ELEMENT_BYTES

@@ -187,3 +187,27 @@ def test_a_row_whose_requests_failed_is_an_error(bench, tiny_dir: Path, monkeypa
     rows = bench.e2e_rows(a, tiny_dir / "kimi-k2.5")
     assert [r["status"] for r in rows] == ["error: RuntimeError: 1 of 2 requests did not generate 3 tokens "
                                            "(error: boom)"] * 2
+
+
+def test_byte_floors_beside_the_times(bench, tmp_path: Path) -> None:
+    """Each kernel row's floor is its bytes at the HBM peak; each plain end-to-end row gets the slice's
+    decode-step floor from the memory plan (``eagle3.plan.decode_floor``) and its TPOT over it."""
+    import json
+
+    from eagle3 import plan
+    from eagle3.testing import slice as slice_mod
+
+    assert bench.floor_fields(4.8e9, 2e-3, 4.8) == {"floor_s": pytest.approx(1e-3), "x_floor": pytest.approx(2.0)}
+    assert bench.floor_fields(1, 1.0, None) == {"floor_s": None, "x_floor": None}
+    row = {"kernel": "moe_w4a16", "backend": "triton", "batch": 16, "status": "ok", "seconds": 2e-3,
+           "bytes_per_s": 2.4e12, "hbm_fraction": 0.5, **bench.floor_fields(4.8e9, 2e-3, 4.8)}
+    assert bench.kernel_line(row).endswith("50.0% of HBM  floor  1000.0 us (2.0x)")
+    (tmp_path / "config.json").write_text(json.dumps(slice_mod.slice_config(2, 8)))
+    rows = [{"backend": "triton", "graphs": True, "kv_cache_dtype": kv, "spec": spec, "batch": 1, "status": "ok",
+             "tpot_ms": 5.8} for kv, spec in (("auto", "plain"), ("fp8", "plain"), ("auto", "1,3,4"))]
+    lines = bench.e2e_floors(rows, tmp_path, 4.8, tokens=32)
+    want = plan.decode_floor(plan.load_model(tmp_path), gpus=1, batch=1, context=48, hbm_tbps=4.8)
+    assert len(lines) == 2 and rows[0]["floor_ms"] == pytest.approx(1e3 * want.floor_seconds)
+    assert rows[0]["x_floor"] == pytest.approx(5.8 / rows[0]["floor_ms"]) and "x_floor" not in rows[2]
+    assert rows[1]["floor_bytes"] < rows[0]["floor_bytes"]  # the fp8 cache reads half the KV bytes
+    assert "TPOT 5.80 ms = 7.3x floor" in lines[0], lines

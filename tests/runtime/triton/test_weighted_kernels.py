@@ -10,10 +10,13 @@ on small shapes, for every canonical weight format.
 * Row invariance: a row's output bits do not change with the rows around it or the batch size.
 * Both tile shapes run on every machine: the interpreter's whole-width tiles and the compiled (GPU)
   ones, every model dtype for the shapes the machine itself uses, fp32 for the other.
+* Split-K: the compiled tiles with K cut into 32-wide chunks (the small test weights split only
+  when forced): the partials and their chunk-order sum kernel, for the Linear and the fused MoE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -24,8 +27,8 @@ pytest.importorskip("triton")
 from eagle3.errors import UsageError  # noqa: E402
 from eagle3.formats import codecs  # noqa: E402
 from eagle3.runtime.kernels import torch_ref  # noqa: E402
-from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight  # noqa: E402
-from eagle3.runtime.kernels.triton import linear, moe  # noqa: E402
+from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, dequantize  # noqa: E402
+from eagle3.runtime.kernels.triton import gemm_tiles, linear, moe  # noqa: E402
 from eagle3.runtime.kernels.triton.common import INTERPRET  # noqa: E402
 
 # (rtol, atol relative to the largest |reference| output) of the float paths, per model dtype: the
@@ -52,6 +55,10 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
                           in_features=k)
     if fmt == "mxfp4":
         return MXFP4Weight(*codecs.mxfp4_quantize(wf))
+    if fmt == "mxfp4-wide-scales":  # E8M0 bytes outside [2, 252] (here 2^-126): the general decode, not the bit one
+        packed, scale = codecs.mxfp4_quantize(wf)
+        scale[::3, 0] = 1
+        return MXFP4Weight(packed, scale)
     if fmt == "fp8-block":
         # 64-wide K blocks: the compiled tiles (BK 64) read one scale per row, the interpreted
         # ones (BK 128) gather them per element
@@ -67,8 +74,8 @@ def _weight(fmt: str, n: int, k: int, g: torch.Generator):
 # (weight format, activation quantization); the integer paths are the ones with int8 / fp8 activations
 LINEAR_CASES = [("int4-g32-ct", None), ("int4-g16-quark", None), ("int4-chan-quark", None),
                 ("int4-chan-quark", "int8"), ("int4-chan-order", "int8"), ("int4-chan-int8", "int8"),
-                ("int4-chan-quark", "fp8"), ("mxfp4", None), ("mxfp4", "mxfp4"), ("fp8-block", None),
-                ("fp8-chan", None), ("fp8-tensor", "fp8"), ("dense", None), ("dense", "mxfp4")]
+                ("int4-chan-quark", "fp8"), ("mxfp4", None), ("mxfp4", "mxfp4"), ("mxfp4-wide-scales", None),
+                ("fp8-block", None), ("fp8-chan", None), ("fp8-tensor", "fp8"), ("dense", None), ("dense", "mxfp4")]
 
 
 def _check(y: torch.Tensor, ref: torch.Tensor, exact: bool, dtype: torch.dtype) -> None:
@@ -84,7 +91,7 @@ def tile_shapes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """The tile shapes are forced either way: the default follows ``TRITON_INTERPRET``, so without
     this a GPU would run its compiled tiles twice and the whole-width ones never."""
     tiles, interpret = linear.tiles, request.param == "interpreted-tiles"
-    monkeypatch.setattr(linear, "tiles", lambda fmt, n, k: tiles(fmt, n, k, interpret=interpret))
+    monkeypatch.setattr(linear, "tiles", lambda fmt, n, k, group=0: tiles(fmt, n, k, group, interpret=interpret))
     return request.param
 
 
@@ -203,3 +210,99 @@ def test_moe_alignment_shapes_depend_on_shapes_only() -> None:
             assert sorted(sorted_ids[sorted_ids < t * k].tolist()) == list(range(t * k))  # each pair once
             assert (ids.reshape(-1)[rows[real].long()] == used.repeat_interleave(bm).view(-1, bm)[real]).all()
         assert len(shapes) == 1
+
+
+@pytest.fixture
+def split_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled tile rule with K cut into chunks of one 32-wide step (the rule itself splits
+    only long K: ``test_gemm_tiles.py``), so the partials and :func:`linear._splitk_kernel` run."""
+
+    def forced(fmt: int, n: int, k: int, group: int = 0) -> gemm_tiles.GemmTiles:
+        bk = max(32, group)
+        return dataclasses.replace(gemm_tiles.gemm_tiles(fmt, n, k, group), bk=bk, split=k // bk)
+
+    monkeypatch.setattr(linear, "tiles", forced)
+
+
+SPLIT_CASES = [("int4-g32-ct", None), ("int4-g16-quark", None), ("int4-chan-quark", "int8"),
+               ("int4-chan-quark", "fp8"), ("mxfp4", "mxfp4"), ("fp8-block", None), ("fp8-tensor", "fp8"),
+               ("dense", None)]
+
+
+@pytest.mark.parametrize(("fmt", "act"), SPLIT_CASES, ids=[f"{f}-{a or 'w-only'}" for f, a in SPLIT_CASES])
+def test_split_k_linear_matches_reference(fmt: str, act: str | None, split_tiles: None, device: torch.device) -> None:
+    """K = 96 in three chunks. Bitwise: the integer paths against the reference (int64 chunk sums
+    are exact in any order), and a row alone / in another batch against itself in the batch (the
+    rows are the N side of every dot - other rows are other MMA / BLAS columns, whose values never
+    enter a row's sums - and the chunks are added in chunk order). Float paths: TOL."""
+    g = torch.Generator().manual_seed(zlib.crc32(fmt.encode()) % 1000 + 7)
+    w = _weight(fmt, N, K, g)
+    x = torch.randn(33, K, generator=g)
+    ref, op = torch_ref.TorchLinear(), linear.TritonLinear()
+    ref.prepare(w, act, torch.float32, device)
+    op.prepare(w, act, torch.float32, device)
+    assert linear.tiles(op.bank.fmt, N, K, op.bank.group).split == 3
+    xd = x.to(device)
+    y = op(xd)
+    _check(y, ref(xd), act in ("int8", "fp8"), torch.float32)
+    assert torch.equal(op(xd[20:21]), y[20:21])
+    assert torch.equal(op(torch.cat([xd[:3] * 2, xd[20:21]]))[3:], y[20:21])
+
+
+MOE_SPLIT_CASES = [("int4-g32-ct", None), ("int4-chan-quark", "int8"), ("mxfp4", "mxfp4")]
+
+
+@pytest.mark.parametrize(("fmt", "act"), MOE_SPLIT_CASES, ids=[f"{f}-{a or 'w-only'}" for f, a in MOE_SPLIT_CASES])
+def test_split_k_fused_moe_matches_reference(fmt: str, act: str | None, split_tiles: None,
+                                             device: torch.device) -> None:
+    """Both grouped GEMMs split (K = 64 in two chunks): SiLU-and-mul, the W4A8 weight scales of each
+    pair's expert and the routing weight applied after the chunk sum. A token's bits: bitwise
+    alone and in the batch (as above); the reference: TOL (exact for the integer GEMMs, but the
+    SiLU's exp and the fp32 combine are float)."""
+    g = torch.Generator().manual_seed(5)
+    h, inter = 64, 64
+    gate, up = ([_weight(fmt, inter, h, g) for _ in range(E)] for _ in range(2))
+    down = [_weight(fmt, h, inter, g) for _ in range(E)]
+    x = torch.randn(T, h, generator=g).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(T)]).to(device)
+    wts = torch.rand(T, TOPK, generator=g).to(device)
+    ref, op = torch_ref.TorchMoE(), moe.TritonMoE()
+    ref.prepare(gate, up, down, act, torch.float32, device)
+    op.prepare(gate, up, down, act, torch.float32, device)
+    assert linear.tiles(op.w13.fmt, 2 * inter, h, op.w13.group).split == 2
+    assert linear.tiles(op.w2.fmt, h, inter, op.w2.group).split == 2
+    y = op(x, ids, wts)
+    _check(y, ref(x, ids, wts), False, torch.float32)
+    assert torch.equal(op(x[4:6], ids[4:6], wts[4:6]), y[4:6])
+    assert torch.equal(op(x[6:7], ids[6:7], wts[6:7]), y[6:7])
+
+
+def test_compiled_bf16_decode_recipes_match_dequantize() -> None:
+    """The decodes only a GPU runs (``linear.py``, ``BF16W``), replayed in torch on the words
+    ``make_bank`` stores: INT4 ``bf16(128 + u) - 136`` times the bf16 group scale in bf16 (one
+    rounding of the exact product, as ``mul.rn.bf16x2``), and the MXFP4 bit construction read as
+    bf16, are bitwise ``base.dequantize``'s bf16 weights. Pure integer / bf16 arithmetic: bitwise
+    on any machine."""
+    g = torch.Generator().manual_seed(11)
+    wf = torch.randn(8, 64, generator=g) * torch.logspace(-3, 1, 8)[:, None]  # scales over 4 decades
+    q, scale = codecs.ct_int4_quantize(wf, 32)
+    w4 = Int4Weight(q, scale.to(torch.bfloat16), 32, packing="ct", in_features=64)
+    words = linear.make_bank([[w4]], torch.bfloat16, torch.device("cpu")).w[0]
+    halves = torch.stack([(words >> (4 * i)) & 0x000F000F for i in range(4)], dim=-1)  # [N, W, pair i]
+    pairs = (halves | 0x43004300).contiguous().view(torch.bfloat16).view(8, 8, 4, 2)  # bf16 (128 + u), K order
+    s = w4.scale.repeat_interleave(32, dim=1).view(8, 8, 4, 2)
+    v = (pairs - torch.tensor(136.0, dtype=torch.bfloat16)) * s
+    assert torch.equal(v.reshape(8, 64), dequantize(w4, torch.bfloat16))
+
+    mx = MXFP4Weight(*codecs.mxfp4_quantize(wf))
+    bank = linear.make_bank([[mx]], torch.bfloat16, torch.device("cpu"))
+    assert bank.mx_fast
+    sx = (mx.scale.to(torch.int32) - 1).repeat_interleave(4, dim=1) << 7  # per word
+    sx = sx | (sx << 16)
+    ws = torch.stack([bank.w[0] >> (4 * i) for i in range(4)], dim=-1)
+    j = ws & 0x00070007
+    val = j * 64 + sx[..., None]
+    nz = ((j ^ 0x00010001) + 0x7FFF7FFF) & -2147450880
+    bits = (((ws << 12) & -2147450880) | val) & ((nz - ((nz >> 15) & 0x00010001)) | -2147450880)
+    v = bits.contiguous().view(torch.bfloat16).view(8, 64)
+    assert torch.equal(v, dequantize(mx, torch.bfloat16))

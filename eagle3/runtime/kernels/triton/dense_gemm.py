@@ -8,11 +8,13 @@ a batch of 16 rows and in one of 20 got router logits an ulp apart, and the hidd
 from there (the Triton batch-invariance test failed on an H200 by ~1e-5 in fp32).
 
 Here ``out[b] = x[b] @ w[b]`` runs as programs of ``BM`` (16) rows x ``BN`` columns per batch
-entry, walking K in steps of ``BK``; tile sizes follow from ``N`` and ``K`` only. A long ``K`` is
-split at fixed multiples of :data:`K_CHUNK` (so the router's 7168-wide reduction still spreads
-over the SMs at batch 1): each chunk's fp32 partial is written aside and the partials are summed
-in chunk order by a second kernel. The chunking depends on ``K`` alone, so a row's bits never
-depend on the other rows or on their number. fp32 operands run ``tl.dot`` in IEEE precision (not
+entry, walking K in steps of ``BK`` as ``acc[BN, BM] += w_tile.T @ x_tile.T`` (the weight columns
+on the MMA's M side, the few decode rows on its N side, as ``linear.py``); tile sizes and the split of K follow from the weight's shape
+and dtype only (``gemm_tiles.dense_tiles``, the rule of the quantized GEMMs): a long ``K`` is cut
+into equal chunks until one row block launches enough programs (the router's 7168-wide reduction
+in 16 chunks of 448, 12 x 16 = 192 programs at batch 1); each chunk's fp32 partial is written
+aside and the partials are summed in chunk order by a second kernel. The chunking depends on the
+weight alone, so a row's bits never depend on the other rows or on their number. fp32 operands run ``tl.dot`` in IEEE precision (not
 TF32: the reference is fp32); bf16 / fp16 operands use the tensor cores with fp32 accumulation,
 rounded once to the output dtype (as cuBLAS does).
 
@@ -27,24 +29,24 @@ import torch
 import triton
 import triton.language as tl
 
-from eagle3.runtime.kernels.triton.common import INTERPRET, block, dot_dtype, mma, tl_dtype, widen
+from eagle3.runtime.kernels.triton.common import INTERPRET, dot_dtype, mma, tl_dtype, widen
+from eagle3.runtime.kernels.triton.gemm_tiles import GemmTiles, dense_tiles
 
-BLOCK_M = 16  # rows per program: fixed (tl.dot needs 16), as linear.BLOCK_M
-K_CHUNK = 1024  # K split points at multiples of this (a multiple of every BK below)
 SUM_BLOCK = 1024  # elements per program of the split-K sum
 
 
-def tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, K splits) from the weight's shape only, never the row count."""
-    return BLOCK_M, min(64, block(n)), min(64, block(k)), triton.cdiv(k, K_CHUNK)
+def tiles(n: int, k: int, dtype: torch.dtype) -> GemmTiles:
+    """Launch shape for a weight ``[K, N]`` of ``dtype`` (fp32: the IEEE router), never the row count."""
+    return dense_tiles(n, k, fp32=dtype == torch.float32)
 
 
 @triton.jit
 def _bmm_kernel(x_ptr, w_ptr, o_ptr, M, N, K, s_xb, s_xm, s_xk, s_wb, s_wk, s_wn, s_os, s_ob, s_om,
                 DOT: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, KC: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``o[s, b, m, n] = sum over k in chunk s of x[b, m, k] * w[b, k, n]`` (one chunk when
-    ``SPLITS == 1``, then ``o`` is the output itself). Grid: (row tiles, column tiles, B * SPLITS)."""
+    """``o[s, b, m, n] = sum over k in chunk s (``KC`` wide) of x[b, m, k] * w[b, k, n]`` (one
+    chunk when ``SPLITS == 1``, then ``o`` is the output itself). Grid: (row tiles, column tiles,
+    B * SPLITS)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2) // SPLITS
@@ -56,15 +58,15 @@ def _bmm_kernel(x_ptr, w_ptr, o_ptr, M, N, K, s_xb, s_xm, s_xk, s_wb, s_wk, s_wn
     wb = w_ptr + b.to(tl.int64) * s_wb
     k_lo = s * KC
     k_hi = tl.minimum(k_lo + KC, K)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM], tl.float32)  # out.T: the weight columns are the MMA's M side, the rows its N
     for k0 in range(k_lo, k_hi, BK):
         rk = k0 + rk0
         k_ok = rk < k_hi
         a = tl.load(xb + rm[:, None] * s_xm + rk[None, :] * s_xk, mask=(rm < M)[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(wb + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
-        acc += mma(a.to(DOT), w.to(DOT), IEEE)
+        w = tl.load(wb + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=(rn < N)[:, None] & k_ok[None, :], other=0.0)
+        acc += mma(w.to(DOT), tl.trans(a.to(DOT)), IEEE)
     o = o_ptr + s.to(tl.int64) * s_os + b.to(tl.int64) * s_ob
-    tl.store(o + rm[:, None] * s_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+    tl.store(o + rm[:, None] * s_om + rn[None, :], tl.trans(acc).to(o_ptr.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
@@ -94,7 +96,8 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out_dtype = _store_dtype(x.dtype)
     out = torch.empty(bsz, m, n, dtype=out_dtype, device=x.device)
     if m and n and bsz:
-        bm, bn, bk, splits = tiles(n, k)
+        t = tiles(n, k, w.dtype)
+        bm, bn, bk, splits = t.bm, t.bn, t.bk, t.split
         dd = dot_dtype(w.dtype)
         xs, ws = widen(x), widen(w)
         dest = out if splits == 1 else torch.empty(splits, bsz, m, n, dtype=torch.float32, device=x.device)
@@ -102,8 +105,8 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), bsz * splits)
         _bmm_kernel[grid](xs, ws, dest, m, n, k, xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0),
                           ws.stride(1), ws.stride(2), s_os, out.stride(0), out.stride(1),
-                          DOT=tl_dtype(dd), IEEE=dd == torch.float32, SPLITS=splits, KC=K_CHUNK,
-                          BM=bm, BN=bn, BK=bk)
+                          DOT=tl_dtype(dd), IEEE=dd == torch.float32, SPLITS=splits, KC=k // splits,
+                          BM=bm, BN=bn, BK=bk, num_warps=t.warps, num_stages=t.stages)
         if splits > 1:
             numel = out.numel()
             _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](dest, out, numel, SPLITS=splits, BLOCK=SUM_BLOCK)

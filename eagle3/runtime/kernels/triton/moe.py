@@ -10,19 +10,24 @@ Per call:
    MoE can be captured in a CUDA / HIP graph.
 2. Grouped GEMM 1 (:func:`linear._gemm_kernel`, ``GATHER=1, GLU``): each program reads its rows'
    tokens from ``x`` and one expert's gate and up rows (decoded in registers from the packed
-   codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, in sorted order.
-3. Grouped GEMM 2 (``GATHER=2, SCATTER``): the down projection of the sorted rows, rounded to
-   the model dtype, times the pair's routing weight in fp32, written to the pair's own row.
+   codes), and writes ``silu(gate) * up`` rounded as the reference rounds it, to the pair's row of
+   the intermediate (one row per pair).
+3. Grouped GEMM 2 (``GATHER=2, SCATTER``): the down projection of the pairs' intermediate rows,
+   rounded to the model dtype, times the pair's routing weight in fp32, written to the pair's row.
+   Both GEMMs split K as the weight's shape says (:mod:`gemm_tiles`; Kimi-K2.5: gate + up in 4
+   chunks, down in 2): the chunks' partials are summed in chunk order by
+   :func:`linear._splitk_kernel`, which then applies SiLU-and-mul / the routing weight.
 4. The top-k combine: the fp32 per-pair rows summed over the slots with the reference's op, in
    slot order, then cast to the model dtype.
 
 Weight formats: as :mod:`linear` (W4A16, W4A8 int8 and FP8-stage exact integer GEMMs, MXFP4,
-FP8, dense). W4A8 activations are quantized per token before GEMM 1 and per sorted row before
-GEMM 2 (``act_quant``); MXFP4 activations are fake-quantized per 32-block as the reference does.
+FP8, dense). W4A8 activations are quantized per token before GEMM 1 and per pair before GEMM 2
+(``act_quant``); MXFP4 activations are fake-quantized per 32-block as the reference does.
 
-Batch invariance: a pair's row is computed by a fixed-shape tile whatever the other rows of its
-block are (padding rows are zeros and never written), with no split-K, and its combine sums the
-same k values in the same order; so a token's result does not depend on the batch.
+Batch invariance: a pair's row is one column of a fixed-shape tile's MMA, whatever the other rows
+of its block are (padding rows are zeros and never written); its K chunks and their order follow
+from the weight's shape; its combine sums the same k values in the same order; so a token's result
+does not depend on the batch.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class TritonMoE(MoEOp):
         if self.w2.n != self.hidden or self.w2.k != self.inter:
             raise ShapeError(f"down experts are [{self.w2.n}, {self.w2.k}], expected [{self.hidden}, {self.inter}]")
         # one BLOCK_M for both GEMMs: the alignment is shared
-        self.block_m = linear.tiles(self.w13.fmt, self.w13.n, self.w13.k)[0]
+        self.block_m = linear.tiles(self.w13.fmt, self.w13.n, self.w13.k, self.w13.group).bm
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.w13.resident() + self.w2.resident()
@@ -104,17 +109,19 @@ class TritonMoE(MoEOp):
         if t == 0:
             return x.new_empty(0, self.hidden)
         sorted_ids, expert_ids = align(topk_ids, self.num_experts, self.block_m)
-        total = int(sorted_ids.numel())
+        grid_m = int(sorted_ids.numel()) // self.block_m
         sdt = linear.store_dtype(self.dtype)
+        pair_eids = topk_ids.reshape(-1)  # the expert of each pair (the exact path's split-K sum)
         a, sa = self._operand(x)
-        # zeros: the unused blocks past the aligned rows are skipped by the kernel, never written
-        inter = torch.zeros(total, self.inter, dtype=sdt, device=x.device)
+        # one row per pair, written by GEMM 1 for every pair (padding rows are never stored)
+        inter = torch.empty(t * k, self.inter, dtype=sdt, device=x.device)
         linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,
-                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True)
+                      grid_m=grid_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=1, glu=True,
+                      pair_eids=pair_eids)
         a2, sa2 = self._operand(inter.to(self.dtype) if sdt != self.dtype else inter)
         pair_out = torch.empty(t * k, self.hidden, dtype=torch.float32, device=x.device)
         rw = topk_weights.float().reshape(-1).contiguous()
         linear.launch(self.w2, a2, sa2, pair_out, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.hidden,
-                      grid_m=total // self.block_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=2, rw=rw)
+                      grid_m=grid_m, rows=sorted_ids, eids=expert_ids, topk=k, gather=2, rw=rw, pair_eids=pair_eids)
         # the reference's combine: fp32 products (made in the kernel) summed over the slots
         return pair_out.view(t, k, self.hidden).sum(1).to(self.dtype)
