@@ -5,8 +5,9 @@ row / head strides, so the halves of a ``[S, 2, Hkv, D]`` cache are read in plac
 of up to ``QT`` query tokens of one sequence, kv head); the score tile's rows are the chunk's
 tokens x the ``G`` query heads sharing the kv head (``QT * next_pow2(G) >= 16`` rows). Each row is
 masked by its own position; key tiles of ``BLOCK_N`` from position 0 with an online softmax in
-fp32. Batch invariance as in ``mla_attention``: fixed tiles, no split over keys, fixed order,
-exact zeros from key tiles past a row's position. Draft trees (``TREE``): as in ``mla_attention``.
+fp32. Batch invariance: fixed tiles, no split over keys (the draft's contexts are short; MLA's
+kernel splits at fixed positions), fixed order, exact zeros from key tiles past a row's position.
+Draft trees (``TREE``): as in ``mla_attention``.
 """
 
 from __future__ import annotations
