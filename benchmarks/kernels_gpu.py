@@ -26,8 +26,9 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
 =================  ===========================================================================
 
 A Triton row whose kernel module is not in this tree says ``not built`` (the backend would still
-delegate that op to torch). HBM peaks by device name: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL
-3.9, H200 4.8, MI300X 5.3, MI325X 6.0, MI355X 8.0 (vendor figures; ``--hbm-peak`` overrides).
+delegate that op to torch). HBM peaks by device name from the memory plan's card table
+(``eagle3.plan.GPUS``: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL 3.9, H200 4.8, MI300X 5.3,
+MI325X 6.0, MI355X 8.0, vendor figures; ``--hbm-peak`` overrides).
 The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed). The fp8
 cache's rows are printed beside bf16's (``kv_lines``): time per call and bytes/s, same batch and backend.
 
@@ -92,11 +93,6 @@ KERNELS = ("mla_decode", "mla_verify", "mla_decode_fp8", "mla_verify_fp8", "moe_
 KV_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # --e2e-kv-dtypes (the engine's kv_cache_dtype)
 FP8_KV_SCALE = 0.05  # the fp8 kernel rows' per-tensor scale (any value: the kernel's work does not depend on it)
 BACKENDS = ("torch", "triton")
-# TB/s (1e12 bytes/s), vendor figures; matched against torch.cuda.get_device_name, most specific first.
-HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIE", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8), ("MI300X", 5.3), ("MI325X", 6.0),
-    ("MI355X", 8.0),
-)
 # The Triton kernels each benchmark row stands for: (module, attribute) looked up by name, so that a
 # row says "not built" until the module lands (moe.py / linear.py come from a parallel change).
 TRITON_KERNEL: dict[str, tuple[str, str]] = {
@@ -190,12 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def hbm_peak_tbps(device_name: str) -> float | None:
-    """The HBM peak (TB/s) of a device named ``device_name`` (None: not in the table)."""
-    name = device_name.upper()
-    for key, tbps in HBM_PEAK_TBPS:
-        if key in name:
-            return tbps
-    return None
+    """The HBM peak (TB/s) of a device named ``device_name``: the memory plan's figure for that card
+    (``eagle3.plan.GPUS``, the one table of them; None: not in it)."""
+    from eagle3.plan import gpu_for_device_name
+
+    gpu = gpu_for_device_name(device_name)
+    return None if gpu is None else gpu.hbm_tbps
 
 
 def triton_kernel_status(kernel: str) -> str | None:
