@@ -19,9 +19,10 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
                    Triton: ``eagle3.runtime.kernels.triton.linear``
 ``linear_bf16``    the same shape in bf16 (attention / shared-expert projections of the native model)
 ``rmsnorm``        RMSNorm over hidden 7168 ; ``act_quant_int8``: per-token int8 quantization
-``router_fp32``    the MoE router ``x.float() @ W_gate.T``, 7168 -> 384 in fp32 (``be.matmul``);
-                   bytes = the fp32 weight + rows. Triton: ``triton.dense_gemm`` (batch invariant;
-                   torch: cuBLAS on 16-row tiles)
+``router_fp32``    the MoE router ``x.float() @ W_gate.T``, 7168 -> 384 in fp32 (``be.matmul(x, W, fp32)``
+                   on the bf16 rows and weight); bytes = the bf16 weight + rows + fp32 logits.
+                   Triton: ``triton.dense_gemm``, widening in registers (batch invariant; torch:
+                   widened copies, cuBLAS on 16-row tiles)
 ``mla_absorb``     the MLA absorption ``q_nope[h] @ W_UK[h]``, 64 heads x 128 -> 512 in bf16 (``be.bmm``)
 =================  ===========================================================================
 
@@ -438,9 +439,10 @@ class Kernels:
                 fn = lambda: quantize_int8_per_token(x)  # noqa: E731
             return fn, batch * HIDDEN * (2 + 1) + batch * 4, {}
         if kernel == "router_fp32":
-            wt = torch.randn(HIDDEN, EXPERTS, device=dev, generator=self.gen)
-            xf = x.float()
-            return lambda: be.matmul(xf, wt), (HIDDEN + batch) * EXPERTS * 4 + batch * HIDDEN * 4, {}
+            # as MoE.route_scores: the bf16 rows and weight, multiplied in fp32
+            wt = torch.randn(HIDDEN, EXPERTS, device=dev, generator=self.gen).to(torch.bfloat16)
+            return (lambda: be.matmul(x, wt, torch.float32),
+                    HIDDEN * EXPERTS * 2 + batch * HIDDEN * 2 + batch * EXPERTS * 4, {})
         if kernel == "mla_absorb":
             w_uk = torch.randn(MLA_HEADS, 128, D_LAT, device=dev, dtype=torch.bfloat16, generator=self.gen)
             q = torch.randn(batch, MLA_HEADS, 128, device=dev, dtype=torch.bfloat16, generator=self.gen)

@@ -270,6 +270,7 @@ class AiterBackend(TorchBackend):
 
             base_name = "triton" if _importable("triton") else "torch"
         self.base: KernelBackend = get_backend(base_name, self.device)
+        self.absorb_at_load = self.base.absorb_at_load  # the base computes the absorption
         params = inspect.signature(self.aiter.mla.mla_decode_fwd).parameters
         # page_size / nhead_kv exist in newer aiter releases only; pass them when taken
         self._mla_extra = {k: 1 for k in ("page_size", "nhead_kv") if k in params}
@@ -282,11 +283,11 @@ class AiterBackend(TorchBackend):
     def moe(self) -> MoEOp:
         return AiterMoE(self.aiter, self.base.moe())
 
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return self.base.matmul(x, w_t)
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.base.matmul(x, w_t, dtype)
 
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.base.bmm(x, w)
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.base.bmm(x, w, dtype)
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.base.matrix(w, dtype)

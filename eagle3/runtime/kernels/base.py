@@ -200,6 +200,10 @@ class KernelBackend(ABC):
     """Factory for the weighted ops plus the weightless ones."""
 
     name: str = "?"
+    # MLA with a quantized kv_b_proj: decode its two absorbed matrices once at load (True: the
+    # decode step reads them as they are, at the cost of their model-dtype bytes over the packed
+    # ones) or per call from the packed weight, which alone stays resident (False: the reference).
+    absorb_at_load: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -211,12 +215,15 @@ class KernelBackend(ABC):
     def moe(self) -> MoEOp: ...
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ w_t [K, N]`` (router, small unquantized products); result in ``x.dtype``."""
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ w_t [K, N]`` (router, small unquantized products), computed and returned in
+        ``dtype``: by default the wider of the two operands' dtypes (a narrower operand is widened,
+        which is exact; the router passes bf16 activations and weight with ``torch.float32``)."""
 
     @abstractmethod
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption)."""
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption);
+        ``dtype`` as in :meth:`matmul`."""
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A dense operand for :meth:`matmul` / :meth:`bmm`, rounded to the model ``dtype`` and laid

@@ -80,7 +80,8 @@ class MLAAttention(nn.Module):
                                         unit=spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
         self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
-        # A quantized kv_b_proj stays packed; the two absorbed matrices are decoded from it per call.
+        # A quantized kv_b_proj stays packed and the two absorbed matrices are decoded from it per
+        # call, unless the backend decodes them once at load (KernelBackend.absorb_at_load).
         self.kv_b_packed: LinearWeight | None = None
         self.dtype = torch.float32
         self.absorbed = True
@@ -108,7 +109,9 @@ class MLAAttention(nn.Module):
     def load_kv_b(self, weight: LinearWeight, dtype: torch.dtype, device: torch.device) -> None:
         """``kv_b_proj`` is absorbed: a dense one is kept as its two per-head matrices (the same
         values, one copy, in the model dtype); a quantized one stays packed and the matrices are
-        decoded from it per call (:meth:`absorbed_matrices`)."""
+        decoded from it per call (:meth:`absorbed_matrices`), or once here when the backend says
+        so (``absorb_at_load``: the Triton decode step then reads them as they are; the same
+        bits, the packed copy dropped)."""
         s = self.spec
         want = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
         if tuple(weight.shape) != want:
@@ -117,6 +120,9 @@ class MLAAttention(nn.Module):
         if isinstance(weight, DenseWeight):
             self.kv_b_packed = None
             self.w_uk, self.w_uv_t = self._split(dequantize(weight, dtype).to(device))
+        elif self.backend.absorb_at_load:
+            self.kv_b_packed = None
+            self.w_uk, self.w_uv_t = self._split(dequantize(weight_to(weight, device), dtype))  # as per call
         else:
             self.kv_b_packed = weight_to(weight, device)
             self.w_uk = self.w_uv_t = None

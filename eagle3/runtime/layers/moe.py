@@ -1,7 +1,8 @@
 """SwiGLU MLP and the DeepSeek-V3 MoE block (sigmoid router with correction bias, group-limited
 top-k, routed experts + always-on shared experts) as in DeepSeek-V3.
 
-Numerics as transformers: router logits ``x.float() @ W.float().T``; selection on
+Numerics as transformers: router logits ``x.float() @ W.float().T`` (the backend widens both
+operands, exactly; no per-step fp32 copy of the weight on a GPU); selection on
 ``sigmoid + e_score_correction_bias``, weights are the unbiased scores, renormalised
 (``/ (sum + 1e-20)``) and scaled by ``routed_scaling_factor``; the routed sum is taken in fp32,
 cast, then the shared experts' output (activation dtype) is added.
@@ -76,7 +77,8 @@ class MoE(nn.Module):
 
     def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
         # The router runs in fp32 (transformers casts both operands): the weight is kept transposed in
-        # its checkpoint dtype and widened per call (exact), so it takes no more memory than on disk.
+        # its checkpoint dtype and widened exactly where it is multiplied (per call by the reference,
+        # in registers by the Triton kernel), so it takes no more memory than on disk.
         self.gate_weight_t = weight.t().contiguous().to(device)
         self.e_score_correction_bias = None if bias is None else bias.float().to(device)
 
@@ -100,7 +102,7 @@ class MoE(nn.Module):
         """-> (scores, choice) fp32 [T, E]: the experts' gate scores and the values the top-k picks
         from (bias-corrected, groups outside the best ``topk_group`` at -inf). Separate from
         :meth:`route` so that a test can see how close a token's routing is to a tie."""
-        logits = self.backend.matmul(x.float(), self.gate_weight_t.float())
+        logits = self.backend.matmul(x, self.gate_weight_t, torch.float32)
         scores = self.backend.sigmoid(logits) if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1 and self.topk_group < self.n_group:

@@ -116,7 +116,7 @@ def test_dense_gemm_cases_match_their_launches(monkeypatch: pytest.MonkeyPatch) 
     q_nope = q.split([128, 64], dim=-1)[0]
     dense_gemm.bmm(q_nope.transpose(0, 1), torch.randn(64, 128, 512, generator=g))
     dense_gemm.bmm(torch.randn(3, 64, 512, generator=g).transpose(0, 1), torch.randn(64, 512, 128, generator=g))
-    dense_gemm.matmul(torch.randn(3, 7168, generator=g), torch.randn(7168, 384, generator=g))
+    dense_gemm.matmul(torch.randn(3, 7168, generator=g), torch.randn(7168, 384, generator=g), torch.float32)
     _check("dense bmm bf16 mla absorption q_nope @ W_UK", rec, 0)
     _check("dense bmm bf16 mla absorption o_lat @ W_UV", rec, 1)
     _check("dense gemm router f32 ieee 7168 -> 384", rec, 2)

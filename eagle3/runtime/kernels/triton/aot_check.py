@@ -107,32 +107,33 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
 
 def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
     """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads: q_nope [128]
-    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K)
-    with its split sum, with the tiles of each weight shape. Unit strides are constexprs, as the
-    JIT specialises them at run time. The router serves in fp32 (named f32, not fp32:
-    ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K,
+    from the bf16 activations and weight) with its split sum, with the tiles of each weight shape.
+    The router serves in fp32 (named f32, not fp32: ``--bf16-only`` skips only the fp32 variants
+    that exist for tests)."""
     import torch
     import triton.language as tl
 
     def bmm(label: str, dtype: torch.dtype, n: int, k: int, x_strides: tuple[int, int]) -> tuple[
             str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]:
         t = dense_gemm.tiles(n, k, dtype)
-        ptr, dot = ("*fp32", tl.float32) if dtype == torch.float32 else ("*bf16", tl.bfloat16)
+        # bf16 operands either way: the router widens its bf16 activations and weight in registers
+        ptr, dot = "*bf16", tl.float32 if dtype == torch.float32 else tl.bfloat16
         # x [B, M, K] read in place (its batch / row strides given), w [B, K, N] and o [B, M, N]
         # contiguous; the strides that follow the row count (s_os, s_ob) are multiples of N
         ints = dict(N=n, K=k, s_xb=x_strides[0], s_xm=x_strides[1], s_xk=1, s_wb=k * n, s_wk=n, s_wn=1,
                     s_os=16 * n if t.split > 1 else 0, s_ob=16 * n, s_om=n)
         consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=t.split, KC=k // t.split, BM=t.bm, BN=t.bn, BK=t.bk,
                       _warps=t.warps, _stages=t.stages, _ints=ints)
-        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel,
-                dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if t.split == 1 else "*fp32"), consts, ())
+        out = "*fp32" if t.split > 1 or dtype == torch.float32 else ptr
+        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel, dict(x_ptr=ptr, w_ptr=ptr, o_ptr=out), consts, ())
 
     router_splits = dense_gemm.tiles(384, 7168, torch.float32).split
     # MLA at 64 heads: q_nope is a [T, 64, 128] view of q [T, 64, 192], o_lat a contiguous [T, 64, 512]
     return [
         bmm("dense bmm bf16 mla absorption q_nope @ W_UK 128 -> 512", torch.bfloat16, 512, 128, (192, 64 * 192)),
         bmm("dense bmm bf16 mla absorption o_lat @ W_UV 512 -> 128", torch.bfloat16, 128, 512, (512, 64 * 512)),
-        bmm("dense gemm router f32 ieee 7168 -> 384", torch.float32, 384, 7168, (16 * 7168, 7168)),
+        bmm("dense gemm router f32 ieee 7168 -> 384, bf16 operands", torch.float32, 384, 7168, (16 * 7168, 7168)),
         ("dense gemm split-K sum", dense_gemm._sum_splits_kernel, dict(p_ptr="*fp32", o_ptr="*fp32"),
          dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK, _ints=dict(numel=16 * 384)), ()),
     ]

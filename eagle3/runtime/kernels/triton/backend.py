@@ -42,6 +42,7 @@ class TritonBackend(TorchBackend):
     keeps this backend complete whatever the interface gains meanwhile."""
 
     name = "triton"
+    absorb_at_load = True  # a packed kv_b_proj's absorbed matrices decoded once (docs/kernels.md)
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -56,20 +57,21 @@ class TritonBackend(TorchBackend):
     def moe(self) -> MoEOp:
         return TritonMoE()
 
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The router GEMM: a Triton kernel off the CPU (cuBLAS picks its kernel from the whole
-        call's shape, so the reference's row tiles are batch invariant only on the CPU); on the CPU
-        the reference itself, whose row tiles are exact there (the interpreter would only be slower,
-        and the CPU bits stay the reference's)."""
+        call's shape, so the reference's row tiles are batch invariant only on the CPU), which
+        widens narrower operands in registers (the router's bf16 weight and activations: no fp32
+        copy per step); on the CPU the reference itself, whose row tiles are exact there (the
+        interpreter would only be slower, and the CPU bits stay the reference's)."""
         if x.device.type == "cpu":
-            return super().matmul(x, w_t)
-        return dense_gemm.matmul(x, w_t)
+            return super().matmul(x, w_t, dtype)
+        return dense_gemm.matmul(x, w_t, dtype)
 
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The MLA absorption products, dispatched as :meth:`matmul`."""
         if x.device.type == "cpu":
-            return super().bmm(x, w)
-        return dense_gemm.bmm(x, w)
+            return super().bmm(x, w, dtype)
+        return dense_gemm.bmm(x, w, dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm.rms_norm(x, weight, eps)[0]
