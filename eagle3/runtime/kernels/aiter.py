@@ -57,6 +57,7 @@ from eagle3.runtime.kernels.base import (
     LinearOp,
     LinearWeight,
     MoEOp,
+    QuantizedRows,
     get_backend,
     register_backend,
 )
@@ -164,9 +165,10 @@ class AiterMoE(MoEOp):
                ("packed" if self.mode != "bf16" else "dense", self.w2)]
         return out + [("scales", s) for s in (self.w1_scale, self.w2_scale) if s is not None]
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
         if self.mode == "fallback":
-            return self.fallback(x, topk_ids, topk_weights)
+            return self.fallback(x, topk_ids, topk_weights, xq)
         a = self.aiter
         return a.fused_moe.fused_moe(
             hidden_states=x.to(self.dtype).contiguous(), w1=self.w1, w2=self.w2,
@@ -294,6 +296,10 @@ class AiterBackend(TorchBackend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.base.rms_norm(x, weight, eps)
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        return self.base.add_rms_norm_quant(x, residual, weight, eps, quant)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # aiter's MLA decode reads the cache in the query's dtype

@@ -30,6 +30,7 @@ from eagle3.runtime.kernels.base import (
     DenseWeight,
     KernelBackend,
     LinearWeight,
+    QuantizedRows,
     concat_out_features,
     dequantize,
     weight_tensors,
@@ -149,19 +150,33 @@ class MLAAttention(nn.Module):
         """Tensors kept besides the registered buffers and the Linear sub-modules (the packed kv_b)."""
         return [] if self.kv_b_packed is None else weight_tensors(self.kv_b_packed)
 
+    @property
+    def token_quant(self) -> str | None:
+        """The per-token quantization of the layer's input (its first projection's), if any: the
+        norm in front makes it when its backend fuses the two (:meth:`RMSNorm.add_norm`)."""
+        first = (self.fused_a if self.fused_a is not None
+                 else getattr(self, "q_a_proj" if self.spec.q_lora_rank is not None else "q_proj"))
+        return first.token_quant
+
+    def _q_b(self, qa: torch.Tensor) -> torch.Tensor:
+        """``q_b_proj(q_a_layernorm(qa))``, the norm making q_b's per-token quantization where fused."""
+        qn, _, qq = self.q_a_layernorm.add_norm(qa, None, self.q_b_proj.token_quant)
+        return self.q_b_proj(qn, qq)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
+                cache: torch.Tensor, plan: Any = None, xq: QuantizedRows | None = None) -> torch.Tensor:
+        """``xq``: ``x``'s per-token quantization made by the norm in front (:attr:`token_quant`)."""
         s, be = self.spec, self.backend
         t, nh = x.shape[0], s.num_heads
         if self.fused_a is not None:
-            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(qa))
+            qa, ckv = self.fused_a(x, xq).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
+            q = self._q_b(qa)
         elif s.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            ckv = self.kv_a_proj_with_mqa(x)
+            q = self._q_b(self.q_a_proj(x, xq))
+            ckv = self.kv_a_proj_with_mqa(x, xq)
         else:
-            q = self.q_proj(x)
-            ckv = self.kv_a_proj_with_mqa(x)
+            q = self.q_proj(x, xq)
+            ckv = self.kv_a_proj_with_mqa(x, xq)
         q = q.view(t, nh, s.qk_head_dim)
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         c, k_pe = ckv.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)

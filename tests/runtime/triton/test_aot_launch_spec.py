@@ -19,7 +19,15 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 
 from eagle3.formats import codecs  # noqa: E402
 from eagle3.runtime.kernels.base import Int4Weight  # noqa: E402
-from eagle3.runtime.kernels.triton import act_quant, aot_check, dense_gemm, linear, moe, rmsnorm, rotary  # noqa: E402
+from eagle3.runtime.kernels.triton import (  # noqa: E402
+    act_quant,
+    aot_check,
+    dense_gemm,
+    linear,
+    moe,
+    rmsnorm,
+    rotary,
+)
 
 # integer arguments that follow the batch: the table compiles them unspecialised
 BATCH_ARGS = {"M", "m", "ntok"}
@@ -96,7 +104,9 @@ def test_small_kernels_cases_match_their_launches(monkeypatch: pytest.MonkeyPatc
     x = torch.randn(3, 7168, generator=g)
     rec = _record(monkeypatch, rmsnorm, "_rms_norm_kernel")
     rmsnorm.rms_norm(x, torch.ones(7168), 1e-6, x.clone())
-    _check("rms_norm+residual h7168", rec)
+    rmsnorm.rms_norm_quant(x, torch.ones(7168), 1e-6, "int8", x.clone())
+    _check("rms_norm+residual h7168", rec, 0)
+    _check("rms_norm+residual+int8 quant h7168", rec, 1)
     rec = _record(monkeypatch, act_quant, "_quant_kernel")
     act_quant.quantize_int8_per_token(x)
     act_quant.quantize_fp8_per_token(x)

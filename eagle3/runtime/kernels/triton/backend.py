@@ -19,7 +19,7 @@ import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.kernels.base import LinearOp, MoEOp, register_backend
+from eagle3.runtime.kernels.base import PER_TOKEN_QUANTS, LinearOp, MoEOp, QuantizedRows, register_backend
 from eagle3.runtime.kernels.torch_ref import TorchBackend
 from eagle3.runtime.kernels.triton import (
     act_quant,
@@ -78,11 +78,23 @@ class TritonBackend(TorchBackend):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(x + residual), x + residual)`` in one pass (not in the base interface yet:
-        the models call norm and add separately)."""
+        """``(rms_norm(x + residual), x + residual)`` in one pass."""
         y, summed = rmsnorm.rms_norm(x, weight, eps, residual)
         assert summed is not None
         return y, summed
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        """The residual add, RMSNorm and the next GEMMs' per-token quantization in one launch
+        (``rmsnorm.rms_norm_quant``; without ``quant`` the fused add + norm): the separate ops'
+        numbers, bit for bit."""
+        if quant in PER_TOKEN_QUANTS and x.dim() == 2:
+            y, summed, q, s = rmsnorm.rms_norm_quant(x, weight, eps, quant, residual)
+            return y, (x if summed is None else summed), QuantizedRows(quant, q, s)
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x, None
+        y, summed = self.add_rms_norm(x, residual, weight, eps)
+        return y, summed, None
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return rotary.apply_rope(x, cos, sin, interleaved)

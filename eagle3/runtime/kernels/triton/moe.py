@@ -36,7 +36,7 @@ import torch
 
 from eagle3.errors import ShapeError
 from eagle3.runtime.kernels import torch_ref
-from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp
+from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp, QuantizedRows
 from eagle3.runtime.kernels.triton import linear
 from eagle3.runtime.kernels.triton.common import widen
 
@@ -96,15 +96,17 @@ class TritonMoE(MoEOp):
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.w13.resident() + self.w2.resident()
 
-    def _operand(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows as GEMM operand: per-row integer codes + scales (W4A8), else the float rows."""
+    def _operand(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows as GEMM operand: per-row integer codes + scales (W4A8; ``xq``'s when the norm in
+        front made them), else the float rows."""
         if self.mode in ("int8", "fp8"):
-            return linear.quantize_rows(x, self.mode)
+            return linear.quantize_rows(x, self.mode, xq)
         if self.mode == "mxfp4":
             x = torch_ref.mxfp4_qdq(x)
         return widen(x).contiguous(), None
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
         t, k = topk_ids.shape
         if t == 0:
             return x.new_empty(0, self.hidden)
@@ -112,7 +114,7 @@ class TritonMoE(MoEOp):
         grid_m = int(sorted_ids.numel()) // self.block_m
         sdt = linear.store_dtype(self.dtype)
         pair_eids = topk_ids.reshape(-1)  # the expert of each pair (the exact path's split-K sum)
-        a, sa = self._operand(x)
+        a, sa = self._operand(x, xq)
         # one row per pair, written by GEMM 1 for every pair (padding rows are never stored)
         inter = torch.empty(t * k, self.inter, dtype=sdt, device=x.device)
         linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,
