@@ -25,12 +25,13 @@ from eagle3.runtime.kernels.triton import (  # noqa: E402
     dense_gemm,
     linear,
     moe,
+    moe_align,
     rmsnorm,
     rotary,
 )
 
 # integer arguments that follow the batch: the table compiles them unspecialised
-BATCH_ARGS = {"M", "m", "ntok"}
+BATCH_ARGS = {"M", "m", "ntok", "P", "TOTAL"}
 
 
 class Recorder:
@@ -116,6 +117,9 @@ def test_small_kernels_cases_match_their_launches(monkeypatch: pytest.MonkeyPatc
     rotary.apply_rope(torch.randn(3, 65, 64, generator=g), torch.randn(3, 32, generator=g),
                       torch.randn(3, 32, generator=g), True)
     _check("rope interleaved 64+1 heads x 64", rec)
+    rec = _record(monkeypatch, moe_align, "_align_kernel")
+    moe.align(torch.randint(0, 384, (3, 8), generator=g), 384, 16)
+    _check("moe align 384 experts, block 16", rec)
 
 
 def test_dense_gemm_cases_match_their_launches(monkeypatch: pytest.MonkeyPatch) -> None:

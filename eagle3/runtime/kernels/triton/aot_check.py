@@ -51,6 +51,7 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
         dense_gemm,
         linear,
         mla_attention,
+        moe_align,
         paged_attention,
         plan,
         rmsnorm,
@@ -79,12 +80,16 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
     norm = dict(HAS_RES=True, HAS_W=True, QUANT=0, QMAX=1.0, BF16=False, ROWS=rmsnorm.rows_per_program(h), BLOCK=8192,
                 _ints=dict(rows, stride_q=0))
     norm_q = dict(norm, _ints=dict(rows, stride_q=h))  # + the per-token codes of the normed rows (W4A8)
+    e_kimi = 384  # routed experts: the MoE alignment's bins
     return [
         ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel, norm_ptrs, norm, ("eps",)),
         ("rms_norm+residual+int8 quant h7168", rmsnorm._rms_norm_kernel,
          dict(norm_ptrs, q_ptr="*i8", s_ptr="*fp32"), dict(norm_q, QUANT=1, QMAX=127.0), ("eps",)),
         ("rms_norm+residual+fp8 quant h7168", rmsnorm._rms_norm_kernel,
          dict(norm_ptrs, q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(norm_q, QUANT=2, QMAX=448.0), ("eps",)),
+        ("moe align 384 experts, block 16", moe_align._align_kernel,
+         dict(ids_ptr="*i64", sorted_ptr="*i32", eid_ptr="*i32"),
+         dict(E=e_kimi, E_PAD=512, BLOCK_M=16, CHUNK=moe_align.CHUNK), ()),
         # MLA rotates its 64 query heads and the shared key as one [T, 65, 64] tensor
         ("rope interleaved 64+1 heads x 64", rotary._rope_kernel, dict(x_ptr=bf, cos_ptr=bf, sin_ptr=bf, out_ptr=bf),
          dict(INTERLEAVED=True, BF16=False, TOKENS=1, BLOCK_H=128, BLOCK_D=32, _options=dict(enable_fp_fusion=False),

@@ -2,7 +2,7 @@
 
 Per call:
 
-1. Align (in torch, as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
+1. Align (one Triton program, ``moe_align.py``; as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
    sorted by expert (stable: token order inside an expert) and each expert's run is padded to a
    multiple of ``BLOCK_M`` with the sentinel ``T * k``; every block of ``BLOCK_M`` rows belongs to
    one expert (``expert_ids``). The buffers have a size fixed by the shapes (an upper bound), the
@@ -37,8 +37,8 @@ import torch
 from eagle3.errors import ShapeError
 from eagle3.runtime.kernels import torch_ref
 from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp, QuantizedRows
-from eagle3.runtime.kernels.triton import linear
-from eagle3.runtime.kernels.triton.common import widen
+from eagle3.runtime.kernels.triton import linear, moe_align
+from eagle3.runtime.kernels.triton.common import INTERPRET, widen
 
 
 def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
@@ -53,7 +53,17 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     """(``sorted_ids [P]``: pair index per padded row, ``T * k`` for padding; ``expert_ids
     [P / block_m]``: the expert of each block of rows, ``-1`` for the unused blocks at the end).
     ``P`` is :func:`max_padded_rows`; the used rows are the per-expert counts rounded up to
-    ``block_m``. Device ops only, no host sync (``torch.bincount`` would read the max id)."""
+    ``block_m``. One Triton program (``moe_align.py``) up to ``moe_align.MAX_PAIRS`` pairs, else
+    :func:`align_torch`: the same result, no host sync either way."""
+    pairs = topk_ids.numel()
+    if pairs <= moe_align.MAX_PAIRS and (INTERPRET or topk_ids.device.type != "cpu"):
+        return moe_align.align(topk_ids, num_experts, block_m, max_padded_rows(pairs, num_experts, block_m))
+    return align_torch(topk_ids, num_experts, block_m)
+
+
+def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align` in torch ops (~10 launches): device ops only, no host sync (``torch.bincount``
+    would read the max id)."""
     flat = topk_ids.reshape(-1)
     dev = flat.device
     pairs = flat.numel()
