@@ -19,15 +19,17 @@ Per kernel and decode batch (default 1, 4, 16, 64), each through the kernel back
                    Triton: ``eagle3.runtime.kernels.triton.linear``
 ``linear_bf16``    the same shape in bf16 (attention / shared-expert projections of the native model)
 ``rmsnorm``        RMSNorm over hidden 7168 ; ``act_quant_int8``: per-token int8 quantization
-``router_fp32``    the MoE router ``x.float() @ W_gate.T``, 7168 -> 384 in fp32 (``be.matmul``);
-                   bytes = the fp32 weight + rows. Triton: ``triton.dense_gemm`` (batch invariant;
-                   torch: cuBLAS on 16-row tiles)
+``router_fp32``    the MoE router ``x.float() @ W_gate.T``, 7168 -> 384 in fp32 (``be.matmul(x, W, fp32)``
+                   on the bf16 rows and weight); bytes = the bf16 weight + rows + fp32 logits.
+                   Triton: ``triton.dense_gemm``, widening in registers (batch invariant; torch:
+                   widened copies, cuBLAS on 16-row tiles)
 ``mla_absorb``     the MLA absorption ``q_nope[h] @ W_UK[h]``, 64 heads x 128 -> 512 in bf16 (``be.bmm``)
 =================  ===========================================================================
 
 A Triton row whose kernel module is not in this tree says ``not built`` (the backend would still
-delegate that op to torch). HBM peaks by device name: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL
-3.9, H200 4.8, MI300X 5.3, MI325X 6.0, MI355X 8.0 (vendor figures; ``--hbm-peak`` overrides).
+delegate that op to torch). HBM peaks by device name from the memory plan's card table
+(``eagle3.plan.GPUS``: H100 SXM 3.35 TB/s, H100 PCIe 2.0, H100 NVL 3.9, H200 4.8, MI300X 5.3,
+MI325X 6.0, MI355X 8.0, vendor figures; ``--hbm-peak`` overrides).
 The issue's goal: MoE and MLA decode >= 60 % of HBM peak at batch <= 16 on H100 (printed). The fp8
 cache's rows are printed beside bf16's (``kv_lines``): time per call and bytes/s, same batch and backend.
 
@@ -92,11 +94,6 @@ KERNELS = ("mla_decode", "mla_verify", "mla_decode_fp8", "mla_verify_fp8", "moe_
 KV_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # --e2e-kv-dtypes (the engine's kv_cache_dtype)
 FP8_KV_SCALE = 0.05  # the fp8 kernel rows' per-tensor scale (any value: the kernel's work does not depend on it)
 BACKENDS = ("torch", "triton")
-# TB/s (1e12 bytes/s), vendor figures; matched against torch.cuda.get_device_name, most specific first.
-HBM_PEAK_TBPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIE", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8), ("MI300X", 5.3), ("MI325X", 6.0),
-    ("MI355X", 8.0),
-)
 # The Triton kernels each benchmark row stands for: (module, attribute) looked up by name, so that a
 # row says "not built" until the module lands (moe.py / linear.py come from a parallel change).
 TRITON_KERNEL: dict[str, tuple[str, str]] = {
@@ -190,12 +187,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def hbm_peak_tbps(device_name: str) -> float | None:
-    """The HBM peak (TB/s) of a device named ``device_name`` (None: not in the table)."""
-    name = device_name.upper()
-    for key, tbps in HBM_PEAK_TBPS:
-        if key in name:
-            return tbps
-    return None
+    """The HBM peak (TB/s) of a device named ``device_name``: the memory plan's figure for that card
+    (``eagle3.plan.GPUS``, the one table of them; None: not in it)."""
+    from eagle3.plan import gpu_for_device_name
+
+    gpu = gpu_for_device_name(device_name)
+    return None if gpu is None else gpu.hbm_tbps
 
 
 def triton_kernel_status(kernel: str) -> str | None:
@@ -442,9 +439,10 @@ class Kernels:
                 fn = lambda: quantize_int8_per_token(x)  # noqa: E731
             return fn, batch * HIDDEN * (2 + 1) + batch * 4, {}
         if kernel == "router_fp32":
-            wt = torch.randn(HIDDEN, EXPERTS, device=dev, generator=self.gen)
-            xf = x.float()
-            return lambda: be.matmul(xf, wt), (HIDDEN + batch) * EXPERTS * 4 + batch * HIDDEN * 4, {}
+            # as MoE.route_scores: the bf16 rows and weight, multiplied in fp32
+            wt = torch.randn(HIDDEN, EXPERTS, device=dev, generator=self.gen).to(torch.bfloat16)
+            return (lambda: be.matmul(x, wt, torch.float32),
+                    HIDDEN * EXPERTS * 2 + batch * HIDDEN * 2 + batch * EXPERTS * 4, {})
         if kernel == "mla_absorb":
             w_uk = torch.randn(MLA_HEADS, 128, D_LAT, device=dev, dtype=torch.bfloat16, generator=self.gen)
             q = torch.randn(batch, MLA_HEADS, 128, device=dev, dtype=torch.bfloat16, generator=self.gen)

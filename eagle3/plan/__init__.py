@@ -17,6 +17,7 @@ from eagle3.plan.memory import (
     Model,
     check_options,
     classify,
+    gpu_for_device_name,
     kv_bytes_per_token,
     load_model,
     plan,
@@ -26,4 +27,4 @@ from eagle3.plan.memory import (
 )
 
 __all__ = ["DecodeFloor", "decode_floor", "expected_distinct_experts", "floor_lines", "gpu_hbm_tbps", "CATEGORIES", "DEFAULT_RESERVE", "GPUS", "KV_DTYPE_BYTES", "MemoryPlan", "Model", "check_options",
-           "classify", "kv_bytes_per_token", "load_model", "plan", "project_config", "rank_bytes", "summary_lines"]
+           "classify", "gpu_for_device_name", "kv_bytes_per_token", "load_model", "plan", "project_config", "rank_bytes", "summary_lines"]

@@ -53,18 +53,34 @@ class Gpu:
     name: str
     memory: int  # bytes the device reports
     hbm_tbps: float | None = None  # HBM peak, vendor figure (TB/s = 1e12 B/s): the decode floor's rate
+    # Text in the name the driver gives the card (torch.cuda.get_device_name), upper case; the
+    # longest match wins (an "H100 PCIe" is not an "H100" SXM)
+    device_names: tuple[str, ...] = ()
 
 
-# Device memory as the driver reports it: nvidia-smi total (H100 SXM 81559 MiB, H200 143771 MiB);
-# AMD Instinct HBM is 192 / 256 / 288 GiB (8 stacks of 24 / 32 / 36 GiB), which AMD sells as "GB".
-# HBM peaks are the vendors' datasheet figures (benchmarks/kernels_gpu.py matches the same by device name).
+# Device memory as the driver reports it: nvidia-smi total (H100 SXM and PCIe 81559 MiB, H100 NVL
+# 95830 MiB, H200 143771 MiB); AMD Instinct HBM is 192 / 256 / 288 GiB (8 stacks of 24 / 32 / 36
+# GiB), which AMD sells as "GB". HBM peaks are the vendors' datasheet figures, the one table of them
+# (benchmarks/kernels_gpu.py finds its card here by device name: gpu_for_device_name).
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("NVIDIA H100 SXM (80 GB HBM3)", 81559 * 1024**2, 3.35),
-    "h200": Gpu("NVIDIA H200 (141 GB HBM3e)", 143771 * 1024**2, 4.8),
-    "mi300x": Gpu("AMD Instinct MI300X (192 GB HBM3)", 192 * GiB, 5.3),
-    "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB, 6.0),
-    "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB, 8.0),
+    "h100": Gpu("NVIDIA H100 SXM (80 GB HBM3)", 81559 * 1024**2, 3.35, ("H100",)),
+    "h100-pcie": Gpu("NVIDIA H100 PCIe (80 GB HBM2e)", 81559 * 1024**2, 2.0, ("H100 PCIE",)),
+    "h100-nvl": Gpu("NVIDIA H100 NVL (94 GB HBM3)", 95830 * 1024**2, 3.9, ("H100 NVL",)),
+    "h200": Gpu("NVIDIA H200 (141 GB HBM3e)", 143771 * 1024**2, 4.8, ("H200",)),
+    "mi300x": Gpu("AMD Instinct MI300X (192 GB HBM3)", 192 * GiB, 5.3, ("MI300X",)),
+    "mi325x": Gpu("AMD Instinct MI325X (256 GB HBM3E)", 256 * GiB, 6.0, ("MI325X",)),
+    "mi355x": Gpu("AMD Instinct MI355X (288 GB HBM3E)", 288 * GiB, 8.0, ("MI355X",)),
 }
+
+
+def gpu_for_device_name(device_name: str) -> Gpu | None:
+    """The :data:`GPUS` card whose ``device_names`` best match the driver's name for a device
+    (``torch.cuda.get_device_name``: "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "AMD Instinct
+    MI300X"); None for a card not in the table."""
+    name = device_name.upper()
+    best = max(((len(s), g) for g in GPUS.values() for s in g.device_names if s in name),
+               key=lambda m: m[0], default=None)
+    return None if best is None else best[1]
 # Bytes per cached value, by name: the runtime's table (fp8 of any kind is one byte: twice bf16's tokens).
 KV_DTYPE_BYTES = kv_cache.ELEMENT_BYTES
 
@@ -343,7 +359,7 @@ def check_options(*, gpus: int, gpu: str | None, gpu_memory: int | None, memory_
     elif gpu_memory is not None:
         name, mem = "custom", gpu_memory
     else:
-        raise UsageError("give --gpu (h100, h200, mi300x, mi325x, mi355x) or --gpu-memory")
+        raise UsageError(f"give --gpu ({', '.join(GPUS)}) or --gpu-memory")
     return name, mem
 
 
@@ -441,5 +457,5 @@ def summary_lines(p: MemoryPlan) -> list[str]:
     return lines
 
 
-__all__ = ["GPUS", "CATEGORIES", "MemoryPlan", "plan", "rank_bytes", "classify", "load_model", "project_config",
+__all__ = ["GPUS", "gpu_for_device_name", "CATEGORIES", "MemoryPlan", "plan", "rank_bytes", "classify", "load_model", "project_config",
            "kv_bytes_per_token", "summary_lines", "DEFAULT_RESERVE", "check_options"]

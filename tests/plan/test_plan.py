@@ -160,8 +160,8 @@ def test_serve_dry_run_plan_prints_the_same_projection(tmp_path: Path, capsys: p
 
 def test_plan_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _main(capsys, "plan", str(KIMI), "--gpu", "tpu")
-    assert code == 2 and err.strip() == ("error: --gpu 'tpu': choose from h100, h200, mi300x, mi325x, mi355x "
-                                         "(or give --gpu-memory)")
+    assert code == 2 and err.strip() == ("error: --gpu 'tpu': choose from h100, h100-pcie, h100-nvl, h200, mi300x, "
+                                         "mi325x, mi355x (or give --gpu-memory)")
     code, _, err = _main(capsys, "plan", str(tmp_path / "nowhere"), "--gpu", "h200")
     assert code == 2 and "nowhere" in err and len(err.strip().splitlines()) == 1
     code, _, err = _main(capsys, "plan", str(KIMI))

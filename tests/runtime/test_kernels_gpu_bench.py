@@ -45,6 +45,11 @@ def test_hbm_peaks(bench) -> None:
              "NVIDIA H200": 4.8, "AMD Instinct MI300X": 5.3, "AMD Instinct MI325X": 6.0,
              "AMD Instinct MI355X": 8.0, "Tesla T4": None}
     assert {n: bench.hbm_peak_tbps(n) for n in names} == names
+    # one table: the memory plan's cards, each found by its own name at its own peak
+    from eagle3.plan import GPUS
+
+    assert all(bench.hbm_peak_tbps(g.name) == g.hbm_tbps for g in GPUS.values())
+    assert not hasattr(bench, "HBM_PEAK_TBPS")
 
 
 def test_triton_kernels_are_looked_up_by_name(bench) -> None:

@@ -57,6 +57,7 @@ from eagle3.runtime.kernels.base import (
     LinearOp,
     LinearWeight,
     MoEOp,
+    QuantizedRows,
     get_backend,
     register_backend,
 )
@@ -164,9 +165,10 @@ class AiterMoE(MoEOp):
                ("packed" if self.mode != "bf16" else "dense", self.w2)]
         return out + [("scales", s) for s in (self.w1_scale, self.w2_scale) if s is not None]
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
         if self.mode == "fallback":
-            return self.fallback(x, topk_ids, topk_weights)
+            return self.fallback(x, topk_ids, topk_weights, xq)
         a = self.aiter
         return a.fused_moe.fused_moe(
             hidden_states=x.to(self.dtype).contiguous(), w1=self.w1, w2=self.w2,
@@ -270,6 +272,7 @@ class AiterBackend(TorchBackend):
 
             base_name = "triton" if _importable("triton") else "torch"
         self.base: KernelBackend = get_backend(base_name, self.device)
+        self.absorb_at_load = self.base.absorb_at_load  # the base computes the absorption
         params = inspect.signature(self.aiter.mla.mla_decode_fwd).parameters
         # page_size / nhead_kv exist in newer aiter releases only; pass them when taken
         self._mla_extra = {k: 1 for k in ("page_size", "nhead_kv") if k in params}
@@ -282,17 +285,21 @@ class AiterBackend(TorchBackend):
     def moe(self) -> MoEOp:
         return AiterMoE(self.aiter, self.base.moe())
 
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return self.base.matmul(x, w_t)
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.base.matmul(x, w_t, dtype)
 
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.base.bmm(x, w)
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.base.bmm(x, w, dtype)
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.base.matrix(w, dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.base.rms_norm(x, weight, eps)
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        return self.base.add_rms_norm_quant(x, residual, weight, eps, quant)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # aiter's MLA decode reads the cache in the query's dtype

@@ -42,6 +42,20 @@ if TYPE_CHECKING:  # pragma: no cover
 # quantization_config by formats/quant_detect.QuantSpec): per token, or per 32-element block of a
 # token row for MXFP4. None = activations stay in the compute dtype.
 ACT_QUANTS: tuple[str, ...] = ("int8", "fp8", "mxfp4")
+PER_TOKEN_QUANTS: tuple[str, ...] = ("int8", "fp8")  # the ones a fused norm can hand over (QuantizedRows)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """The per-token quantization of a GEMM's input rows, made ahead of the GEMM by the op that
+    produced the rows (a fused RMSNorm, :meth:`KernelBackend.add_rms_norm_quant`): ``kind`` int8
+    (codes int8) or fp8 (float8_e4m3fn), ``codes [T, K]`` and fp32 ``scales [T]``, the numbers the
+    op would compute from the rows itself (``act_quant``). An op whose activation quantization is
+    ``kind`` may read them instead of quantizing; any other op ignores them."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +175,9 @@ class LinearOp(ABC):
         weight stays quantized: no backend keeps a dense copy of it; dense values are made per call in a bounded scratch."""
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` -> ``[T, N]`` (compute dtype)."""
+    def __call__(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        """``x [T, K]`` -> ``[T, N]`` (compute dtype). ``xq``: ``x``'s per-token quantization when the
+        caller made it already (an op may use it for its own activation quantization or ignore it)."""
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor the op keeps between calls, with its role (see :func:`weight_tensors`)."""
@@ -192,14 +207,20 @@ class MoEOp(ABC):
         return len(gate)
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights`` fp32 ``[T, k]`` -> ``[T, H]``."""
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
+        """``x [T, H]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights`` fp32 ``[T, k]`` -> ``[T, H]``;
+        ``xq`` as in :meth:`LinearOp.__call__` (for the first GEMM)."""
 
 
 class KernelBackend(ABC):
     """Factory for the weighted ops plus the weightless ones."""
 
     name: str = "?"
+    # MLA with a quantized kv_b_proj: decode its two absorbed matrices once at load (True: the
+    # decode step reads them as they are, at the cost of their model-dtype bytes over the packed
+    # ones) or per call from the packed weight, which alone stays resident (False: the reference).
+    absorb_at_load: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -211,12 +232,15 @@ class KernelBackend(ABC):
     def moe(self) -> MoEOp: ...
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        """``x [M, K] @ w_t [K, N]`` (router, small unquantized products); result in ``x.dtype``."""
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K] @ w_t [K, N]`` (router, small unquantized products), computed and returned in
+        ``dtype``: by default the wider of the two operands' dtypes (a narrower operand is widened,
+        which is exact; the router passes bf16 activations and weight with ``torch.float32``)."""
 
     @abstractmethod
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption)."""
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [B, M, K] @ w [B, K, N]`` with row results independent of ``M`` (MLA absorption);
+        ``dtype`` as in :meth:`matmul`."""
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A dense operand for :meth:`matmul` / :meth:`bmm`, rounded to the model ``dtype`` and laid
@@ -226,6 +250,16 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        """``(rms_norm(x + residual), x + residual, xq)`` (``residual`` None: ``x`` itself is normed and
+        returned). ``quant`` (``int8`` | ``fp8`` | None): the per-token quantization the GEMMs that
+        read the normed rows apply; a backend that fuses it returns it as ``xq`` (None otherwise: the
+        GEMMs quantize the rows themselves). Numbers are those of the separate ops: this default
+        computes them so, a backend may fuse them into fewer launches."""
+        summed = x if residual is None else x + residual
+        return self.rms_norm(summed, weight, eps), summed, None
 
     @abstractmethod
     def silu(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -30,6 +30,7 @@ from eagle3.runtime.kernels.base import (
     DenseWeight,
     KernelBackend,
     LinearWeight,
+    QuantizedRows,
     concat_out_features,
     dequantize,
     weight_tensors,
@@ -80,7 +81,8 @@ class MLAAttention(nn.Module):
                                         unit=spec.v_head_dim)
         self.register_buffer("w_uk", torch.zeros(nh, spec.qk_nope_head_dim, spec.kv_lora_rank))  # [nh, dn, rkv]
         self.register_buffer("w_uv_t", torch.zeros(nh, spec.kv_lora_rank, spec.v_head_dim))  # [nh, rkv, dv]
-        # A quantized kv_b_proj stays packed; the two absorbed matrices are decoded from it per call.
+        # A quantized kv_b_proj stays packed and the two absorbed matrices are decoded from it per
+        # call, unless the backend decodes them once at load (KernelBackend.absorb_at_load).
         self.kv_b_packed: LinearWeight | None = None
         self.dtype = torch.float32
         self.absorbed = True
@@ -108,7 +110,9 @@ class MLAAttention(nn.Module):
     def load_kv_b(self, weight: LinearWeight, dtype: torch.dtype, device: torch.device) -> None:
         """``kv_b_proj`` is absorbed: a dense one is kept as its two per-head matrices (the same
         values, one copy, in the model dtype); a quantized one stays packed and the matrices are
-        decoded from it per call (:meth:`absorbed_matrices`)."""
+        decoded from it per call (:meth:`absorbed_matrices`), or once here when the backend says
+        so (``absorb_at_load``: the Triton decode step then reads them as they are; the same
+        bits, the packed copy dropped)."""
         s = self.spec
         want = (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
         if tuple(weight.shape) != want:
@@ -117,6 +121,9 @@ class MLAAttention(nn.Module):
         if isinstance(weight, DenseWeight):
             self.kv_b_packed = None
             self.w_uk, self.w_uv_t = self._split(dequantize(weight, dtype).to(device))
+        elif self.backend.absorb_at_load:
+            self.kv_b_packed = None
+            self.w_uk, self.w_uv_t = self._split(dequantize(weight_to(weight, device), dtype))  # as per call
         else:
             self.kv_b_packed = weight_to(weight, device)
             self.w_uk = self.w_uv_t = None
@@ -143,19 +150,33 @@ class MLAAttention(nn.Module):
         """Tensors kept besides the registered buffers and the Linear sub-modules (the packed kv_b)."""
         return [] if self.kv_b_packed is None else weight_tensors(self.kv_b_packed)
 
+    @property
+    def token_quant(self) -> str | None:
+        """The per-token quantization of the layer's input (its first projection's), if any: the
+        norm in front makes it when its backend fuses the two (:meth:`RMSNorm.add_norm`)."""
+        first = (self.fused_a if self.fused_a is not None
+                 else getattr(self, "q_a_proj" if self.spec.q_lora_rank is not None else "q_proj"))
+        return first.token_quant
+
+    def _q_b(self, qa: torch.Tensor) -> torch.Tensor:
+        """``q_b_proj(q_a_layernorm(qa))``, the norm making q_b's per-token quantization where fused."""
+        qn, _, qq = self.q_a_layernorm.add_norm(qa, None, self.q_b_proj.token_quant)
+        return self.q_b_proj(qn, qq)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                cache: torch.Tensor, plan: Any = None) -> torch.Tensor:
+                cache: torch.Tensor, plan: Any = None, xq: QuantizedRows | None = None) -> torch.Tensor:
+        """``xq``: ``x``'s per-token quantization made by the norm in front (:attr:`token_quant`)."""
         s, be = self.spec, self.backend
         t, nh = x.shape[0], s.num_heads
         if self.fused_a is not None:
-            qa, ckv = self.fused_a(x).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(qa))
+            qa, ckv = self.fused_a(x, xq).split([s.q_lora_rank, self.spec.cache_width], dim=-1)
+            q = self._q_b(qa)
         elif s.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            ckv = self.kv_a_proj_with_mqa(x)
+            q = self._q_b(self.q_a_proj(x, xq))
+            ckv = self.kv_a_proj_with_mqa(x, xq)
         else:
-            q = self.q_proj(x)
-            ckv = self.kv_a_proj_with_mqa(x)
+            q = self.q_proj(x, xq)
+            ckv = self.kv_a_proj_with_mqa(x, xq)
         q = q.view(t, nh, s.qk_head_dim)
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         c, k_pe = ckv.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)

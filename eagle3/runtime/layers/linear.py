@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from eagle3.errors import ShapeError
-from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearOp, LinearWeight
+from eagle3.runtime.kernels.base import (
+    PER_TOKEN_QUANTS,
+    ActQuant,
+    KernelBackend,
+    LinearOp,
+    LinearWeight,
+    QuantizedRows,
+)
 from eagle3.runtime.parallel import SINGLE, TPGroup
 
 
@@ -84,10 +91,16 @@ class Linear(nn.Module):
         """The op's tensors (packed codes + scales for a quantized weight, never a dense copy)."""
         return [] if self.op is None else self.op.resident()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def token_quant(self) -> str | None:
+        """The per-token activation quantization this layer applies to its input (int8 / fp8), which
+        the norm in front may make for it (:meth:`RMSNorm.add_norm`); None for any other."""
+        return self.act if self.act in PER_TOKEN_QUANTS else None
+
+    def forward(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
         if self.op is None:
             raise RuntimeError(f"{self.name}: weights not loaded")
-        return self.op(x)
+        return self.op(x, xq)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.kind}, act={self.act}"

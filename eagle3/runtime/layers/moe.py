@@ -1,7 +1,8 @@
 """SwiGLU MLP and the DeepSeek-V3 MoE block (sigmoid router with correction bias, group-limited
 top-k, routed experts + always-on shared experts) as in DeepSeek-V3.
 
-Numerics as transformers: router logits ``x.float() @ W.float().T``; selection on
+Numerics as transformers: router logits ``x.float() @ W.float().T`` (the backend widens both
+operands, exactly; no per-step fp32 copy of the weight on a GPU); selection on
 ``sigmoid + e_score_correction_bias``, weights are the unbiased scores, renormalised
 (``/ (sum + 1e-20)``) and scaled by ``routed_scaling_factor``; the routed sum is taken in fp32,
 cast, then the shared experts' output (activation dtype) is added.
@@ -12,7 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle3.runtime.kernels.base import ActQuant, KernelBackend, LinearWeight, MoEOp, concat_out_features
+from eagle3.runtime.kernels.base import (
+    PER_TOKEN_QUANTS,
+    ActQuant,
+    KernelBackend,
+    LinearWeight,
+    MoEOp,
+    QuantizedRows,
+    concat_out_features,
+)
 from eagle3.runtime.layers.linear import Linear, RowParallelLinear, Shard
 from eagle3.runtime.parallel import SINGLE, TPGroup
 
@@ -41,8 +50,13 @@ class DenseMLP(nn.Module):
         self.gate_up.load(concat_out_features([gate, up]), act_gate_up, dtype, device)
         self.down.load(down, act_down, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_up(x).split(self.inter, dim=-1)
+    @property
+    def token_quant(self) -> str | None:
+        """The per-token quantization of this MLP's input (its gate + up GEMM's), if any."""
+        return self.gate_up.token_quant
+
+    def forward(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        g, u = self.gate_up(x, xq).split(self.inter, dim=-1)
         y = self.down(self.backend.silu(g) * u)
         return self.tp.reduce(y) if self.reduce_results else y
 
@@ -73,10 +87,12 @@ class MoE(nn.Module):
         self.shared = (DenseMLP(hidden, inter * n_shared, backend, name + ".shared_experts", tp, reduce_results=False)
                        if n_shared else None)
         self.kind = "unloaded"
+        self.act: ActQuant = None  # the routed experts' activation quantization
 
     def load_router(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
         # The router runs in fp32 (transformers casts both operands): the weight is kept transposed in
-        # its checkpoint dtype and widened per call (exact), so it takes no more memory than on disk.
+        # its checkpoint dtype and widened exactly where it is multiplied (per call by the reference,
+        # in registers by the Triton kernel), so it takes no more memory than on disk.
         self.gate_weight_t = weight.t().contiguous().to(device)
         self.e_score_correction_bias = None if bias is None else bias.float().to(device)
 
@@ -85,6 +101,7 @@ class MoE(nn.Module):
         op = self.backend.moe()
         op.prepare(gate, up, down, act, dtype, device)
         self.experts = op
+        self.act = act
         self.kind = f"{type(gate[0]).__name__}, act={act}"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +117,7 @@ class MoE(nn.Module):
         """-> (scores, choice) fp32 [T, E]: the experts' gate scores and the values the top-k picks
         from (bias-corrected, groups outside the best ``topk_group`` at -inf). Separate from
         :meth:`route` so that a test can see how close a token's routing is to a tie."""
-        logits = self.backend.matmul(x.float(), self.gate_weight_t.float())
+        logits = self.backend.matmul(x, self.gate_weight_t, torch.float32)
         scores = self.backend.sigmoid(logits) if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1 and self.topk_group < self.n_group:
@@ -112,7 +129,16 @@ class MoE(nn.Module):
             choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, -1), float("-inf"))
         return scores, choice
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def token_quant(self) -> str | None:
+        """The per-token quantization of this block's input: the routed experts' (the shared
+        experts read it too when theirs is the same), if any."""
+        if self.act in PER_TOKEN_QUANTS:
+            return self.act
+        return None if self.shared is None else self.shared.token_quant
+
+    def forward(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        """``xq``: ``x``'s per-token quantization made by the norm in front (:attr:`token_quant`)."""
         if self.experts is None:
             raise RuntimeError(f"{self.name}: experts not loaded")
         ids, w = self.route(x)
@@ -123,9 +149,9 @@ class MoE(nn.Module):
             mine = (ids >= lo) & (ids < hi)
             w = torch.where(mine, w, torch.zeros_like(w))
             ids = torch.where(mine, ids - lo, torch.zeros_like(ids))
-        y = self.experts(x, ids, w)
+        y = self.experts(x, ids, w, xq)
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + self.shared(x, xq)
         return self.tp.reduce(y)
 
     def resident(self) -> list[tuple[str, torch.Tensor]]:

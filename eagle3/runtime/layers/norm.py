@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import ShapeError
-from eagle3.runtime.kernels.base import KernelBackend
+from eagle3.runtime.kernels.base import KernelBackend, QuantizedRows
 
 
 class RMSNorm(nn.Module):
@@ -25,3 +25,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        """``(norm(x + residual), x + residual, xq)``: the residual add fused into the norm, and with
+        ``quant`` (the next GEMMs' per-token int8 / fp8) their quantization of the normed rows where
+        the backend fuses it (``KernelBackend.add_rms_norm_quant``; the same numbers as separate ops)."""
+        return self.backend.add_rms_norm_quant(x, residual, self.weight, self.eps, quant)

@@ -39,9 +39,16 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(h, spec.intermediate_size, backend, name + ".mlp", tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                cache: torch.Tensor, plan: object) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                cache: torch.Tensor, plan: object,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h + pending`` in, ``(h', mlp_out)`` out: the layer's output is their sum, left to the
+        next layer's input norm to form (``pending``), so that each residual add is fused into the
+        norm after it, and each norm makes the per-token quantization of the GEMMs it feeds where
+        the backend fuses that (:meth:`RMSNorm.add_norm`; the same numbers as separate ops)."""
+        x, h, xq = self.input_layernorm.add_norm(h, pending, self.self_attn.token_quant)
+        a = self.self_attn(x, cos, sin, meta, cache, plan, xq)
+        x, h, xq = self.post_attention_layernorm.add_norm(a, h, self.mlp.token_quant)
+        return h, self.mlp(x, xq)
 
 
 class DeepseekV3Model(nn.Module):
@@ -91,13 +98,19 @@ class DeepseekV3Model(nn.Module):
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
         plan = self.backend.plan_attention(meta)
         aux: list[torch.Tensor] = []
+        pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for i, layer in enumerate(self.layers):
-            if i in want:
+            if i in want:  # the layer's input itself: the add made here, not in its norm
+                if pending is not None:
+                    h, pending = h + pending, None
                 aux.append(h)
-            h = layer(h, cos, sin, meta, kv_caches[i], plan)
+            h, pending = layer(h, cos, sin, meta, kv_caches[i], plan, pending)
+        if self.num_layers in want and pending is not None:
+            h, pending = h + pending, None
+        y, h, _ = self.norm.add_norm(h, pending)
         if self.num_layers in want:
             aux.append(h)
-        return self.norm(h), (torch.cat(aux, dim=-1) if aux_layer_ids else None)
+        return y, (torch.cat(aux, dim=-1) if aux_layer_ids else None)
 
     def _check_aux(self, ids: tuple[int, ...] | None) -> frozenset[int]:
         if not ids:

@@ -107,9 +107,10 @@ class Eagle3DraftModel(nn.Module):
         res = hn if self.spec.norm_before_residual else hidden
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
         plan = self.backend.plan_attention(meta)
-        r1 = res + self.self_attn(x, cos, sin, meta, kv_cache, plan)
-        out = r1 + self.mlp(self.post_attention_layernorm(r1))
-        y = self.norm(out)
+        # each residual add fused into the norm after it (RMSNorm.add_norm: the same numbers)
+        xn, r1, xq = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, meta, kv_cache, plan), res,
+                                                            self.mlp.token_quant)
+        y, out, _ = self.norm.add_norm(self.mlp(xn, xq), r1)
         return y, (y if self.spec.norm_output else out)
 
     def compute_logits(self, post_norm: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,21 @@ def test_dense_bmm_matches_float64_and_rows_are_batch_invariant(b, k, n, dtype, 
         assert torch.equal(dense_gemm.matmul(x[0], w[0]), y[0])
 
 
+def test_router_reads_bf16_operands_and_multiplies_in_fp32(device: torch.device) -> None:
+    """The router's product ``x.float() @ W.float()`` from the bf16 activations and weight as they
+    are (widened where loaded: exact, so the bits of the fp32 product of widened copies), on the
+    kernel and on the reference the CPU backend keeps (whose bits are unchanged)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1024, generator=g).to(device, torch.bfloat16)
+    w_t = (torch.randn(1024, 24, generator=g) / 32).to(device, torch.bfloat16)
+    y = dense_gemm.matmul(x, w_t, torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, dense_gemm.matmul(x.float(), w_t.float()))
+    assert torch.equal(dense_gemm.matmul(x.float(), w_t), y)  # the default: the wider operand's dtype
+    xc, wc = x.cpu(), w_t.cpu()
+    ref = torch_ref.TorchBackend("cpu").matmul(xc, wc, torch.float32)
+    assert torch.equal(ref, torch_ref.mm_rows(xc.float(), wc.float()))  # the reference's bits as before
+
+
 def test_backend_keeps_the_reference_on_the_cpu_and_the_kernel_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     # A CPU backend on a GPU machine too (a first GPU run refused it there): its matmul / bmm on CPU
     # tensors are the torch reference, no Triton kernel runs.
@@ -73,7 +88,7 @@ def test_backend_keeps_the_reference_on_the_cpu_and_the_kernel_elsewhere(monkeyp
     calls: list[str] = []
 
     def record(name: str):  # type: ignore[no-untyped-def]
-        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def run(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
             calls.append(name)
             return torch.empty(*a.shape[:-1], b.shape[-1], device=a.device)
         return run
@@ -115,3 +130,38 @@ def test_a_triton_forward_runs_no_torch_gemm_off_the_cpu(tiny_dir, device: torch
         assert set(log.seen) == {"bmm"}, log.seen
     else:
         assert log.seen == []
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_triton_backend_decodes_a_packed_kv_b_once_at_load(fmt: str) -> None:
+    """The MLA absorption matrices of a quantized kv_b_proj: the reference keeps the packed weight
+    and decodes it per call; the Triton backend decodes it once at load (its decode step reads the
+    matrices as they are), to the same bits, and holds the matrices instead of the packed weight."""
+    from eagle3.formats import codecs
+    from eagle3.runtime.config import MLASpec, RopeSpec
+    from eagle3.runtime.kernels.base import FP8Weight, Int4Weight
+    from eagle3.runtime.layers.attention import MLAAttention
+    from eagle3.runtime.layers.rotary import RotaryEmbedding
+    from eagle3.runtime.loader import resident_weight_bytes
+
+    spec = MLASpec(4, None, 64, 32, 16, 32, RopeSpec(16, 10000.0, True), 1e-6)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4 * (32 + 32), 64, generator=g) * 0.05
+    if fmt == "int4":
+        q, s = codecs.ct_int4_quantize(w, 32)
+        weight = Int4Weight(q, s.to(torch.bfloat16), 32, packing="ct", in_features=64)
+    else:
+        weight = FP8Weight(*codecs.fp8_block_quantize(w, (32, 32)), block=(32, 32))
+    layers = {}
+    for be in (torch_ref.TorchBackend("cpu"), TritonBackend("cpu")):
+        m = MLAAttention(spec, 64, 64, RotaryEmbedding(spec.rope, be), be, "attn")
+        m.load_kv_b(weight, torch.bfloat16, torch.device("cpu"))
+        layers[be.name] = m
+    ref, tri = layers["torch"], layers["triton"]
+    assert ref.kv_b_packed is not None and ref.w_uk is None  # the reference: packed, decoded per call
+    assert tri.kv_b_packed is None and tri.absorbed_matrices()[0] is tri.w_uk  # decoded once
+    for a, b in zip(ref.absorbed_matrices(), tri.absorbed_matrices(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    decoded = 2 * spec.num_heads * 32 * 64 * 2  # two [4, 32, 64] bf16 matrices
+    assert sum(resident_weight_bytes(tri).per_module["."].values()) == decoded
+    assert sum(resident_weight_bytes(ref).per_module["."].values()) < decoded

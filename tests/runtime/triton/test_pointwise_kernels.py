@@ -55,6 +55,30 @@ def test_rms_norm_rows_are_batch_invariant() -> None:
         assert torch.equal(rmsnorm.rms_norm(x[lo:hi], w, 1e-5)[0], full[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_rms_norm_quant_equals_the_unfused_pair(dtype: torch.dtype, quant: str) -> None:
+    """RMSNorm (+ residual) fused with the per-token quantization: the normed rows, the residual
+    sum, the codes and the scales bit for bit those of rms_norm then act_quant; rows batch invariant."""
+    x = _randn(37, 96, dtype=dtype) * 3
+    w = _randn(96, dtype=dtype, seed=1)
+    res = _randn(37, 96, dtype=dtype, seed=2)
+    x[5] = 0  # a zero row: scale 1
+    res[5] = 0
+    unfused = act_quant.quantize_int8_per_token if quant == "int8" else act_quant.quantize_fp8_per_token
+    for r in (None, res):
+        y, summed, q, s = rmsnorm.rms_norm_quant(x, w, 1e-6, quant, r)
+        y_ref, summed_ref = rmsnorm.rms_norm(x, w, 1e-6, r)
+        q_ref, s_ref = unfused(y_ref)
+        assert y.dtype == dtype and torch.equal(y, y_ref)
+        assert (summed is None) == (r is None) and (r is None or torch.equal(summed, summed_ref))
+        assert q.dtype == q_ref.dtype and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(s, s_ref) and s[5] == 1
+    for lo, hi in [(0, 1), (5, 6), (17, 30)]:  # a row's codes alone and in any batch
+        _, _, q1, s1 = rmsnorm.rms_norm_quant(x[lo:hi], w, 1e-6, quant, res[lo:hi])
+        assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)[lo:hi]) and torch.equal(s1, s[lo:hi])
+
+
 def _yarn(dim: int, interleaved: bool) -> RotaryEmbedding:
     """Kimi's YaRN settings (factor 64, mscale 1/1), the cos/sin from the runtime's module."""
     spec = RopeSpec(dim=dim, theta=50000.0, interleaved=interleaved, kind="yarn", factor=64.0,

@@ -59,3 +59,48 @@ def test_speculative_greedy_equals_plain_greedy(target: tuple[LLM, list[list[int
     assert llm.stats.num_drafts > 0
     assert isinstance(llm.draft.backend, TritonBackend)
     assert any(isinstance(op, TritonLinear) for op in _ops(llm.draft))
+
+
+class _Counted:
+    """A Triton kernel that still runs, counting its launches."""
+
+    def __init__(self, fn: object) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __getitem__(self, grid: object) -> object:
+        def launch(*args: object, **kw: object) -> object:
+            self.calls += 1
+            return self.fn[grid](*args, **kw)  # type: ignore[index]
+        return launch
+
+
+def test_norms_hand_their_quantization_to_the_gemms(target: tuple[LLM, list[list[int]]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """W4A8: each norm in front of per-token-quantized GEMMs makes their activation codes in its own
+    launch (rmsnorm.rms_norm_quant) and the GEMMs read them, with each residual add fused into the
+    norm after it; a forward's hidden states are bit for bit those of the separate ops."""
+    from eagle3.runtime.kernels import base
+    from eagle3.runtime.kernels.triton import act_quant
+    from tests.runtime.model_kit import PagedKV
+
+    llm, _ = target
+    model = llm.target
+    quantized = [m for m in model.modules() if getattr(m, "token_quant", None) is not None]
+    if not quantized:
+        pytest.skip("no per-token activation quantization in this recipe")
+
+    def forward() -> tuple[torch.Tensor, int]:
+        counted = _Counted(act_quant._quant_kernel)
+        monkeypatch.setattr(act_quant, "_quant_kernel", counted)
+        kv = PagedKV(model, num_blocks=8)
+        ids, meta = kv.step({"a": [5, 9, 300], "b": [44]})
+        with torch.no_grad():
+            h, _ = model(ids, meta, kv.caches)
+        return h, counted.calls
+
+    fused, fused_calls = forward()
+    monkeypatch.setattr(TritonBackend, "add_rms_norm_quant", base.KernelBackend.add_rms_norm_quant)
+    separate, separate_calls = forward()
+    assert torch.equal(fused, separate)
+    moe_layers = sum(1 for m in quantized if m.__class__.__name__ == "MoE")
+    assert moe_layers and fused_calls <= separate_calls - moe_layers  # the experts' GEMM 1 input

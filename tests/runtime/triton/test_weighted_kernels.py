@@ -28,7 +28,7 @@ from eagle3.errors import UsageError  # noqa: E402
 from eagle3.formats import codecs  # noqa: E402
 from eagle3.runtime.kernels import torch_ref  # noqa: E402
 from eagle3.runtime.kernels.base import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, dequantize  # noqa: E402
-from eagle3.runtime.kernels.triton import gemm_tiles, linear, moe  # noqa: E402
+from eagle3.runtime.kernels.triton import gemm_tiles, linear, moe, moe_align  # noqa: E402
 from eagle3.runtime.kernels.triton.common import INTERPRET  # noqa: E402
 
 # (rtol, atol relative to the largest |reference| output) of the float paths, per model dtype: the
@@ -306,3 +306,18 @@ def test_compiled_bf16_decode_recipes_match_dequantize() -> None:
     bits = (((ws << 12) & -2147450880) | val) & ((nz - ((nz >> 15) & 0x00010001)) | -2147450880)
     v = bits.contiguous().view(torch.bfloat16).view(8, 64)
     assert torch.equal(v, dequantize(mx, torch.bfloat16))
+
+
+def test_moe_alignment_kernel_equals_the_torch_ops() -> None:
+    """The one-program alignment (moe_align.py) gives the torch ops' buffers element for element:
+    the same stable order by expert, padding, tail and block experts (unused experts, one expert
+    for every pair, pairs over several chunks, a block size of 1)."""
+    gen = torch.Generator().manual_seed(1)
+    for t, k, e, bm in ((1, 8, 48, 16), (5, 2, 8, 4), (40, 4, 12, 16), (3, 2, 2, 16), (9, 3, 5, 1)):
+        for trial in range(3):
+            ids = (torch.full((t, k), e - 1, dtype=torch.int64) if trial == 0 else
+                   torch.randint(0, e, (t, k), generator=gen))
+            total = moe.max_padded_rows(t * k, e, bm)
+            got = moe_align.align(ids, e, bm, total)
+            want = moe.align_torch(ids, e, bm)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (t, k, e, bm, trial)

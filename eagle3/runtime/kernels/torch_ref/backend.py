@@ -34,11 +34,13 @@ class TorchBackend(KernelBackend):
     def moe(self) -> MoEOp:
         return TorchMoE()
 
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        return mm_rows(x, w_t.to(compute_dtype(w_t.dtype, w_t.device)))  # widened per call (CPU bf16)
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dt = dtype or torch.promote_types(x.dtype, w_t.dtype)
+        return mm_rows(x.to(dt), w_t.to(compute_dtype(dt, w_t.device)))  # widened per call (CPU bf16)
 
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return bmm_rows(x, w.to(compute_dtype(w.dtype, w.device)))
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dt = dtype or torch.promote_types(x.dtype, w.dtype)
+        return bmm_rows(x.to(dt), w.to(compute_dtype(dt, w.device)))
 
     def matrix(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w.to(dtype).contiguous()  # kept in the model dtype; matmul / bmm widen it per call

@@ -12,6 +12,7 @@ from eagle3.runtime.kernels.base import (
     Int4Weight,
     LinearOp,
     LinearWeight,
+    QuantizedRows,
     int4_channel_scale,
 )
 
@@ -82,7 +83,8 @@ class TorchLinear(LinearOp):
             return fp8_int4_linear(x, codes, self.w_scale[r[0]: r[1]], self.min_rows).to(self.dtype)
         return fp8_linear(x, codes.to(torch.float64), self.w_scale[r[0]: r[1]]).to(self.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        # xq unused: the reference quantizes its input itself (the same numbers)
         if self.mode == "mxfp4":
             x = mxfp4_qdq(x)
         if self.mode in ("dense", "mxfp4") and packed._scratch_ok(x):

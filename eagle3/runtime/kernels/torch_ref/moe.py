@@ -11,6 +11,7 @@ from eagle3.runtime.kernels.base import (
     Int4Weight,
     LinearWeight,
     MoEOp,
+    QuantizedRows,
     int4_channel_scale,
 )
 
@@ -82,7 +83,9 @@ class TorchMoE(MoEOp):
         """(w13 ``[e, 2I, H]``, w2 ``[e, H, I]``) of experts ``sel`` in the compute dtype, per call."""
         return self.w13.decode(sel).to(self.cd), self.w2.decode(sel).to(self.cd)
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
+        # xq unused: the reference quantizes its input itself (the same numbers)
         t, k = topk_ids.shape
         if self.path == "all":
             return self._all_experts(x, topk_ids, topk_weights)

@@ -38,21 +38,31 @@ def _round_to_e4m3_grid(v):
 
 
 @triton.jit
+def quant_scale(amax, QMAX: tl.constexpr):
+    """A row's scale from its largest magnitude: ``amax / QMAX`` (IEEE division), 1 for a zero row."""
+    return tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)
+
+
+@triton.jit
+def quant_codes(x, scale, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
+    """fp32 ``x / scale`` as int8 (round half to even) or E4M3 codes, clamped to ``+-QMAX``."""
+    v = tl.div_rn(x, scale)
+    if TO_INT8:
+        r = (v + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
+    else:
+        return _round_to_e4m3_grid(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, QMAX: tl.constexpr, TO_INT8: tl.constexpr,
                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)
-    v = tl.div_rn(x, scale)
-    if TO_INT8:
-        r = (v + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
-    else:
-        q = _round_to_e4m3_grid(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
-    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
+    scale = quant_scale(tl.max(tl.abs(x), axis=0), QMAX)
+    tl.store(q_ptr + row * stride_q + offs, quant_codes(x, scale, QMAX, TO_INT8), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -67,6 +77,10 @@ def _quantize(x: torch.Tensor, qdtype: torch.dtype, qmax: float) -> tuple[torch.
         _quant_kernel[(m,)](xs, q, s, xs.stride(0), q.stride(0), n, QMAX=qmax, TO_INT8=qdtype == torch.int8,
                             BLOCK=block(n, 1))
     return q, s
+
+
+QMAX = {"int8": 127.0, "fp8": 448.0}  # per-token kinds: the largest code
+CODE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,6 @@ KNOWN_SPILLS: dict[str, tuple[str, ...]] = {
     "mla split bf16 64 heads x 1 token [cuda], 512+64 fp8e4nv cache": ("cuda:90",),
     "mla serial bf16 64 heads x 1 token [cuda], 512+64": ("cuda:90",),
     "mla split bf16 32 heads x 1 token [hip], 512+64 fp8e4nv cache": ("hip:gfx942",),
-    "paged gqa bf16 group 8 d128 tree": ("cuda:90",),
 }
 DOC_BEGIN, DOC_END = "<!-- aot-table begin (aot_check --update-doc) -->", "<!-- aot-table end -->"
 
@@ -57,6 +56,7 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
         dense_gemm,
         linear,
         mla_attention,
+        moe_align,
         paged_attention,
         plan,
         rmsnorm,
@@ -69,17 +69,35 @@ def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, 
     scales = ("scale", "v_scale")  # fp32 scalars (v_scale: an fp8 cache's value scale, 1.0 otherwise)
     bg, gqt = paged_attention.tile_shape(8)
     paged = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_G=bg, QT=gqt, BLOCK_N=paged_attention.BLOCK_N, BLOCK_D=128,
-                 BLOCK_V=128, PATH=plan.TREE_MAX_NODES)
+                 BLOCK_V=128, PATH=plan.TREE_MAX_NODES,
+                 _ints=dict(stride_qt=8192, stride_qh=1024, stride_qg=128, stride_ks=2048, stride_kh=128,
+                            stride_vs=2048, stride_vh=128, stride_ot=8192, stride_oh=1024, stride_og=128, group=8,
+                            d=128, dv=128, block_size=16))
+    h = 7168  # hidden: the rows RMSNorm and the activation quantization read (contiguous)
+    rows = dict(stride_x=h, stride_r=h, stride_o=h, stride_ro=h, n=h)
+    norm_ptrs = dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, r_out_ptr=bf, q_ptr=bf, s_ptr=bf)
+    norm = dict(HAS_RES=True, HAS_W=True, QUANT=0, QMAX=1.0, BF16=False, ROWS=rmsnorm.rows_per_program(h), BLOCK=8192,
+                _ints=dict(rows, stride_q=0))
+    norm_q = dict(norm, _ints=dict(rows, stride_q=h))  # + the per-token codes of the normed rows (W4A8)
+    e_kimi = 384  # routed experts: the MoE alignment's bins
     return [
-        ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel,
-         dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, r_out_ptr=bf),
-         dict(HAS_RES=True, HAS_W=True, ROWS=rmsnorm.rows_per_program(7168), BLOCK=8192), ("eps",)),
-        ("rope interleaved 64 heads x 64", rotary._rope_kernel, dict(x_ptr=bf, cos_ptr=bf, sin_ptr=bf, out_ptr=bf),
-         dict(INTERLEAVED=True, BF16=False, TOKENS=1, BLOCK_H=64, BLOCK_D=32), ()),
+        ("rms_norm+residual h7168", rmsnorm._rms_norm_kernel, norm_ptrs, norm, ("eps",)),
+        ("rms_norm+residual+int8 quant h7168", rmsnorm._rms_norm_kernel,
+         dict(norm_ptrs, q_ptr="*i8", s_ptr="*fp32"), dict(norm_q, QUANT=1, QMAX=127.0), ("eps",)),
+        ("rms_norm+residual+fp8 quant h7168", rmsnorm._rms_norm_kernel,
+         dict(norm_ptrs, q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(norm_q, QUANT=2, QMAX=448.0), ("eps",)),
+        ("moe align 384 experts, block 16", moe_align._align_kernel,
+         dict(ids_ptr="*i64", sorted_ptr="*i32", eid_ptr="*i32"),
+         dict(E=e_kimi, E_PAD=512, BLOCK_M=16, CHUNK=moe_align.CHUNK), ()),
+        # MLA rotates its 64 query heads and the shared key as one [T, 65, 64] tensor
+        ("rope interleaved 64+1 heads x 64", rotary._rope_kernel, dict(x_ptr=bf, cos_ptr=bf, sin_ptr=bf, out_ptr=bf),
+         dict(INTERLEAVED=True, BF16=False, TOKENS=1, BLOCK_H=128, BLOCK_D=32, _options=dict(enable_fp_fusion=False),
+              _ints=dict(stride_xt=65 * 64, stride_xh=64, stride_ct=32, stride_st=32, stride_ot=65 * 64,
+                         stride_oh=64, heads=65, half=32)), ()),
         ("act quant int8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*i8", s_ptr="*fp32"),
-         dict(QMAX=127.0, TO_INT8=True, BLOCK=8192), ()),
+         dict(QMAX=127.0, TO_INT8=True, BLOCK=8192, _ints=dict(stride_x=h, stride_q=h, n=h)), ()),
         ("act quant fp8 h7168", act_quant._quant_kernel, dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32"),
-         dict(QMAX=448.0, TO_INT8=False, BLOCK=8192), ()),
+         dict(QMAX=448.0, TO_INT8=False, BLOCK=8192, _ints=dict(stride_x=h, stride_q=h, n=h)), ()),
         ("paged gqa bf16 group 8 d128", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=False), scales),
         ("paged gqa bf16 group 8 d128 tree", paged_attention._paged_kernel, paged_ptrs, dict(paged, TREE=True),
          scales),
@@ -102,15 +120,21 @@ def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict
                        sl_ptr=f32, sm_ptr=f32)
     split = mla.split_size(64, 512, 64)
     # as the runtime launches them: latent rows of 576 values, 64 heads, blocks of 16 keys
-    div16 = ("stride_qt", "stride_qh", "stride_kv", "stride_ot", "stride_oh", "heads", "block_size")
+    kimi = dict(stride_qt=64 * 576, stride_qh=576, stride_kv=576, stride_ot=64 * 512, stride_oh=512, heads=64,
+                block_size=16)
+
+    def ints(fn: Any) -> dict[str, int]:  # the integers each kernel takes, at Kimi's values
+        return {a: v for a, v in kimi.items() if a in fn.arg_names}
     out: list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]] = []
     for family in ("cuda", "hip"):
         shape = mla.tiles(64, 512, family)
         tag = f"{shape.block_h} heads x {shape.qt} token [{family}]"
         base = dict(DOT=tl.bfloat16, IEEE=False, BLOCK_H=shape.block_h, QT=shape.qt, HB=64 // shape.block_h,
                     SPLIT=split, BLOCK_N=mla.BLOCK_N, D_LAT=512, D_ROPE=64, BLOCK_L=512, BLOCK_R=64, TREE=False,
-                    PATH=plan.TREE_MAX_NODES, _warps=shape.warps, _stages=shape.stages, _div16=div16)
-        serial = dict(base, BD=max(16, min(512, mla.MERGE_TILE // (shape.block_h * shape.qt))))
+                    PATH=plan.TREE_MAX_NODES, _warps=shape.warps, _stages=shape.stages,
+                    _ints=ints(mla._mla_split_kernel))
+        serial = dict(base, BD=max(16, min(512, mla.MERGE_TILE // (shape.block_h * shape.qt))),
+                      _ints=ints(mla._mla_serial_kernel))
         out += [
             (f"mla split bf16 {tag}, 512+64", mla._mla_split_kernel, split_ptrs, base, ("scale",)),
             (f"mla split bf16 {tag}, 512+64 tree", mla._mla_split_kernel, split_ptrs, dict(base, TREE=True),
@@ -126,35 +150,42 @@ def _mla_cases(mla: Any, plan: Any) -> list[tuple[str, Any, dict[str, str], dict
     hg = min(64, max(1, mla.MERGE_TILE // 512))
     out.append(("mla split merge 64 heads, 512", mla._mla_merge_kernel,
                 dict(po_ptr=f32, pl_ptr=f32, pm_ptr=f32, o_ptr=bf, pos_ptr=i32),
-                dict(SPLIT=split, D_LAT=512, HG=hg, BD=min(512, mla.MERGE_TILE // hg), _div16=div16), ("v_scale",)))
+                dict(SPLIT=split, D_LAT=512, HG=hg, BD=min(512, mla.MERGE_TILE // hg),
+                     _ints=ints(mla._mla_merge_kernel)), ("v_scale",)))
     return out
 
 
 def _dense_cases(dense_gemm: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
     """The small dense products at Kimi-K2.5 shapes: the MLA absorption (bf16, 64 heads: q_nope [128]
-    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K)
-    with its split sum, with the tiles of each weight shape. Unit strides are constexprs, as the
-    JIT specialises them at run time. The router serves in fp32 (named f32, not fp32:
-    ``--bf16-only`` skips only the fp32 variants that exist for tests)."""
+    @ W_UK [128 x 512], o_lat [512] @ W_UV [512 x 128]) and the fp32 router (7168 x 384, split K,
+    from the bf16 activations and weight) with its split sum, with the tiles of each weight shape.
+    The router serves in fp32 (named f32, not fp32: ``--bf16-only`` skips only the fp32 variants
+    that exist for tests)."""
     import torch
     import triton.language as tl
 
-    def bmm(label: str, dtype: torch.dtype, n: int, k: int) -> tuple[str, Any, dict[str, str], dict[str, Any],
-                                                                     tuple[str, ...]]:
+    def bmm(label: str, dtype: torch.dtype, n: int, k: int, x_strides: tuple[int, int]) -> tuple[
+            str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]:
         t = dense_gemm.tiles(n, k, dtype)
-        ptr, dot = ("*fp32", tl.float32) if dtype == torch.float32 else ("*bf16", tl.bfloat16)
+        # bf16 operands either way: the router widens its bf16 activations and weight in registers
+        ptr, dot = "*bf16", tl.float32 if dtype == torch.float32 else tl.bfloat16
+        # x [B, M, K] read in place (its batch / row strides given), w [B, K, N] and o [B, M, N]
+        # contiguous; the strides that follow the row count (s_os, s_ob) are multiples of N
+        ints = dict(N=n, K=k, s_xb=x_strides[0], s_xm=x_strides[1], s_xk=1, s_wb=k * n, s_wk=n, s_wn=1,
+                    s_os=16 * n if t.split > 1 else 0, s_ob=16 * n, s_om=n)
         consts = dict(DOT=dot, IEEE=dot == tl.float32, SPLITS=t.split, KC=k // t.split, BM=t.bm, BN=t.bn, BK=t.bk,
-                      s_xk=1, s_wn=1, _warps=t.warps)
-        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel,
-                dict(x_ptr=ptr, w_ptr=ptr, o_ptr=ptr if t.split == 1 else "*fp32"), consts, ())
+                      _warps=t.warps, _stages=t.stages, _ints=ints)
+        out = "*fp32" if t.split > 1 or dtype == torch.float32 else ptr
+        return (f"{label}, split {t.split}", dense_gemm._bmm_kernel, dict(x_ptr=ptr, w_ptr=ptr, o_ptr=out), consts, ())
 
     router_splits = dense_gemm.tiles(384, 7168, torch.float32).split
+    # MLA at 64 heads: q_nope is a [T, 64, 128] view of q [T, 64, 192], o_lat a contiguous [T, 64, 512]
     return [
-        bmm("dense bmm bf16 mla absorption q_nope @ W_UK 128 -> 512", torch.bfloat16, 512, 128),
-        bmm("dense bmm bf16 mla absorption o_lat @ W_UV 512 -> 128", torch.bfloat16, 128, 512),
-        bmm("dense gemm router f32 ieee 7168 -> 384", torch.float32, 384, 7168),
+        bmm("dense bmm bf16 mla absorption q_nope @ W_UK 128 -> 512", torch.bfloat16, 512, 128, (192, 64 * 192)),
+        bmm("dense bmm bf16 mla absorption o_lat @ W_UV 512 -> 128", torch.bfloat16, 128, 512, (512, 64 * 512)),
+        bmm("dense gemm router f32 ieee 7168 -> 384, bf16 operands", torch.float32, 384, 7168, (16 * 7168, 7168)),
         ("dense gemm split-K sum", dense_gemm._sum_splits_kernel, dict(p_ptr="*fp32", o_ptr="*fp32"),
-         dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK), ()),
+         dict(SPLITS=router_splits, BLOCK=dense_gemm.SUM_BLOCK, _ints=dict(numel=16 * 384)), ()),
     ]
 
 
@@ -174,20 +205,22 @@ def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, A
         consts = dict(K=k, WFMT=fmt, GROUP=group, SBN=0, SBK=0, HAS_TS=False, S_RND=0, W_RND=1, OUT_RND=1,
                       EXACT=False, A_DIGITS=1, W_DIGITS=1, UNIT=1.0, GATHER=0, GLU=False, SCATTER=False,
                       DOT=tl.bfloat16, IEEE=False, BF16W=False, MXF=False, SPLIT=t.split, BM=t.bm, BN=t.bn, BK=t.bk,
-                      _warps=t.warps)
+                      _warps=t.warps, _stages=t.stages)
         consts.update(kw)
         out = "*fp32" if kw.get("SCATTER") else "*bf16"
         part = ("*i64" if exact else "*fp32") if t.split > 1 else out
         ptrs = dict(a_ptr=a, sa_ptr="*fp32", w_ptr=w, s_ptr=s, ts_ptr="*fp32", out_ptr=part, rw_ptr="*fp32",
                     rows_ptr="*i32", eid_ptr="*i32")
-        cases: list[Case] = [(f"{label}, split {t.split}", linear._gemm_kernel, ptrs, consts, ())]
+        ints = _gemm_ints(fmt, n, k, group, consts)
+        cases: list[Case] = [(f"{label}, split {t.split}", linear._gemm_kernel, ptrs, dict(consts, _ints=ints), ())]
         red = {k: consts[k] for k in ("EXACT", "UNIT", "OUT_RND", "GATHER", "GLU", "SCATTER")}
         red = dict(red, SPLIT=t.split, BR=linear.SPLITK_ROWS, BN=t.bn)
         if t.split > 1 and red not in sums:  # each distinct epilogue of the split-K sum once
             sums.append(red)
+            red_ints = {a: ints[a] for a in ("N_OUT", "TOPK", "stride_om", "s_se", "P_STRIDE")}
             cases.append((f"{label}: split-K sum", linear._splitk_kernel,
                           dict(part_ptr=part, sa_ptr="*fp32", s_ptr=s, out_ptr=out, rw_ptr="*fp32", pe_ptr="*i64"),
-                          red, ()))
+                          dict(red, _ints=red_ints), ()))
         return cases
 
     int4, mx, w13, w2 = linear.INT4, linear.MXFP4, (2 * 2048, 7168), (7168, 2048)
@@ -208,6 +241,27 @@ def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, A
         *case("gemm bf16 7168 -> 4096", linear.DENSE, "*bf16", "*bf16", 4096, 7168),
         *case("gemm fp8 block 128 7168 -> 2048", linear.FP8, "*u8", "*fp32", 2048, 7168, SBN=128, SBK=128),
     ]
+
+
+def _gemm_ints(fmt: int, n: int, k: int, group: int, consts: dict[str, Any]) -> dict[str, int]:
+    """The integer arguments :func:`linear.launch` passes for a Kimi-K2.5 weight of ``n`` rows x
+    ``k`` inputs (``linear.make_bank``'s layout, a top-8 MoE or a Linear), all but the row count
+    ``M``. ``P_STRIDE`` (rows x output columns, or 0 without split-K) is a multiple of 16 at any
+    batch: the columns are."""
+    from eagle3.runtime.kernels.triton import linear
+
+    four_bit = fmt in (linear.INT4, linear.MXFP4)
+    row = k // 8 if four_bit else k  # int32 words (8 codes each), or FP8 / dense elements
+    if fmt == linear.FP8 and consts["SBN"]:
+        scale = (n // consts["SBN"], k // consts["SBK"])  # [E, n / 128, k / 128] fp32 block scales
+    elif (fmt == linear.INT4 and group) or fmt == linear.MXFP4:
+        scale = (n, k // (group or 32))  # [E, n, groups]: bf16 group scales / E8M0 bytes
+    else:
+        scale = (n, 0)  # [E, n] per-row fp32 (a 2-d scale: s_sn is passed as 0)
+    n_out = n // 2 if consts["GLU"] else n
+    return dict(N_OUT=n_out, TOPK=8 if consts["GATHER"] else 1, stride_am=k, stride_om=n_out, s_we=n * row,
+                s_wn=row, s_se=scale[0] * max(scale[1], 1), s_sn=scale[1], s_tse=n if consts["HAS_TS"] else 1,
+                P_STRIDE=16 * n if consts["SPLIT"] > 1 else 0)
 
 
 @dataclass
@@ -260,29 +314,87 @@ def parse_target(spec: str) -> Any:
     return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What ``triton.compile`` is given for a case: the signature (argument name -> type), the
+    constexprs and the argument attributes, as the JIT builds them at run time."""
+
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    attrs: dict[tuple[int, ...], list[list[Any]]]
+    options: dict[str, Any]
+
+
+def launch_spec(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: tuple[str, ...],
+                backend: Any = None) -> Launch:
+    """The compile inputs of a case as the JIT would build them when the kernel is launched at
+    Kimi-K2.5's shapes (triton 3.9's ``JITFunction.run``: ``native_specialize_impl`` per
+    argument, then ``backend.parse_attr``):
+
+    * every pointer is 16-byte aligned (``tt.divisibility = 16``): the runtime passes torch
+      allocations or views at multiples of 16 bytes (Kimi's widths are multiples of 16);
+    * an integer argument named in the case's ``_ints`` (its value at Kimi's shapes) is
+      specialised as the JIT does it: a value of 1 becomes the constexpr 1, a multiple of 16 gets
+      ``tt.divisibility = 16``; one not named (a row count: it follows the batch) stays a plain
+      ``i32``, the JIT's compile for a batch that is not a multiple of 16;
+    * ``_warps`` / ``_stages`` / ``_options``: the launch's ``num_warps`` / ``num_stages`` / other
+      compile options (``enable_fp_fusion``), the backend's defaults where not given.
+
+    Not modelled: AMD's ``tt.pointer_range = 32`` (buffer loads for tensors under 2 GB, from the
+    tensor's storage size), so the gfx rows load through ``global_load``."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    backend = backend or BaseBackend
+    consts = dict(consts)
+    options = {"num_warps": consts.pop("_warps", 4), **consts.pop("_options", {})}
+    if "_stages" in consts:
+        options["num_stages"] = consts.pop("_stages")
+    ints: dict[str, int] = consts.pop("_ints", {})
+    unknown = set(ints) - set(fn.arg_names)
+    if unknown:
+        raise ValueError(f"{fn.__name__}: _ints names no argument: {sorted(unknown)}")
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        desc = ""
+        if a in ptrs:
+            sig[a], desc = ptrs[a], "D"
+        elif a in floats:
+            sig[a] = "fp32"
+        elif a in ints:
+            ty, desc = native_specialize_impl(backend, int(ints[a]), False, True, True)
+            if ty == "constexpr":  # the JIT compiles an argument equal to 1 as the constant 1
+                sig[a], consts[a] = "constexpr", desc
+                continue
+            sig[a] = ty
+        else:
+            sig[a] = "i32"
+        if desc:
+            attrs[(i,)] = backend.parse_attr(desc)
+    return Launch(sig, consts, attrs, options)
+
+
 def compile_row(target: Any, label: str, fn: Any, ptrs: dict[str, str], consts: dict[str, Any],
                 floats: tuple[str, ...]) -> Row:
-    """Compile one case for one target and read its resources from the code."""
+    """Compile one case for one target (as :func:`launch_spec` says the JIT would) and read its
+    resources from the code."""
     import triton
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
     from eagle3.runtime.kernels.triton import compiled_code
 
-    consts = dict(consts)
-    warps = consts.pop("_warps", 4)
-    stages = consts.pop("_stages", None)  # software-pipeline depth where a case sets its own
-    # Integer arguments the JIT would find divisible by 16 at run time (and then every pointer, which it
-    # finds 16-byte aligned): marked so, as its specialisation does, where a case names them.
-    div16 = set(consts.pop("_div16", ()))
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if div16 and (a in div16 or sig[a].startswith("*"))}
+    spec = launch_spec(fn, ptrs, consts, floats, type(make_backend(target)))
+    warps = spec.options["num_warps"]
     name = f"{target.backend}:{target.arch}"
     row = Row(name, label, warps, production(label), 0.0)
     t0 = time.time()
     try:
-        options = {"num_warps": warps, **({} if stages is None else {"num_stages": stages})}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target, options=options)
+        k = triton.compile(ASTSource(fn, spec.signature, constexprs=spec.constexprs, attrs=spec.attrs),
+                           target=target, options=spec.options)
         row.resources = compiled_code.resources(k, target.backend, str(target.arch))
     except compiled_code.ToolError:
         raise  # a missing disassembler is the installation's fault, not the kernel's

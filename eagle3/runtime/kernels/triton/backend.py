@@ -19,7 +19,7 @@ import torch
 
 from eagle3.errors import UsageError
 from eagle3.runtime.context import AttnMetadata
-from eagle3.runtime.kernels.base import LinearOp, MoEOp, register_backend
+from eagle3.runtime.kernels.base import PER_TOKEN_QUANTS, LinearOp, MoEOp, QuantizedRows, register_backend
 from eagle3.runtime.kernels.torch_ref import TorchBackend
 from eagle3.runtime.kernels.triton import (
     act_quant,
@@ -42,6 +42,7 @@ class TritonBackend(TorchBackend):
     keeps this backend complete whatever the interface gains meanwhile."""
 
     name = "triton"
+    absorb_at_load = True  # a packed kv_b_proj's absorbed matrices decoded once (docs/kernels.md)
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -56,31 +57,44 @@ class TritonBackend(TorchBackend):
     def moe(self) -> MoEOp:
         return TritonMoE()
 
-    def matmul(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The router GEMM: a Triton kernel off the CPU (cuBLAS picks its kernel from the whole
-        call's shape, so the reference's row tiles are batch invariant only on the CPU); on the CPU
-        the reference itself, whose row tiles are exact there (the interpreter would only be slower,
-        and the CPU bits stay the reference's)."""
+        call's shape, so the reference's row tiles are batch invariant only on the CPU), which
+        widens narrower operands in registers (the router's bf16 weight and activations: no fp32
+        copy per step); on the CPU the reference itself, whose row tiles are exact there (the
+        interpreter would only be slower, and the CPU bits stay the reference's)."""
         if x.device.type == "cpu":
-            return super().matmul(x, w_t)
-        return dense_gemm.matmul(x, w_t)
+            return super().matmul(x, w_t, dtype)
+        return dense_gemm.matmul(x, w_t, dtype)
 
-    def bmm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def bmm(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The MLA absorption products, dispatched as :meth:`matmul`."""
         if x.device.type == "cpu":
-            return super().bmm(x, w)
-        return dense_gemm.bmm(x, w)
+            return super().bmm(x, w, dtype)
+        return dense_gemm.bmm(x, w, dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm.rms_norm(x, weight, eps)[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(x + residual), x + residual)`` in one pass (not in the base interface yet:
-        the models call norm and add separately)."""
+        """``(rms_norm(x + residual), x + residual)`` in one pass."""
         y, summed = rmsnorm.rms_norm(x, weight, eps, residual)
         assert summed is not None
         return y, summed
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:
+        """The residual add, RMSNorm and the next GEMMs' per-token quantization in one launch
+        (``rmsnorm.rms_norm_quant``; without ``quant`` the fused add + norm): the separate ops'
+        numbers, bit for bit."""
+        if quant in PER_TOKEN_QUANTS and x.dim() == 2:
+            y, summed, q, s = rmsnorm.rms_norm_quant(x, weight, eps, quant, residual)
+            return y, (x if summed is None else summed), QuantizedRows(quant, q, s)
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x, None
+        y, summed = self.add_rms_norm(x, residual, weight, eps)
+        return y, summed, None
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return rotary.apply_rope(x, cos, sin, interleaved)

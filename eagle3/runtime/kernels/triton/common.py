@@ -51,6 +51,19 @@ def block(n: int, minimum: int = 16) -> int:
 
 
 @triton.jit
+def bf16_round(x, ON: tl.constexpr):
+    """fp32 ``x`` rounded to bfloat16 precision (nearest, ties to even), kept in fp32: the
+    interpreter's stand-in for bf16 arithmetic (see above; torch's bf16 ops round the fp32 result
+    the same way); identity unless ``ON``."""
+    if ON:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def mma(a, b, IEEE: tl.constexpr):
     """``tl.dot`` with fp32 accumulation; fp32 operands in full IEEE precision (not TF32: the
     reference is fp32) when ``IEEE``."""

@@ -18,9 +18,10 @@ weight alone, so a row's bits never depend on the other rows or on their number.
 TF32: the reference is fp32); bf16 / fp16 operands use the tensor cores with fp32 accumulation,
 rounded once to the output dtype (as cuBLAS does).
 
-Operands take any strides (``q_nope.transpose(0, 1)`` and the weights are read in place). The
-computation dtype is the weight's (the reference's ``_pad_rows(x, ROW_TILE, w.dtype)``); the result
-is in ``x.dtype``.
+Operands take any strides (``q_nope.transpose(0, 1)`` and the weights are read in place) and any
+float dtypes: the computation dtype is the wider of the two (or the caller's: the router asks for
+fp32), a narrower operand is widened in registers as it is loaded (bf16 -> fp32 is exact, so the
+result equals the product of the widened copies the reference makes), and the result is in it.
 """
 
 from __future__ import annotations
@@ -86,19 +87,21 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if INTERPRET and dtype == torch.bfloat16 else dtype
 
 
-def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [B, M, K] @ w [B, K, N]`` (a weight of one batch entry may be broadcast: stride 0), in
-    ``w.dtype`` with fp32 accumulation, returned in ``x.dtype`` as a contiguous ``[B, M, N]``."""
+def bmm(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [B, M, K] @ w [B, K, N]`` (a weight of one batch entry may be broadcast: stride 0) in
+    ``dtype`` (default: the wider of the operands' dtypes) with fp32 accumulation, returned in that
+    dtype as a contiguous ``[B, M, N]``. A narrower operand is widened in registers (exact): the
+    router reads its bf16 weight and activations as they are and multiplies in fp32."""
     bsz, m, k = x.shape
     n = w.shape[-1]
     if w.shape[0] != bsz or w.shape[1] != k:
         raise ValueError(f"bmm operands {list(x.shape)} x {list(w.shape)} do not fit")
-    out_dtype = _store_dtype(x.dtype)
-    out = torch.empty(bsz, m, n, dtype=out_dtype, device=x.device)
+    cd = dtype or torch.promote_types(x.dtype, w.dtype)
+    out = torch.empty(bsz, m, n, dtype=_store_dtype(cd), device=x.device)
     if m and n and bsz:
-        t = tiles(n, k, w.dtype)
+        t = tiles(n, k, cd)
         bm, bn, bk, splits = t.bm, t.bn, t.bk, t.split
-        dd = dot_dtype(w.dtype)
+        dd = dot_dtype(cd)
         xs, ws = widen(x), widen(w)
         dest = out if splits == 1 else torch.empty(splits, bsz, m, n, dtype=torch.float32, device=x.device)
         s_os = 0 if splits == 1 else dest.stride(0)
@@ -110,9 +113,9 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if splits > 1:
             numel = out.numel()
             _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](dest, out, numel, SPLITS=splits, BLOCK=SUM_BLOCK)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return out if out.dtype == cd else out.to(cd)
 
 
-def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+def matmul(x: torch.Tensor, w_t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [M, K] @ w_t [K, N]`` (the router): :func:`bmm` with one batch entry."""
-    return bmm(x[None], w_t[None])[0]
+    return bmm(x[None], w_t[None], dtype)[0]

@@ -71,6 +71,7 @@ from eagle3.runtime.kernels.base import (
     LinearOp,
     LinearWeight,
     MXFP4Weight,
+    QuantizedRows,
     int4_channel_scale,
 )
 from eagle3.runtime.kernels.triton import act_quant
@@ -630,8 +631,11 @@ def store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if INTERPRET and dtype == torch.bfloat16 else dtype
 
 
-def quantize_rows(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row activation codes (int8, or E4M3 bits as uint8) and fp32 scales for the exact path."""
+def quantize_rows(x: torch.Tensor, mode: str, xq: QuantizedRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row activation codes (int8, or E4M3 bits as uint8) and fp32 scales for the exact path;
+    ``xq``'s when they are of this mode (made by the fused norm in front: the same numbers)."""
+    if xq is not None and xq.kind == mode:
+        return (xq.codes.view(torch.uint8) if mode == "fp8" else xq.codes), xq.scales
     if mode == "int8":
         return act_quant.quantize_int8_per_token(x)
     q, s = act_quant.quantize_fp8_per_token(x)
@@ -696,7 +700,7 @@ class TritonLinear(LinearOp):
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.bank.resident() + ([] if self.bias is None else [("dense", self.bias)])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
         t = x.shape[0]
         out = torch.empty(t, self.out_features, dtype=store_dtype(self.dtype), device=x.device)
         if t:
@@ -704,7 +708,7 @@ class TritonLinear(LinearOp):
             if self.mode == "mxfp4":
                 x = torch_ref.mxfp4_qdq(x)
             if self.mode in ("int8", "fp8"):
-                a, sa = quantize_rows(x, self.mode)
+                a, sa = quantize_rows(x, self.mode, xq)
             else:
                 a = widen(x).contiguous()
             launch(self.bank, a, sa, out, mode=self.mode, dtype=self.dtype, m=t, n_out=self.out_features,

@@ -2,7 +2,7 @@
 
 Per call:
 
-1. Align (in torch, as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
+1. Align (one Triton program, ``moe_align.py``; as vLLM's ``moe_align_block_size``): the ``T * k`` token-expert pairs are
    sorted by expert (stable: token order inside an expert) and each expert's run is padded to a
    multiple of ``BLOCK_M`` with the sentinel ``T * k``; every block of ``BLOCK_M`` rows belongs to
    one expert (``expert_ids``). The buffers have a size fixed by the shapes (an upper bound), the
@@ -36,9 +36,9 @@ import torch
 
 from eagle3.errors import ShapeError
 from eagle3.runtime.kernels import torch_ref
-from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp
-from eagle3.runtime.kernels.triton import linear
-from eagle3.runtime.kernels.triton.common import widen
+from eagle3.runtime.kernels.base import ActQuant, LinearWeight, MoEOp, QuantizedRows
+from eagle3.runtime.kernels.triton import linear, moe_align
+from eagle3.runtime.kernels.triton.common import INTERPRET, widen
 
 
 def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
@@ -53,7 +53,17 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     """(``sorted_ids [P]``: pair index per padded row, ``T * k`` for padding; ``expert_ids
     [P / block_m]``: the expert of each block of rows, ``-1`` for the unused blocks at the end).
     ``P`` is :func:`max_padded_rows`; the used rows are the per-expert counts rounded up to
-    ``block_m``. Device ops only, no host sync (``torch.bincount`` would read the max id)."""
+    ``block_m``. One Triton program (``moe_align.py``) up to ``moe_align.MAX_PAIRS`` pairs, else
+    :func:`align_torch`: the same result, no host sync either way."""
+    pairs = topk_ids.numel()
+    if pairs <= moe_align.MAX_PAIRS and (INTERPRET or topk_ids.device.type != "cpu"):
+        return moe_align.align(topk_ids, num_experts, block_m, max_padded_rows(pairs, num_experts, block_m))
+    return align_torch(topk_ids, num_experts, block_m)
+
+
+def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align` in torch ops (~10 launches): device ops only, no host sync (``torch.bincount``
+    would read the max id)."""
     flat = topk_ids.reshape(-1)
     dev = flat.device
     pairs = flat.numel()
@@ -96,15 +106,17 @@ class TritonMoE(MoEOp):
     def resident(self) -> list[tuple[str, torch.Tensor]]:
         return self.w13.resident() + self.w2.resident()
 
-    def _operand(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows as GEMM operand: per-row integer codes + scales (W4A8), else the float rows."""
+    def _operand(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows as GEMM operand: per-row integer codes + scales (W4A8; ``xq``'s when the norm in
+        front made them), else the float rows."""
         if self.mode in ("int8", "fp8"):
-            return linear.quantize_rows(x, self.mode)
+            return linear.quantize_rows(x, self.mode, xq)
         if self.mode == "mxfp4":
             x = torch_ref.mxfp4_qdq(x)
         return widen(x).contiguous(), None
 
-    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 xq: QuantizedRows | None = None) -> torch.Tensor:
         t, k = topk_ids.shape
         if t == 0:
             return x.new_empty(0, self.hidden)
@@ -112,7 +124,7 @@ class TritonMoE(MoEOp):
         grid_m = int(sorted_ids.numel()) // self.block_m
         sdt = linear.store_dtype(self.dtype)
         pair_eids = topk_ids.reshape(-1)  # the expert of each pair (the exact path's split-K sum)
-        a, sa = self._operand(x)
+        a, sa = self._operand(x, xq)
         # one row per pair, written by GEMM 1 for every pair (padding rows are never stored)
         inter = torch.empty(t * k, self.inter, dtype=sdt, device=x.device)
         linear.launch(self.w13, a, sa, inter, mode=self.mode, dtype=self.dtype, m=t * k, n_out=self.inter,

@@ -15,19 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eagle3.runtime.kernels.triton.common import block, widen
-
-
-@triton.jit
-def _bf16_round(x, ON: tl.constexpr):
-    """fp32 ``x`` rounded to bfloat16 precision (nearest, ties to even), kept in fp32: the
-    interpreter shim's stand-in for bf16 arithmetic (see common.py); identity unless ``ON``."""
-    if ON:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x
+from eagle3.runtime.kernels.triton.common import bf16_round, block, widen
 
 
 @triton.jit
@@ -49,8 +37,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
     x2 = tl.load(base + o2[None, :], mask=mask, other=0.0)
     c = tl.load(cos_ptr + t[:, None] * stride_ct + i[None, :], mask=mask, other=0.0).to(x1.dtype)
     s = tl.load(sin_ptr + t[:, None] * stride_st + i[None, :], mask=mask, other=0.0).to(x1.dtype)
-    y1 = _bf16_round(_bf16_round(x1 * c, BF16) - _bf16_round(x2 * s, BF16), BF16)
-    y2 = _bf16_round(_bf16_round(x2 * c, BF16) + _bf16_round(x1 * s, BF16), BF16)
+    y1 = bf16_round(bf16_round(x1 * c, BF16) - bf16_round(x2 * s, BF16), BF16)
+    y2 = bf16_round(bf16_round(x2 * c, BF16) + bf16_round(x1 * s, BF16), BF16)
     obase = out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh
     tl.store(obase + i[None, :], y1, mask=mask)
     tl.store(obase + half + i[None, :], y2, mask=mask)
