@@ -1,16 +1,22 @@
 """Sizes of the MLA split over the keys, in plain Python (no torch, no triton): keys per split, how
 many splits a block-table width makes, and the fp32 partials a split launch writes.
 
-One definition for the three places that need the numbers: the Triton kernel
-(``kernels/triton/mla_attention.py``: its split and its launch mode), the CUDA-graph context cap
-(``engine/graphs.py``: a graph's split grid and workspace follow its static width) and the memory
-plan (``eagle3.plan``: the workspace of the largest graph, counted beside the KV cache).
+One definition for the places that need the numbers: the Triton kernel
+(``kernels/triton/mla_attention.py``: its split and its launch mode) and the CUDA-graph context caps
+(``engine/graphs.py``: a graph's split grid and workspace follow its block-table width, its cap).
+The memory plan (``eagle3.plan``) counts graphs in its runtime reserve (4 GiB), which holds
+:data:`GRAPH_WORKSPACE_BUDGET` many times over.
 """
 
 from __future__ import annotations
 
 SPLIT_MIN, SPLIT_MAX = 64, 1024  # keys per split
 FP32 = 4
+# Split partials one graph may hold (bytes): a graph's default context cap is the longest whose
+# workspace at its query tokens fits (:func:`graph_context_cap`). The graphs share one memory pool
+# and replay one at a time, so the pool keeps about one budget for as long as they live: small
+# beside the KV cache.
+GRAPH_WORKSPACE_BUDGET = 256 << 20
 
 
 def _pow2_at_least(n: int) -> int:
@@ -45,3 +51,14 @@ def graph_workspace_bytes(tokens: int, context: int, heads: int, d_lat: int, d_r
     it; one graph replays at a time). 0 when that context is one split (no workspace)."""
     splits = num_splits(context, split_size(heads, d_lat, d_rope))
     return 0 if splits <= 1 else workspace_bytes(tokens, splits, heads, d_lat)
+
+
+def graph_context_cap(tokens: int, heads: int, d_lat: int, d_rope: int, budget: int | None = None) -> int:
+    """The longest context, a whole number of splits, whose graph workspace for ``tokens`` query
+    tokens fits ``budget`` (default :data:`GRAPH_WORKSPACE_BUDGET`); one split (no workspace) at
+    least. Kimi-K2.5's 64 heads (splits of 256 keys, 33.7 MB per split at 256 tokens): a verify
+    graph of 64 sequences x 4 tokens 7 splits = 1,792 positions, a decode graph of 64 rows 31
+    splits = 7,936, one sequence's decode 2,039 splits (past 256 Ki: its whole context)."""
+    split = split_size(heads, d_lat, d_rope)
+    budget = GRAPH_WORKSPACE_BUDGET if budget is None else budget
+    return max(1, budget // workspace_bytes(max(1, tokens), 1, heads, d_lat)) * split
