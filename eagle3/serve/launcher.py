@@ -40,10 +40,14 @@ def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
-    """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs
-    (/v1/models, the validation report's server section, the bench report)."""
+    """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs,
+    with each graphed model's context cap and forwards replayed / eager (/v1/models, the validation
+    report's server section, the bench report)."""
     info = {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
             "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
+    runner = getattr(llm, "runner", None)
+    if info["cuda_graphs"] and hasattr(runner, "graph_stats"):  # per model: context cap, replays, eager steps
+        info["graphs"] = runner.graph_stats()
     kv_info = getattr(llm, "kv_cache_info", None)
     if callable(kv_info):  # the cache's dtype and size (about twice the tokens at fp8)
         info.update(kv_info())
