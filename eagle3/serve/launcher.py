@@ -40,9 +40,9 @@ def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
-    """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs,
-    with each graphed model's context cap and forwards replayed / eager (/v1/models, the validation
-    report's server section, the bench report)."""
+    """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs
+    (/v1/models lists these two too), with each graphed model's context caps and forwards replayed /
+    eager (the validation report's server section, the bench report)."""
     info = {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
             "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
     runner = getattr(llm, "runner", None)

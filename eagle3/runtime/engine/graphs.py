@@ -10,7 +10,8 @@ committed the same count. Its batch of ``B`` sequences is padded to the bucket `
 hidden states). Each step copies its inputs in (:func:`pad_uniform_step` builds the padded host
 tensors, :meth:`StaticBuffers.copy_in` writes them), replays, and copies the first ``B n`` rows of
 the outputs out (:func:`copy_out`). Mixed steps (prefill chunks, sequences with fewer drafts) run
-eagerly.
+eagerly, and so do steps whose longest context is past their graph's cap (:func:`context_cap`: the
+graph's table width, so its MLA split grid and workspace, follow the cap, not ``max_model_len``).
 
 Draft-tree steps (:class:`TreeStep`) are uniform too: a verify of ``N`` nodes per sequence, a draft
 step of ``K`` frontier nodes over a region of ``W`` tree nodes. Their graphs are keyed by
