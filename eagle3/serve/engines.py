@@ -36,7 +36,8 @@ Every engine setting comes from the one :class:`~eagle3.runtime.engine.config.En
 dtype, the context length and remote code always map; the scheduling and sampling fields map where
 the engine has the flag (:data:`_MAPPED`) when they differ from EngineConfig's defaults (else the
 engine's own default applies); a non-default field the engine has no flag for, or one that is the
-bundled runtime's alone (``--device``, ``--kernel-backend``, ``--kv-cache-memory``), is a printed
+bundled runtime's alone (``--device``, ``--kernel-backend``, ``--kv-cache-memory``,
+``--max-seq-len-to-capture``: vLLM's V0 name, removed in vLLM 0.11), is a printed
 note, never silently dropped.
 """
 
@@ -80,7 +81,7 @@ _MAPPED: dict[str, dict[str, str]] = {
     "enforce_eager": {"vllm": "--enforce-eager", "sglang": "--disable-cuda-graph"},
 }
 # The bundled runtime's own settings: no engine takes them (their notes say so when they are set).
-_RUNTIME_ONLY = ("device", "backend", "kv_cache_memory")
+_RUNTIME_ONLY = ("device", "backend", "kv_cache_memory", "max_seq_len_to_capture")
 
 
 @dataclass

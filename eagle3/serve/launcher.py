@@ -41,9 +41,13 @@ def build_llm(target: str | Path, draft: str | Path | None, config: EngineConfig
 
 def engine_info(llm: Any) -> dict[str, Any]:
     """The kernel backend the engine runs (after ``auto`` resolved) and whether it uses CUDA graphs
-    (/v1/models, the validation report's server section, the bench report)."""
+    (/v1/models lists these two too), with each graphed model's context caps and forwards replayed /
+    eager (the validation report's server section, the bench report)."""
     info = {"kernel_backend": str(getattr(llm, "kernel_backend", "torch")),
             "cuda_graphs": bool(getattr(llm, "cuda_graphs", False))}
+    runner = getattr(llm, "runner", None)
+    if info["cuda_graphs"] and hasattr(runner, "graph_stats"):  # per model: context cap, replays, eager steps
+        info["graphs"] = runner.graph_stats()
     kv_info = getattr(llm, "kv_cache_info", None)
     if callable(kv_info):  # the cache's dtype and size (about twice the tokens at fp8)
         info.update(kv_info())

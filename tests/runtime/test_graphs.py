@@ -41,8 +41,11 @@ def test_pad_uniform_step_pads_into_the_pad_block() -> None:
     assert torch.equal(step.positions[:4], meta.positions) and torch.equal(step.slot_mapping[:4], meta.slot_mapping)
     with pytest.raises(ValueError, match="no KV block"):
         graphs.pad_uniform_step([[3]], starts=[3], q_len=2, bucket=1, width=3, block_size=4, pad_block=9)
-    with pytest.raises(ValueError, match="wider"):
-        graphs.pad_uniform_step([[1, 2, 3, 4]], starts=[0], q_len=1, bucket=1, width=3, block_size=4, pad_block=9)
+    # blocks past the static width (allocated ahead for drafts) are cut; a context past it is refused
+    step = graphs.pad_uniform_step([[1, 2, 3, 4]], starts=[10], q_len=2, bucket=1, width=3, block_size=4, pad_block=9)
+    assert step.block_tables.tolist() == [[1, 2, 3]] and step.slot_mapping.tolist() == [14, 15]
+    with pytest.raises(ValueError, match="past the static 3 blocks"):
+        graphs.pad_uniform_step([[1, 2, 3, 4]], starts=[11], q_len=2, bucket=1, width=3, block_size=4, pad_block=9)
 
 
 def test_static_buffers_copy_in_and_out() -> None:
@@ -133,9 +136,9 @@ def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graph
     nodes = {"last": 0}
     meta = graphs.StaticBuffers.meta
 
-    def spy(self, q_len, bucket, block_size, tree_nodes=0):
+    def spy(self, q_len, bucket, block_size, tree_nodes=0, width=None):
         nodes["last"] = tree_nodes
-        return meta(self, q_len, bucket, block_size, tree_nodes)
+        return meta(self, q_len, bucket, block_size, tree_nodes, width)
 
     class TreeRefuses(graphs.EagerCapturer):
         def capture(self, fn):
@@ -153,6 +156,92 @@ def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graph
     assert "out of memory" in target.tree_failed and target.failed is None
     assert target.graphs and all(len(key) == 2 for key in target.graphs)  # chain / decode graphs only
     assert target.replays > 0
+
+
+def test_steps_past_the_context_cap_run_eagerly_with_the_same_tokens(tiny_dir: Path, fake_graphs: None) -> None:
+    """``max_seq_len_to_capture``: every graph covers contexts up to the cap (block tables of its
+    blocks); the 11-token prompt crosses it mid-generation, and from then on its steps (the whole
+    batch's) run eagerly, target and draft. Tokens and logprobs are the eager engine's; the runner
+    counts the eager steps."""
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2)
+    draft = "kimi-k2.5-eagle3"
+    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_dir, draft, enforce_eager=True).generate(PROMPTS, sp)]
+    llm = _llm(tiny_dir, draft, max_seq_len_to_capture=16)
+    assert [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, sp)] == want
+    stats = llm.runner.graph_stats()
+    target, dg = stats["target"], stats["draft"]
+    assert target["max_context"] == target["max_context_full_batch"] == 16
+    assert {m.block_tables.shape[1] for m in llm.runner.target_graphs.metas.values()} == {4}  # 16 positions, blocks of 4
+    assert target["replays"] > 0 and target["eager_over_cap"] > 0 and target["eager"] >= target["eager_over_cap"]
+    assert dg["max_context"] == 16 and dg["replays"] > 0 and dg["eager_over_cap"] > 0
+    # the default caps of these 4-head models: the longest context a step can have (tiny workspaces)
+    r = _llm(tiny_dir, draft).runner
+    assert r.target_graphs.max_context == r.target_graphs.context_cap(16) == r.max_model_len + 2 * r.k + 1
+
+
+def test_each_graph_caps_its_context_by_its_split_workspace(tiny_dir: Path, fake_graphs: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default caps follow each graph's query tokens: with a budget of two splits' partials for
+    one token (the tiny target: 4 heads, latent 512, splits of 64 keys), a one-sequence graph covers
+    128 positions and a two-sequence one 64. The 62-token prompt passes 64 while the short one
+    still decodes: those steps run eagerly; alone, it replays the one-sequence graph (32 blocks
+    wide) past 64. Tokens and logprobs are the eager engine's."""
+    from eagle3.runtime import split_kv
+
+    per_split = split_kv.workspace_bytes(1, 1, 4, 512)
+    assert split_kv.split_size(4, 512, 64) == 64
+    monkeypatch.setattr(split_kv, "GRAPH_WORKSPACE_BUDGET", 2 * per_split)
+    prompts = [list(range(3, 65)), [100, 200, 300]]
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 5)]
+    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_dir, None, enforce_eager=True).generate(prompts, sps)]
+    replayed: list[tuple[int, int]] = []  # (bucket, longest context) of each graph step
+    pad = graphs.pad_uniform_step
+
+    def spy(tables, starts, q_len, bucket, *args, **kw):
+        replayed.append((bucket, max(starts) + q_len))
+        return pad(tables, starts, q_len, bucket, *args, **kw)
+
+    monkeypatch.setattr(graphs, "pad_uniform_step", spy)
+    llm = _llm(tiny_dir, None)
+    assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sps)] == want
+    g = llm.runner.target_graphs
+    assert (g.context_cap(1), g.context_cap(2), g.context_cap(4)) == (128, 64, 64)
+    assert g.stats()["max_context"] == 128 and g.stats()["max_context_full_batch"] == 64
+    assert g.metas[(1, 2)].block_tables.shape == (2, 16) and g.metas[(1, 1)].block_tables.shape == (1, 32)
+    assert g.over_cap > 0 and max(c for b, c in replayed if b == 2) <= 64  # two sequences past 64: eager
+    assert max(c for b, c in replayed if b == 1) > 64  # one sequence past 64: its graph
+
+
+def test_the_default_cap_keeps_the_split_workspace_small() -> None:
+    """Kimi-K2.5's MLA (64 heads, latent 512 + 64: splits of 256 keys) at the engine's defaults (64
+    sequences, k = 3): the largest verify graph holds 256 query tokens, and its default cap (1,792
+    positions, 7 splits) keeps its split partials at 236 MB; a decode graph of 64 rows gets 7,936
+    positions (261 MB), one sequence's decode the whole 256 Ki context (134 MB); a TP-8 shard's 8
+    heads (splits of 64 keys) 4,032 at 256 tokens (265 MB). Explicit caps win; nothing passes the
+    longest context a step can have."""
+    from eagle3.runtime import split_kv
+    from eagle3.runtime.engine.config import EngineConfig
+
+    cfg = EngineConfig()
+    kimi = type("MLA", (), {"num_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64})()
+    tokens = graphs.capture_sizes(cfg.max_num_seqs)[-1] * (cfg.max_k + 1)
+    assert tokens == 256 and cfg.max_seq_len_to_capture is None
+    cap = graphs.context_cap(262_144, tokens, kimi)
+    assert cap == 1792 and cap % split_kv.split_size(64, 512, 64) == 0
+    ws = split_kv.graph_workspace_bytes(tokens, cap, 64, 512, 64)
+    assert ws == 256 * 7 * 64 * 514 * 4 == 235_798_528 <= split_kv.GRAPH_WORKSPACE_BUDGET
+    assert split_kv.graph_workspace_bytes(tokens, cap + 256, 64, 512, 64) > split_kv.GRAPH_WORKSPACE_BUDGET
+    assert graphs.context_cap(262_144, 64, kimi) == 7936 and split_kv.graph_workspace_bytes(64, 7936, 64, 512, 64) == 261_062_656
+    assert graphs.context_cap(262_144, 1, kimi) == 262_144
+    assert split_kv.graph_workspace_bytes(1, 262_144, 64, 512, 64) == 134_742_016
+    shard = type("MLA", (), {"num_heads": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64})()
+    assert graphs.context_cap(262_144, tokens, shard) == 4032
+    assert split_kv.graph_workspace_bytes(tokens, 4032, 8, 512, 64) == 265_273_344
+    # the whole 256 Ki context in a graph: 1,024 splits, 34.5 GB (the kernel would launch serially)
+    assert split_kv.graph_workspace_bytes(tokens, 262_144, 64, 512, 64) == 34_493_956_096
+    assert graphs.context_cap(262_144, tokens, kimi, explicit=4096) == 4096
+    assert graphs.context_cap(1000, tokens, kimi) == 1000 and graphs.context_cap(1000, tokens, None) == 1000
+    assert graphs.context_cap(262_144, tokens, None) == 262_144  # no split workspace (a Llama draft)
 
 
 def test_tree_step_padding() -> None:
@@ -215,6 +304,25 @@ def test_real_graphs_equal_eager_on_the_gpu(tiny_dir: Path, backend: str, tree: 
             assert g.failed is None and g.tree_failed is None and g.replays > 0, (g.failed, g.tree_failed, g.replays)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_the_context_cap_on_the_gpu_keeps_the_split_launch_bits(tiny_dir: Path) -> None:
+    """On a GPU, Triton: contexts of 70 .. 110 positions, more than one split of the tiny target's
+    64 keys, so graphs run the split launch over their 96-position tables and the steps past the
+    cap run it eagerly over the batch's wider tables; the tokens are the eager engine's."""
+    pytest.importorskip("triton")
+    kw = dict(num_speculative_tokens=3, tokenizer=None, dtype="bfloat16", num_blocks=80, block_size=4,
+              max_num_seqs=4, device="cuda", backend="triton")
+    prompts, sp = [list(range(3, 73)), [100, 200, 300]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eager = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", enforce_eager=True, **kw)
+    expected = [o.token_ids for o in eager.generate(prompts, sp)]
+    assert [len(t) for t in expected] == [sp.max_tokens] * len(prompts)
+    llm = LLM(tiny_dir / "kimi-k2.5", tiny_dir / "kimi-k2.5-eagle3", max_seq_len_to_capture=96, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+    stats = llm.runner.graph_stats()["target"]
+    assert stats["replays"] > 0 and stats["eager_over_cap"] > 0, stats
+
+
 class _AddressOnlyCapturer:
     """Like a CUDA graph, the "replay" keeps no reference to what the captured function closes over
     (the metadata, its cache): only the runner can keep those alive."""
@@ -241,7 +349,7 @@ def test_a_graph_keeps_the_tensors_it_reads_alive() -> None:
             made.append(weakref.ref(meta.cache["chunks"]))
         return (static["input_ids"] * 2,)
 
-    runner = graphs.GraphRunner("t", forward, device=torch.device("cpu"), block_size=4, width=2, pad_block=9,
+    runner = graphs.GraphRunner("t", forward, device=torch.device("cpu"), block_size=4, max_context=8, pad_block=9,
                                 max_num_seqs=2, max_q_len=1, capturer=_AddressOnlyCapturer())
     runner.run([[0]], [1], 1, {"input_ids": torch.tensor([5])})
     gc.collect()

@@ -216,7 +216,8 @@ def test_engine_settings_map_from_the_same_config(tiny_dir: Path, capsys: pytest
     assert _flag(vllm, "--max-num-seqs") == "128" and _flag(vllm, "--seed") == "7" and "--enforce-eager" in vllm
     assert _flag(vllm, "--dtype") == "float16" and _flag(vllm, "--max-logprobs") == "5"
     with pytest.raises(SystemExit) as e:
-        main(["serve", t, "--draft", d, "--engine", "sglang", *set_, "--device", "cuda", "--dry-run"])
+        main(["serve", t, "--draft", d, "--engine", "sglang", *set_, "--device", "cuda", "--max-seq-len-to-capture",
+              "4096", "--dry-run"])
     out = capsys.readouterr()
     assert not e.value.code, out.err
     argv, err = shlex.split(out.out.strip().splitlines()[-1]), out.err
@@ -225,3 +226,4 @@ def test_engine_settings_map_from_the_same_config(tiny_dir: Path, capsys: pytest
     # what SGLang has no flag for, and what is the bundled runtime's alone: said, not dropped silently
     assert "--max-logprobs 5: sglang has no flag for it" in err
     assert "--device cuda: the bundled runtime's setting, not passed" in err
+    assert "--max-seq-len-to-capture 4096: the bundled runtime's setting, not passed" in err

@@ -119,6 +119,16 @@ class EngineConfig:
         "--nnodes > 1.", str | None)
     enforce_eager: bool = _flag(  # no CUDA graphs for the uniform steps
         False, "No CUDA/HIP graphs: run every decode / verify / draft step eagerly (graphs are GPU only).", bool)
+    # Longest context (cache positions, the step's query tokens included) a graph step covers: a
+    # graph's static block tables, MLA split grid and split workspace are sized from it; a step with
+    # a longer sequence runs eagerly, with the same tokens (vLLM's V0 max_seq_len_to_capture, removed
+    # in vLLM 0.11, so not passed to --engine). None: per graph, the longest whose MLA split workspace
+    # at the graph's query tokens fits split_kv.GRAPH_WORKSPACE_BUDGET (graphs.context_cap).
+    max_seq_len_to_capture: int | None = _flag(
+        None, "Longest context (prompt + generated + drafts) a CUDA/HIP graph step covers, for every graph; a "
+        "step with a longer sequence runs eagerly, same tokens (default: per graph, the longest whose MLA split "
+        "workspace fits 256 MiB; Kimi-K2.5, 64 heads: 1792 for a verify of 64 sequences x k 3, the whole "
+        "context for one sequence).", int | None)
     # Python API only: the command line serves the target directory's tokenizer
     tokenizer: Any = "auto"  # "auto" (the target directory's), a path, a tokenizer object, or None
     trust_remote_code: bool = _flag(
@@ -169,6 +179,10 @@ class EngineConfig:
             raise UsageError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_num_seqs < 1:
             raise UsageError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        m = self.max_seq_len_to_capture
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise UsageError(f"max_seq_len_to_capture must be an integer >= 1 (unset: each graph's from its split "
+                             f"workspace), got {m!r}")
         if self.max_num_batched_tokens < 1:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

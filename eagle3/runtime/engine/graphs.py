@@ -10,7 +10,8 @@ committed the same count. Its batch of ``B`` sequences is padded to the bucket `
 hidden states). Each step copies its inputs in (:func:`pad_uniform_step` builds the padded host
 tensors, :meth:`StaticBuffers.copy_in` writes them), replays, and copies the first ``B n`` rows of
 the outputs out (:func:`copy_out`). Mixed steps (prefill chunks, sequences with fewer drafts) run
-eagerly.
+eagerly, and so do steps whose longest context is past their graph's cap (:func:`context_cap`: the
+graph's table width, so its MLA split grid and workspace, follow the cap, not ``max_model_len``).
 
 Draft-tree steps (:class:`TreeStep`) are uniform too: a verify of ``N`` nodes per sequence, a draft
 step of ``K`` frontier nodes over a region of ``W`` tree nodes. Their graphs are keyed by
@@ -53,6 +54,7 @@ from typing import Any
 
 import torch
 
+from eagle3.runtime import split_kv
 from eagle3.runtime.context import AttnMetadata, TreeMask
 
 logger = logging.getLogger("eagle3.runtime")
@@ -82,6 +84,22 @@ def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return None
 
 
+def context_cap(longest: int, tokens: int, mla: Any = None, explicit: int | None = None) -> int:
+    """The context cap of a graph of ``tokens`` query tokens (bucket x query tokens per sequence):
+    ``explicit`` (``max_seq_len_to_capture``, one cap for every graph) when given; else, for an MLA
+    model (``mla``: its ``MLASpec``), the longest context whose split workspace at ``tokens`` fits
+    ``split_kv.GRAPH_WORKSPACE_BUDGET`` (so a small batch's graphs cover longer contexts than a
+    full batch's); else (no split workspace: the Llama draft) ``longest``, the longest context a
+    step can have, which bounds every cap."""
+    if explicit is not None:
+        cap = explicit
+    elif mla is not None:
+        cap = split_kv.graph_context_cap(tokens, mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim)
+    else:
+        cap = longest
+    return max(1, min(cap, longest))
+
+
 @dataclass
 class PaddedStep:
     """Host tensors of a uniform step padded to its bucket (see :func:`pad_uniform_step`)."""
@@ -106,20 +124,23 @@ class TreeStep:
 
 def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int, bucket: int,
                      width: int, block_size: int, pad_block: int, tree: TreeStep | None = None) -> PaddedStep:
-    """Sequence ``b < B`` queries cache positions ``starts[b] .. starts[b] + q_len - 1`` through its
-    block table; sequences ``B .. bucket-1`` are padding: ``q_len`` tokens at position 0 in
-    ``pad_block`` (every column of their tables). A tree step's padding sequences query positions
+    """Sequence ``b < B`` queries cache positions ``starts[b] .. starts[b] + q_len - 1`` through the
+    first ``width`` blocks of its table (every context must fit them: the graph's cap); sequences
+    ``B .. bucket-1`` are padding: ``q_len`` tokens at position 0 in ``pad_block`` (every column of
+    their tables). A tree step's padding sequences query positions
     ``num_nodes - q_len ..`` instead: their context holds a whole tree, a chain (each node seeing
     the ones before it)."""
     b = len(starts)
     if not 0 < b <= bucket:
         raise ValueError(f"{b} sequences do not fit a bucket of {bucket}")
+    if max(starts) + q_len > width * block_size:
+        raise ValueError(f"a context of {max(starts) + q_len} positions is past the static {width} blocks")
+    # A table's blocks past the step's context (allocated ahead for drafts) are never read: cut there.
     tables = torch.full((bucket, width), -1, dtype=torch.int32)
     for i, t in enumerate(block_tables):
-        if len(t) > width:
-            raise ValueError(f"block table of {len(t)} blocks is wider than the static {width}")
         if t:
-            tables[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int32)
+            t = list(t[:width])
+            tables[i, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
     tables[b:] = pad_block
     offs = torch.arange(q_len)
     pos = torch.zeros(bucket, q_len, dtype=torch.int64)
@@ -143,7 +164,9 @@ def pad_uniform_step(block_tables: Sequence[Sequence[int]], starts: Sequence[int
 
 class StaticBuffers:
     """The fixed-address inputs every graph of one model reads (sized for the largest bucket; the
-    draft-tree ancestor masks per tree size, made when a tree step first needs one)."""
+    draft-tree ancestor masks per tree size, made when a tree step first needs one). The block
+    tables are one flat buffer of ``max_seqs x width`` entries: a graph whose context cap spans
+    ``w <= width`` blocks reads its first ``B' w`` as a contiguous ``[B', w]`` table."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device,
                  extra: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -153,7 +176,7 @@ class StaticBuffers:
             "input_ids": torch.zeros(max_tokens, dtype=torch.int64, **z),
             "positions": torch.zeros(max_tokens, dtype=torch.int64, **z),
             "slot_mapping": torch.zeros(max_tokens, dtype=torch.int64, **z),
-            "block_tables": torch.full((max_seqs, width), -1, dtype=torch.int32, **z),
+            "block_tables": torch.full((max_seqs * width,), -1, dtype=torch.int32, **z),
             "context_lens": torch.ones(max_seqs, dtype=torch.int32, **z),
         }
         # One buffer per tree size (a graph reads its mask contiguous, as an eager step's is).
@@ -169,7 +192,7 @@ class StaticBuffers:
         s = self.tensors
         s["positions"][:tp].copy_(step.positions, non_blocking=True)
         s["slot_mapping"][:tp].copy_(step.slot_mapping, non_blocking=True)
-        s["block_tables"][:bp].copy_(step.block_tables, non_blocking=True)
+        s["block_tables"][: step.block_tables.numel()].copy_(step.block_tables.reshape(-1), non_blocking=True)
         s["context_lens"][:bp].copy_(step.context_lens, non_blocking=True)
         if step.ancestors is not None:
             self._ancestors(step.ancestors.shape[-1])[:bp].copy_(step.ancestors, non_blocking=True)
@@ -185,18 +208,21 @@ class StaticBuffers:
                                             device=self.tensors["positions"].device)
         return self.ancestors[n]
 
-    def meta(self, q_len: int, bucket: int, block_size: int, tree_nodes: int = 0) -> AttnMetadata:
+    def meta(self, q_len: int, bucket: int, block_size: int, tree_nodes: int = 0,
+             width: int | None = None) -> AttnMetadata:
         """The metadata a graph for ``(q_len, bucket)`` is captured with: views of the static buffers
-        plus the constant ``cu_seqlens_q`` (host and device copies) and a device-tensor cache; with
-        ``tree_nodes``, the tree mask of a draft-tree step (its node count is part of the graph's key)."""
+        (block tables ``width`` blocks wide: the graph's cap; default all) plus the constant
+        ``cu_seqlens_q`` (host and device copies) and a device-tensor cache; with ``tree_nodes``, the
+        tree mask of a draft-tree step (its node count is part of the graph's key)."""
         tp = q_len * bucket
+        w = self.width if width is None else width
         s = self.tensors
         cu = [i * q_len for i in range(bucket + 1)]
         dev = s["positions"].device
         tree = TreeMask([tree_nodes] * bucket, self._ancestors(tree_nodes)[:bucket]) if tree_nodes else None
         return AttnMetadata(positions=s["positions"][:tp], cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
                             context_lens=s["context_lens"][:bucket], slot_mapping=s["slot_mapping"][:tp],
-                            block_tables=s["block_tables"][:bucket], block_size=block_size, host_cu=cu, cache={},
+                            block_tables=s["block_tables"][: bucket * w].view(bucket, w), block_size=block_size, host_cu=cu, cache={},
                             tree=tree)
 
 
@@ -264,8 +290,8 @@ class GraphRunner:
     ``forward(static, meta)`` runs the model on views of the static buffers (``static[name][:B' n]``)
     and returns its outputs (tensors or None); it must read nothing else that changes per step."""
 
-    def __init__(self, name: str, forward: ForwardFn, *, device: torch.device, block_size: int, width: int,
-                 pad_block: int, max_num_seqs: int, max_q_len: int,
+    def __init__(self, name: str, forward: ForwardFn, *, device: torch.device, block_size: int,
+                 max_context: int | Callable[[int], int], pad_block: int, max_num_seqs: int, max_q_len: int,
                  extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
                  capturer: Any = None, max_tree_nodes: int = 0) -> None:
         self.name = name
@@ -275,8 +301,15 @@ class GraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_q_len = max_q_len  # query tokens per sequence of a chain / decode step
         self.max_tree_nodes = max_tree_nodes  # 0: tree steps run eagerly
+        # The context cap of a graph of T query tokens (:func:`context_cap`; a number: the same for
+        # every graph): its block tables hold the cap's blocks, so its MLA split grid and workspace
+        # follow the cap; a step with a longer context runs eagerly. Caps shrink as T grows, so the
+        # smallest graph's (one token) is the longest, and the static tables are that wide.
+        self._cap = max_context if callable(max_context) else (lambda tokens, c=max_context: c)
+        self._caps: dict[int, int] = {}
+        self.max_context = self.context_cap(1)
         rows = max(max_q_len, max_tree_nodes)  # a tree step queries at most its nodes
-        self.static = StaticBuffers(self.sizes[-1] * rows, self.sizes[-1], width, device, extra or {})
+        self.static = StaticBuffers(self.sizes[-1] * rows, self.sizes[-1], self.width(1), device, extra or {})
         self.capturer = capturer if capturer is not None else default_capturer()
         self.graphs: dict[tuple[int, ...], Callable[[], Outputs]] = {}
         # The metadata each graph was captured with: its cache holds device tensors (the plan's
@@ -286,19 +319,49 @@ class GraphRunner:
         # why a tree step's capture failed (tree steps then run eagerly; chain and decode graphs stay)
         self.tree_failed: str | None = None
         self.replays = 0
+        self.eager = 0  # forwards of this model that ran eagerly (the runner counts them: ``note_eager``)
+        self.over_cap = 0  # of which graph-shaped ones with a context past their graph's cap
 
-    def supports(self, block_tables: Sequence[Sequence[int]], counts: Sequence[int], tree_nodes: int = 0) -> bool:
-        """Whether a step can replay a graph: uniform, small enough, tables within the static width
-        (a tree step: at most ``max_tree_nodes`` nodes per sequence, querying at most all of them;
-        any other step at most ``max_q_len`` tokens per sequence)."""
+    def context_cap(self, tokens: int) -> int:
+        """The longest context (positions, the step's queries included) a graph of ``tokens`` query
+        tokens covers."""
+        if tokens not in self._caps:
+            self._caps[tokens] = max(1, int(self._cap(tokens)))
+        return self._caps[tokens]
+
+    def width(self, tokens: int) -> int:
+        """Block-table width of a graph of ``tokens`` query tokens: its cap's blocks."""
+        return -(-self.context_cap(tokens) // self.block_size)
+
+    def supports(self, starts: Sequence[int], counts: Sequence[int], tree_nodes: int = 0) -> bool:
+        """Whether a step can replay a graph: uniform, small enough (a tree step: at most
+        ``max_tree_nodes`` nodes per sequence, querying at most all of them; any other step at most
+        ``max_q_len`` tokens per sequence) and every context ``starts[b] + counts[b]`` (a tree
+        step's padding rows: ``tree_nodes``) within the cap of its graph, ``bucket x counts[b]``
+        query tokens (a step that fails only that is counted in ``over_cap``)."""
         if self.failed is not None or not counts:
             return False
         if tree_nodes and (self.tree_failed is not None or tree_nodes > self.max_tree_nodes):
             return False
         n = counts[0]
-        return (all(c == n for c in counts) and 1 <= n <= (tree_nodes or self.max_q_len)
-                and bucket_for(len(counts), self.sizes) is not None
-                and all(len(t) <= self.static.width for t in block_tables))
+        bucket = bucket_for(len(counts), self.sizes)
+        if not (all(c == n for c in counts) and 1 <= n <= (tree_nodes or self.max_q_len) and bucket is not None):
+            return False
+        if max(max(starts) + n, tree_nodes) > self.context_cap(bucket * n):
+            self.over_cap += 1
+            return False
+        return True
+
+    def note_eager(self) -> None:
+        self.eager += 1
+
+    def stats(self) -> dict[str, int]:
+        """This model's context caps (of its smallest graph, one token, and of its largest decode /
+        verify graph, the largest bucket x ``max_q_len``) and its forwards: replayed, run eagerly,
+        and of those the graph-shaped ones past their graph's cap."""
+        return {"max_context": self.max_context,
+                "max_context_full_batch": self.context_cap(self.sizes[-1] * self.max_q_len),
+                "replays": self.replays, "eager": self.eager, "eager_over_cap": self.over_cap}
 
     def run(self, block_tables: Sequence[Sequence[int]], starts: Sequence[int], q_len: int,
             inputs: dict[str, torch.Tensor], tree: TreeStep | None = None) -> Outputs | None:
@@ -307,14 +370,14 @@ class GraphRunner:
         b = len(starts)
         bucket = bucket_for(b, self.sizes)
         assert bucket is not None
-        step = pad_uniform_step(block_tables, starts, q_len, bucket, self.static.width, self.block_size,
-                                self.pad_block, tree)
+        width = self.width(bucket * q_len)
+        step = pad_uniform_step(block_tables, starts, q_len, bucket, width, self.block_size, self.pad_block, tree)
         self.static.copy_in(step, inputs, b * q_len)
         nodes = 0 if tree is None else tree.num_nodes
         key = (q_len, bucket) if tree is None else (q_len, bucket, nodes)
         replay = self.graphs.get(key)
         if replay is None:
-            meta = self.static.meta(q_len, bucket, self.block_size, nodes)
+            meta = self.static.meta(q_len, bucket, self.block_size, nodes, width)
             views = {k: v[: q_len * bucket] for k, v in self.static.tensors.items()
                      if k not in ("block_tables", "context_lens")}
             try:

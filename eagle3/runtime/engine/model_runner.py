@@ -25,7 +25,7 @@ import torch
 from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.config import EngineConfig, SpecShape
-from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes
+from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes, context_cap
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
 from eagle3.runtime.logprobs import TokenLogprob, emitted_logprobs, step_prompt_logprobs
@@ -158,8 +158,10 @@ class ModelRunner(SpecShape):
     ``LLM`` resolved from it (the cache sized to memory, the context fitted to the cache, the rank's
     device). ``graphs=True``: uniform decode / verify / draft steps replay CUDA graphs
     (engine/graphs.py); the KV caches then get one spare block (index ``num_blocks``) for the padding
-    rows. ``max_model_len`` / ``max_num_seqs`` size the graphs' static buffers (and ``max_model_len``
-    caps how many tokens a sequence may still be proposed). ``policy`` (``num_speculative_tokens=
+    rows. ``max_num_seqs`` and each model's context cap (``config.max_seq_len_to_capture``, by
+    default from its MLA split workspace, at most ``max_model_len`` + the draft slots) size the
+    graphs' static buffers; a step past the cap runs eagerly (``max_model_len`` also caps how many
+    tokens a sequence may still be proposed). ``policy`` (``num_speculative_tokens=
     "auto"``): each step proposes the k it chooses (k is then its ceiling), and uniform steps feed
     their measured times to its cost model."""
 
@@ -192,22 +194,30 @@ class ModelRunner(SpecShape):
         topk, nodes = self.tree if self.tree is not None else (1, 0)
         region = (self.k - 1) * topk if self.tree is not None else 0
         if graphs:
-            # Widest block table a sequence can have: max_model_len tokens plus the draft-step slots
-            # (with trees, the slots a tree step writes: scheduler.slots_needed).
+            # Longest context a step can have: max_model_len tokens plus the draft-step slots (with
+            # trees, the slots a tree step writes: scheduler.slots_needed). Each graph covers contexts
+            # up to its cap (graphs.context_cap: max_seq_len_to_capture, or what keeps the model's MLA
+            # split workspace at the graph's query tokens within budget); longer steps run eagerly,
+            # with the same bits (the attention's splits sit at fixed key positions).
             extra = 2 * self.k + 1 + (tree_kv_slots(topk, self.k, nodes) if self.tree is not None else 0)
-            width = -(-(max_model_len + extra) // block_size) + 1
-            common = dict(device=self.device, block_size=block_size, width=width, pad_block=num_blocks,
+            longest = max_model_len + extra
+
+            def cap(model: Any) -> Callable[[int], int]:
+                mla = getattr(getattr(model, "spec", None), "mla", None)
+                return lambda tokens: context_cap(longest, tokens, mla, config.max_seq_len_to_capture)
+
+            common = dict(device=self.device, block_size=block_size, pad_block=num_blocks,
                           max_num_seqs=config.max_num_seqs, capturer=capturer)
             kv, aux_ids = self.target_kv, self.aux_layer_ids
             self.target_graphs = GraphRunner(
                 "target", lambda s, meta: target.forward(s["input_ids"], meta, kv, aux_ids),
-                max_q_len=self.k + 1, max_tree_nodes=nodes, **common)
+                max_q_len=self.k + 1, max_tree_nodes=nodes, max_context=cap(target), **common)
             if draft is not None:
                 dkv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
                 self.draft_graphs = GraphRunner(
                     "draft", lambda s, meta: draft.forward(s["input_ids"], s["hidden"], meta, dkv),
                     extra={"hidden": ((draft.hidden_size,), _hidden_dtype(draft))},
-                    max_q_len=self.k + 1, max_tree_nodes=region, **common)
+                    max_q_len=self.k + 1, max_tree_nodes=region, max_context=cap(draft), **common)
         self.proposer: EagleProposer | None = None
         if draft is not None:
             tree_drafting = TreeDrafting(config, self.forward_draft_tree) if self.tree is not None else None
@@ -216,6 +226,12 @@ class ModelRunner(SpecShape):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def graph_stats(self) -> dict[str, dict[str, int]]:
+        """Per model with graphs: its context cap and its forwards replayed, run eagerly, and of
+        those the graph-shaped ones past the cap."""
+        return {name: g.stats() for name, g in (("target", self.target_graphs), ("draft", self.draft_graphs))
+                if g is not None}
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> StepOutput:
@@ -264,10 +280,12 @@ class ModelRunner(SpecShape):
                        counts: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target forward of one step: a graph replay when the step is uniform, else eager."""
         g = self.target_graphs
-        if g is not None and g.supports(block_tables, counts):
+        if g is not None and g.supports(starts, counts):
             out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids})
             if out is not None:
                 return out[0], out[1]  # type: ignore[return-value]
+        if g is not None:
+            g.note_eager()
         return self.target.forward(input_ids, self.meta(block_tables, starts, counts), self.target_kv,
                                    self.aux_layer_ids)
 
@@ -276,10 +294,12 @@ class ModelRunner(SpecShape):
         """One draft step (the proposer's): a graph replay when uniform, else eager."""
         assert self.draft is not None
         g = self.draft_graphs
-        if g is not None and g.supports(block_tables, counts):
+        if g is not None and g.supports(starts, counts):
             out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids, "hidden": hidden})
             if out is not None:
                 return out[0], out[1]  # type: ignore[return-value]
+        if g is not None:
+            g.note_eager()
         kv = self.draft_kv[0] if len(self.draft_kv) == 1 else self.draft_kv
         return self.draft.forward(input_ids, hidden, self.meta(block_tables, starts, counts), kv)
 
@@ -292,11 +312,13 @@ class ModelRunner(SpecShape):
         assert self.draft is not None
         g = self.draft_graphs
         n = tree.num_nodes[0] if tree.num_nodes else 0
-        if g is not None and all(m == n for m in tree.num_nodes) and g.supports(block_tables, counts, n):
+        if g is not None and all(m == n for m in tree.num_nodes) and g.supports(starts, counts, n):
             step = TreeStep(n, tree.ancestors[:, :n, :n], positions.view(len(starts), -1))
             out = g.run(block_tables, starts, counts[0], {"input_ids": input_ids, "hidden": hidden}, step)
             if out is not None:
                 return out[0], out[1]  # type: ignore[return-value]
+        if g is not None:
+            g.note_eager()
         meta = self.meta(block_tables, starts, counts)
         meta.positions = positions.to(meta.positions.device)
         meta.tree = tree
@@ -403,6 +425,8 @@ class ModelRunner(SpecShape):
         if trees:
             out = self._tree_graph(input_ids, scheduled, trees)
             if out is None:  # eager, with the trees' attention metadata
+                if self.target_graphs is not None:
+                    self.target_graphs.note_eager()
                 meta = self._tree_step_meta(self.meta(tables, starts, counts), scheduled, row_starts, trees)
                 out = self.target.forward(input_ids, meta, self.target_kv, self.aux_layer_ids)
             hidden, aux = out
@@ -441,9 +465,9 @@ class ModelRunner(SpecShape):
         n = trees[0].parents.shape[1]
         counts = [s.num_query_tokens for s in scheduled]
         tables = [s.seq.block_table for s in scheduled]
-        if any(t.parents.shape[1] != n for t in trees.values()) or not g.supports(tables, counts, n):
-            return None
         starts = [s.start for s in scheduled]  # the root: the last real token
+        if any(t.parents.shape[1] != n for t in trees.values()) or not g.supports(starts, counts, n):
+            return None
         ordered = [trees[i] for i in range(len(scheduled))]
         anc = torch.cat([ancestor_mask(t.parents) for t in ordered])
         pos = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.cat([t.depth for t in ordered]).to(torch.int64)

@@ -73,13 +73,13 @@ from eagle3.runtime.kernels.triton.common import (
     widen,
 )
 from eagle3.runtime.kernels.triton.plan import TREE_MAX_NODES, TritonAttnPlan
+from eagle3.runtime.split_kv import SPLIT_MAX, SPLIT_MIN, split_size, workspace_bytes  # noqa: F401 - re-exported
 
 BLOCK_N = 32  # keys per tile (a split holds a whole number of tiles)
 # fp32 accumulator elements per program (rows x latent block): the register budget. sm90: 64 rows
 # x 512 is 128 registers a thread over 8 warps; gfx942 keeps half (its 64 KiB of LDS holds the
 # staged tiles of 32 rows, not 64: aot_check).
 ACC_FLOATS = {"cuda": 32768, "hip": 16384}
-SPLIT_MIN, SPLIT_MAX = 64, 1024  # keys per split
 WORKSPACE_BUDGET = 1 << 30  # bytes of split partials above which a launch runs serially
 MERGE_TILE = 1024  # fp32 elements per merge tile (heads x columns, or rows x columns)
 
@@ -115,18 +115,6 @@ def tile_shape(heads: int, d_lat: int, target: str = "cuda") -> tuple[int, int]:
     """(heads per program, query tokens per program) of :func:`tiles`."""
     t = tiles(heads, d_lat, target)
     return t.block_h, t.qt
-
-
-def split_size(heads: int, d_lat: int, d_rope: int) -> int:
-    """Keys per split: the smallest power of two whose latent, at two bytes a value, covers the
-    split's fp32 partial written by stage 1 and read back by the merge (Kimi, 64 heads: 256; a
-    TP-8 shard of 8 heads: 64). Not halved for an fp8 cache: at 64 heads a program is bound by its
-    dots (139 kFLOP per key, 121 FLOP per bf16 byte, the H200's ridge ~206), so a split's time
-    follows its keys, not its bytes, and fewer, longer splits would only cut the parallelism. A
-    model constant: never the batch."""
-    partial = 2 * heads * (d_lat + 2) * 4
-    row = (d_lat + d_rope) * 2
-    return min(SPLIT_MAX, max(SPLIT_MIN, triton.next_power_of_2(-(-partial // row))))
 
 
 # -- shared pieces: every launch mode computes a row through these ---------------------------------
@@ -358,7 +346,7 @@ def launch_mode(tokens: int, n_splits: int, heads: int, d_lat: int) -> str:
     """``"split"`` while its partials (tokens x splits x heads x (latent + 2) fp32) fit
     :data:`WORKSPACE_BUDGET` and there is more than one split; else ``"serial"``, as always under
     the interpreter (which runs each program in Python: fewer programs, the same bits)."""
-    fits = 1 < n_splits <= 65535 and tokens * n_splits * heads * (d_lat + 2) * 4 <= WORKSPACE_BUDGET
+    fits = 1 < n_splits <= 65535 and workspace_bytes(tokens, n_splits, heads, d_lat) <= WORKSPACE_BUDGET
     return "split" if fits and not INTERPRET else "serial"
 
 
