@@ -15,7 +15,7 @@ from eagle3.cli.app import app, print_json
 def plan(
     target: Annotated[str, typer.Argument(help="Target checkpoint directory, its config.json, or a Hub repo id (weights optional).")],
     gpus: Annotated[int, typer.Option(help="Number of GPUs = tensor/expert-parallel ranks.")] = 8,
-    gpu: Annotated[str | None, typer.Option(help="h100|h100-pcie|h100-nvl|h200|mi300x|mi325x|mi355x (memory as the driver reports it).")] = None,
+    gpu: Annotated[str | None, typer.Option(help="h100, h100-pcie, h100-nvl, h200, mi300x, mi325x or mi355x (memory as the driver reports it).")] = None,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per machine: more --gpus than that span several nodes (serve --nnodes).")] = 8,
     gpu_memory: Annotated[str | None, typer.Option(help="Memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="Fraction of each GPU's memory the runtime may use.")] = 0.9,

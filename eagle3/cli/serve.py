@@ -66,7 +66,7 @@ def serve(
     quantization: Annotated[str | None, typer.Option(help="--engine: quantization method (default: from config.json).")] = None,
     attention_backend: Annotated[str | None, typer.Option(help="--engine sglang: its --attention-backend (draft trees over MLA: triton (default) or fa3, at --page-size 1).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Print the memory plan (as `eagle3 plan`) for --tensor-parallel-size GPUs; with --dry-run only that. Config-only: no weights needed.")] = False,
-    gpu: Annotated[str | None, typer.Option(help="--plan: h100|h100-pcie|h100-nvl|h200|mi300x|mi325x|mi355x.")] = None,
+    gpu: Annotated[str | None, typer.Option(help="--plan: h100, h100-pcie, h100-nvl, h200, mi300x, mi325x or mi355x.")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="--plan: memory per GPU, e.g. 256GiB (overrides --gpu's).")] = None,
     memory_fraction: Annotated[float, typer.Option(help="--plan: fraction of each GPU's memory the runtime may use.")] = 0.9,
     *,
