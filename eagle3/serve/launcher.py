@@ -286,7 +286,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
             "max_speculative_tokens": eopts.max_k if draft is not None and eopts.adaptive else None,
             "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
             "tensor_parallel_size": eopts.tensor_parallel_size, "kernel_backend": eopts.backend,
-            "enforce_eager": eopts.enforce_eager}
+            "enforce_eager": eopts.enforce_eager, "activation_quant": eopts.activation_quant}
     common = dict(model_name=model_name, api_key=api_key, host=host, port=port, echo=echo)
     with tempfile.TemporaryDirectory(prefix="eagle3-reference-") as tmp:
         if source is not None:
@@ -348,7 +348,7 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
     config.check_address()
     device = torch.device(config.device)
     load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device),
-               "kv_cache_dtype": config.kv_cache_dtype}
+               "kv_cache_dtype": config.kv_cache_dtype, "act_override": config.act_override}
     layout = Layout(config.tensor_parallel_size, config.nnodes, parse_addr(str(config.dist_init_addr)))
     if torchrun_rank is not None:  # this process is the rank (torchrun started it)
         return run_torchrun_rank(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)))
