@@ -257,6 +257,24 @@ def record_reference(source: Path, draft: Path | None, eopts: EngineConfig, vopt
                    echo=echo, rejoin=eopts.nnodes > 1)
 
 
+def teacher_force_reference(target: Path, eopts: EngineConfig, vopts: Any, loaded: Any, prep: Any, *,
+                            model_name: str, echo: Callable[[str], None] = print) -> Any:
+    """Pass 2's teacher forcing alone with the bundled runtime: serve ``target`` (no draft), send every
+    turn of the reference ``loaded`` back through it (:func:`eagle3.validate.twopass.teacher_force`),
+    unload it. No validation run: ``quantize --eval`` compares, it does not score."""
+    from eagle3.formats.check import require_valid_pair
+    from eagle3.validate import twopass
+
+    require_valid_pair(target, None)
+
+    def work(url: str) -> Any:
+        echo(f"reference: teacher-forcing {prep.describe()} item(s) through {target} at {url}")
+        return twopass.teacher_force(url, loaded, prep, vopts, model_name)
+
+    return _served(target, None, eopts, work, model_name=model_name, api_key=None, host="127.0.0.1", port=0,
+                   echo=echo)
+
+
 def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, *,
                        model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                        baseline: bool = True, echo: Callable[[str], None] = print,
