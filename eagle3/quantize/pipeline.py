@@ -83,6 +83,8 @@ from eagle3.quantize.sources import (
 )
 
 ENGINES = ("native", "quark")
+# module name -> what is known about its inputs (eagle3.quantize.methods.InputStats), for a method
+InputStatsFn = Callable[[str], "methods.InputStats"]
 STATE_DIR = ".eagle3-quantize"
 
 
@@ -214,8 +216,10 @@ def make_engine(name: str) -> Any:
 class OpenShard:
     """An output shard being written: its planned file and what is left to do."""
 
-    def __init__(self, job: ShardJob, reader: CheckpointReader, engine: Any) -> None:
+    def __init__(self, job: ShardJob, reader: CheckpointReader, engine: Any,
+                 input_stats: InputStatsFn | None = None) -> None:
         self.job, self.reader, self.engine = job, reader, engine
+        self.input_stats = input_stats
         self.mods = {m.name: m for m in job.modules}
         self.work = Path(job.tmp) / STATE_DIR / f"{job.file}.part"
         self.final = Path(job.tmp) / job.file
@@ -322,8 +326,9 @@ def quantize_module(shard: OpenShard, m: Module) -> report.TensorReport | None:
 
     with torch.no_grad():
         if isinstance(shard.engine, native.NativeEngine):
+            inputs = shard.input_stats(m.name) if shard.input_stats is not None else methods.NO_STATS
             tensors = shard.engine.quantize(src, job.spec, job.zero_point, observe if acc else None,
-                                            method=methods.METHODS[job.method])
+                                            method=methods.METHODS[job.method], inputs=inputs)
         else:  # Quark's primitives take the whole tensor: measure afterwards, a chunk at a time
             tensors = shard.engine.quantize(src, job.spec, job.zero_point)
             if acc is not None:
@@ -492,7 +497,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
              resume: bool = False, verify: bool = True, trust_remote_code: bool = False,
              progress: bool = False, allow_nonfinite: bool = False, any_architecture: bool = False,
              quark_zero_points: bool = False, measure: Callable[[Path, Path], dict[str, Any]] | None = None,
-             method: str | None = None) -> QuantizeResult:
+             method: str | None = None, input_stats: InputStatsFn | None = None) -> QuantizeResult:
     """Quantize ``src`` (a local checkpoint directory or a Hub repo id) into ``out``.
 
     ``measure(src_dir, out_dir)``: called on the finished output before it is published; its result
@@ -501,6 +506,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
 
     ``method``: how the numbers are chosen within the recipe's format (:mod:`eagle3.quantize.methods`);
     None takes the recipe's (``rtn`` with ``engine="quark"``, which computes Quark's own numbers).
+    ``input_stats(module)``: what is known about a module's inputs (a calibrated method's Hessian, say),
+    handed to the method with its rows; None: nothing (the data-free methods need nothing).
 
     ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error subclasses (one line)
     for bad input, before anything is written: the source goes through the same model validation
@@ -566,7 +573,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             write_json(state / "state.json", fp)
             todo = [j for j in plan.jobs if j.file not in done]
             results = dict(done)
-            results.update(_run_jobs(todo, workers, state, progress))
+            results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
             _finish(tmp_dir, src_dir, plan, results, quark_cfg, trust_remote_code)
             section = getattr(measure, "section", "acceptance")
@@ -652,7 +659,8 @@ def validate_source(source: SourceInfo) -> None:
         target_spec(source.path)
 
 
-def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -> dict[str, ShardResult]:
+def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool,
+              input_stats: InputStatsFn | None = None) -> dict[str, ShardResult]:
     """Run every shard's steps on a thread pool (in this thread for one worker), two shards open at
     a time so that the cores stay busy across shard boundaries; record each shard as it finishes."""
     results: dict[str, ShardResult] = {}
@@ -676,7 +684,7 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
     kind: dict[Future[Any], tuple[str, OpenShard]] = {}
 
     def open_next() -> None:
-        sh = OpenShard(queue.popleft(), reader, engine)
+        sh = OpenShard(queue.popleft(), reader, engine, input_stats)
         live.append(sh)
         if sh.left == 0:
             kind[ex.submit(finish_shard, sh)] = ("finish", sh)

@@ -136,3 +136,36 @@ def test_method_resolution_and_errors(tiny_dir: Path, tmp_path: Path, capsys: py
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, (args, err)
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_registered_method_gets_each_modules_rows_and_input_stats(tiny_dir: Path, native_runs: dict[str, Path],
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plug-in point of calibrated methods: ``register`` a Method, and ``quantize(input_stats=)``
+    hands it every module's whole-row blocks with that module's InputStats."""
+    from eagle3.quantize import methods
+
+    calls: dict[str, tuple[int, str]] = {}
+
+    class Recording:
+        name, description = "recording", "round to nearest, recording what it is given"
+
+        def supports(self, spec):  # type: ignore[no-untyped-def]
+            return True
+
+        def rows(self, x, ctx):  # type: ignore[no-untyped-def]
+            assert x.shape[1] == ctx.shape[1] and ctx.s1 is not None  # whole rows; W4A8's FP8 stage chosen
+            calls[ctx.inputs.source] = (calls.get(ctx.inputs.source, (0, ""))[0] + x.shape[0], ctx.spec.format)
+            return methods.RTN.rows(x, ctx)
+
+    monkeypatch.setitem(methods.METHODS, "recording", Recording())
+
+    def stats(module: str) -> methods.InputStats:
+        return methods.InputStats(hessian=torch.eye(4), source=module)
+
+    res = quantize(tiny_dir / "kimi-k2.5", tmp_path / "o", "w4a8", workers=1, method="recording", input_stats=stats)
+    assert res.method == "recording" and len(calls) == res.quantized
+    assert all(fmt == "fp8_int4" and rows > 0 for rows, fmt in calls.values())
+    a, b = CheckpointReader(tmp_path / "o"), CheckpointReader(native_runs[W4A8])
+    assert all(torch.equal(a.get(n).reshape(-1).view(torch.uint8), b.get(n).reshape(-1).view(torch.uint8))
+               for n in b.names())
