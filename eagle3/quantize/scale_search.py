@@ -85,19 +85,16 @@ class _Terms:
     def __init__(self, x: torch.Tensor, w: torch.Tensor | None) -> None:
         self.x, self.w = x, w
         self.xw = x if w is None else x * w
-        self.tmp = None if w is None else torch.empty_like(x)
+        self.tmp = torch.empty_like(x)  # the products summed below: one buffer, no allocation per call
 
     def __call__(self, step: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``codes = clamp(round(x / step))`` (written in place); returns ``sum(w (x - step q)^2) -
         sum(w x^2)`` per row (``step (step B - 2 A)``) and ``A = sum(w x q)``, ``B = sum(w q^2)``."""
         torch.div(self.x, step[:, None], out=codes)
         codes.round_().clamp_(codecs.INT4_MIN, codecs.INT4_MAX)
-        a = torch.linalg.vecdot(self.xw, codes)
-        if self.w is None:
-            b = torch.linalg.vecdot(codes, codes)
-        else:
-            assert self.tmp is not None
-            b = torch.linalg.vecdot(torch.mul(codes, self.w, out=self.tmp), codes)
+        a = torch.mul(self.xw, codes, out=self.tmp).sum(dim=1)
+        sq = torch.mul(codes, codes, out=self.tmp)
+        b = sq.sum(dim=1) if self.w is None else sq @ self.w
         return (step * (step * b - 2 * a)).nan_to_num_(nan=float("inf")), a, b
 
 
@@ -150,21 +147,24 @@ MX_BLOCK = 32
 def mxfp4_exponents(x: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
     """Per 32-block of rows ``x`` [R, K]: the exponent (int32 [R, K/32]) among Quark's ``even``
     exponent and its two neighbours whose E2M1 rounding has the smallest squared error (each input
-    weighted by ``importance`` [K]); the ``even`` exponent wins ties."""
+    weighted by ``importance`` [K]); the ``even`` exponent wins ties.
+
+    The block divided by ``2**even`` is computed once; the neighbours' quotients are it times 2 and
+    times 1/2 (exact), and their errors, in units of ``4**even``, are scaled by 4 and 1/4 (exact)."""
     r, k = x.shape
     blocks = x.float().reshape(r, k // MX_BLOCK, MX_BLOCK)
     even = codecs.mxfp4_scale_even(blocks.abs().amax(-1)).clamp_(-126, 127)
     w = None if importance is None else importance.float().reshape(1, k // MX_BLOCK, MX_BLOCK)
+    y = blocks * torch.exp2(-even.float()).unsqueeze(-1)  # exact powers of two
     best, best_err = even, None
     for d in (0, -1, 1):
-        e = (even + d).clamp_(-126, 127)
-        sc = torch.exp2(e.float()).unsqueeze(-1)  # exact powers of two
-        diff = codecs.e2m1_round(blocks / sc).mul_(sc).sub_(blocks).square_()
-        err = (diff if w is None else diff.mul_(w)).sum(-1).nan_to_num_(nan=float("inf"))
+        yd = y if d == 0 else y * 2.0 ** -d
+        diff = codecs.e2m1_round(yd).sub_(yd).square_()
+        err = (diff if w is None else diff.mul_(w)).sum(-1).mul_(4.0 ** d).nan_to_num_(nan=float("inf"))
         if best_err is None:
             best_err = err
             continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better, e, best)
+        best = torch.where(better, (even + d).clamp_(-126, 127), best)
     return best
