@@ -562,7 +562,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     done: dict[str, ShardResult] = {}
     if resume and (state / "state.json").is_file():
         if read_json(state / "state.json") != fp:
-            raise UsageError(f"{tmp}: was written by a run with another recipe, scope or source; "
+            raise UsageError(f"{tmp}: was written by a run with another recipe, method, scope or source; "
                              f"rerun without --resume to start over")
         done = _load_done(state, tmp, plan.jobs)
     digests: dict[str, str] = {}
