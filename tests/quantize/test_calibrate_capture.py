@@ -91,3 +91,26 @@ def test_gptaq_pass_writes_every_in_scope_module_in_the_native_layout(target: Pa
         assert {s: (tuple(v.shape), v.dtype) for s, v in t.items()} == {s: (tuple(a), b) for s, (a, b) in want.items()}
     moe = [r for r in res.layers if r.expert_tokens is not None]
     assert all(r.err < r.err_rtn for r in moe)
+
+
+def test_calibration_prompts_from_gsm8k_train_and_from_a_jsonl_file(target: Path, tmp_path: Path) -> None:
+    from eagle3.errors import UsageError
+    from eagle3.validate import gsm8k
+
+    tok = load_tokenizer(target)
+    g = load_calibration("gsm8k", tok, samples=3, max_tokens=50)
+    assert len(g.sequences) == 3 and all(len(s) == 50 for s in g.sequences)
+    _, test = gsm8k.load_dataset()
+    held_out = {d.question for d in test}
+    from eagle3.quantize.calibrate.prompts import gsm8k_texts
+
+    assert not any(q in t for t in gsm8k_texts(3) for q in held_out)  # the evaluation's questions never appear
+    f = tmp_path / "calib.jsonl"
+    f.write_text('{"text": "Question: 1 + 1?"}\n\n{"prompt": "Q: 2 + 2?", "completion": " 4"}\n'
+                 '{"question": "3 + 3?", "answer": "#### 6"}\n')
+    c = load_calibration(f, tok, samples=10, max_tokens=1000)
+    assert [len(s) for s in c.sequences] == [len(tok(t, add_special_tokens=False)["input_ids"]) for t in
+                                              ("Question: 1 + 1?", "Q: 2 + 2? 4", gsm8k.exemplar(gsm8k.Doc("3 + 3?", "#### 6")))]
+    f.write_text('{"text": "ok"}\n{"txt": "bad"}\n')
+    with pytest.raises(UsageError, match=r"calib\.jsonl:2: expected a JSON object with 'text'"):
+        load_calibration(f, tok)

@@ -58,7 +58,7 @@ MLP_WEIGHT = re.compile(r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down
 @dataclass
 class LayerReport:
     layer: int
-    seconds: float
+    seconds: float  # wall time
     attention_seconds: float
     solve_seconds: float
     mlps: int = 0  # MLPs with weights in scope
@@ -70,6 +70,7 @@ class LayerReport:
     smoothed: int = 0
     peak_rss_mb: float = 0.0
     expert_tokens: list[int] | None = None  # MoE layer: calibration tokens routed to each expert
+    cpu_seconds: float = 0.0  # CPU time of the process (all threads): a shared machine's wall time is not
 
 
 @dataclass
@@ -199,7 +200,7 @@ class Calibrator:
 
     def _layer(self, i: int, h: torch.Tensor, hq: torch.Tensor | None
                ) -> tuple[LayerReport, torch.Tensor, torch.Tensor | None]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         layer = self.model.load(i)
         h_attn = self.model.attention(layer, self.stream, h)
         x = self.model.mlp_input(layer, h_attn)
@@ -251,6 +252,7 @@ class Calibrator:
             self._load_quantized(layer, sites, results)
             hq_next = hq_attn + self.model.mlp(layer.mlp, xq)
         rep.seconds = time.perf_counter() - t0
+        rep.cpu_seconds = time.process_time() - c0
         rep.peak_rss_mb = peak_rss_mb()
         del layer
         return rep, h_next, hq_next
@@ -291,5 +293,6 @@ def _progress_line(r: LayerReport, n: int) -> str:
     err = (f", rel. output error {r.err_rtn:.4g} -> {r.err:.4g}" if r.err == r.err else "")
     return (f"layer {r.layer + 1}/{n}: {r.mlps} MLPs in scope ({r.calibrated} calibrated, {r.fallback} kept "
             f"data-free" + (f", {r.smoothed} smoothed" if r.smoothed else "") + f"; fewest tokens {r.tokens_min})"
-            f"{err}; {r.seconds:.1f} s (attention {r.attention_seconds:.1f} s, solve {r.solve_seconds:.1f} s), "
+            f"{err}; {r.seconds:.1f} s (attention {r.attention_seconds:.1f} s, solve {r.solve_seconds:.1f} s; CPU "
+            f"{r.cpu_seconds:.1f} s), "
             f"peak RSS {r.peak_rss_mb:.0f} MB")

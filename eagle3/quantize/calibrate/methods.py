@@ -42,7 +42,8 @@ class CalibConfig:
     alpha: float = 0.25  # gptaq: share of the correction towards the quantized inputs (Quark's default)
     scales: str | None = None  # grid scales: None = the format's default (grids.grid_for)
     min_tokens_per_input: float = MIN_TOKENS_PER_INPUT
-    hessian_dtype: torch.dtype = torch.float32
+    hessian_dtype: torch.dtype = torch.float32  # X^T X accumulation
+    factor_dtype: torch.dtype = torch.float32  # the Cholesky factorisation (gptq.factor)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -127,7 +127,7 @@ def _solve_error_feedback(w: dict[str, torch.Tensor], scope: set[str], x: torch.
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     values: dict[str, torch.Tensor] = {}
     if {"gate", "up"} & scope:
-        f = solvers.factor(h, cfg.damp, cfg.act_order)
+        f = solvers.factor(h, cfg.damp, cfg.act_order, cfg.factor_dtype)
         cross = _cross(xs, xt, dt) if asym else None
         for r in ("gate", "up"):
             if r not in scope:
@@ -149,7 +149,7 @@ def _solve_error_feedback(w: dict[str, torch.Tensor], scope: set[str], x: torch.
         else:
             hd = _gram(a, dt)
             target = w["down"]
-        fd = solvers.factor(hd, cfg.damp, cfg.act_order)
+        fd = solvers.factor(hd, cfg.damp, cfg.act_order, cfg.factor_dtype)
         g, sol = _solve_weight(target, fd, torch.diagonal(hd), fmt, cfg)
         tensors["down"], values["down"] = g.native(sol.codes), sol.values
     else:
