@@ -76,7 +76,7 @@ def test_columns_no_input_reached_keep_their_rounded_values(fmt: str) -> None:
 def test_hessian_factor_is_the_cholesky_of_the_damped_inverse() -> None:
     x = _correlated_inputs(200, 40, seed=6)
     h = x.t() @ x
-    f = solvers.factor(h, damp=0.01)
+    f = solvers.factor(h, damp=0.01, dtype=torch.float64)
     lam = 0.01 * float(torch.diagonal(h).mean())
     want = torch.linalg.inv(h + lam * torch.eye(40, dtype=torch.float64))
     u = f.hinv_u.double()
@@ -169,7 +169,7 @@ def _expert(h: int, i: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor
 
 def test_smoothing_keeps_the_experts_output() -> None:
     """``silu(g) * (u * s)`` then ``down / s`` is the same function: in float64 within rounding for
-    any positive scales, and bit for bit for the power-of-two scales the method uses."""
+    any positive scales (the method's default), and bit for bit for power-of-two scales."""
     wg, wu, wd = _expert(64, 96, seed=18, dtype=torch.float64)
     x = torch.randn(40, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(19))
     ref = smooth.swiglu(x, wg, wu) @ wd.t()
@@ -177,7 +177,7 @@ def test_smoothing_keeps_the_experts_output() -> None:
     u2, d2 = smooth.apply(wu, wd, s_any)
     assert torch.allclose(smooth.swiglu(x, wg, u2) @ d2.t(), ref, rtol=1e-12, atol=1e-14)
     a_max = smooth.swiglu(x, wg, wu).abs().amax(0)
-    s = smooth.scales(a_max, wd, 0.5)
+    s = smooth.scales(a_max, wd, 0.5, pow2=True)
     assert bool((torch.log2(s) == torch.round(torch.log2(s))).all()) and float(s.min()) < 1 < float(s.max())
     for dt in (torch.float64, torch.float32):
         u3, d3 = smooth.apply(wu.to(dt), wd.to(dt), s.to(dt))
@@ -192,8 +192,7 @@ def test_smoothing_is_chosen_only_when_it_lowers_the_calibration_error(fmt: str,
     x[:, 7] *= 20  # an outlier input channel makes some of down's inputs large
     q = act_qdq(act)
     sm = smooth.choose(x, wg, wu, wd, fmt, q, q)
-    chosen = sm.errors["none"] if sm.alpha is None else sm.errors[f"{sm.alpha:g}"]
-    assert chosen == min(sm.errors.values())
+    assert sm.errors[sm.choice] == min(sm.errors.values()) and (sm.s is None) == (sm.choice == "none")
 
 
 @pytest.mark.parametrize("method", ["gptq", "gptaq", "smooth+gptq"])

@@ -41,6 +41,7 @@ class CalibConfig:
     act_order: bool = True
     alpha: float = 0.25  # gptaq: share of the correction towards the quantized inputs (Quark's default)
     scales: str | None = None  # grid scales: None = the format's default (grids.grid_for)
+    smooth_pow2: bool = False  # smoothing scales rounded to powers of two (the smoothed source: same bits)
     min_tokens_per_input: float = MIN_TOKENS_PER_INPUT
     hessian_dtype: torch.dtype = torch.float32  # X^T X accumulation
     factor_dtype: torch.dtype = torch.float32  # the Cholesky factorisation (gptq.factor)

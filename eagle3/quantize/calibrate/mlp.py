@@ -92,7 +92,7 @@ def solve_mlp(w: dict[str, torch.Tensor], scope: set[str], x: torch.Tensor, xq: 
     w = dict(w)
     alpha = None
     if cfg.smooth and {"up", "down"} <= scope:
-        sm = smooth.choose(x, w["gate"], w["up"], w["down"], fmt, act_in, act_mid)
+        sm = smooth.choose(x, w["gate"], w["up"], w["down"], fmt, act_in, act_mid, pow2=cfg.smooth_pow2)
         if sm.s is not None:
             w["up"], w["down"] = smooth.apply(w["up"], w["down"], sm.s)
             alpha = sm.alpha

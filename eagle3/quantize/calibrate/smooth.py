@@ -30,6 +30,7 @@ import torch
 from eagle3.quantize.calibrate.grids import grid_for
 
 ALPHAS = (0.25, 0.5, 0.75)
+STATS = ("rms", "max")  # the activation statistic a scale is computed from
 MAX_SCORE_TOKENS = 1024  # tokens the alpha choice is scored on (an even subsample beyond that)
 _EPS = 1e-12
 
@@ -41,14 +42,15 @@ def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())
 
 
-def scales(a_absmax: torch.Tensor, wd: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Power-of-two smoothing scales ``s`` [I] for activations ``a`` (their per-channel max ``[I]``)
-    and ``down`` ``wd`` [H, I] (module docstring), normalised to a geometric mean of 1."""
+def scales(a_stat: torch.Tensor, wd: torch.Tensor, alpha: float, pow2: bool = False) -> torch.Tensor:
+    """Smoothing scales ``s`` [I] from a per-channel statistic of the activations ``a`` (their max
+    or root mean square, ``[I]``) and ``down`` ``wd`` [H, I] (module docstring), normalised to a
+    geometric mean of 1; ``pow2``: rounded to powers of two."""
     w_max = wd.abs().amax(0).double().clamp(min=_EPS)
-    a_max = a_absmax.double().clamp(min=_EPS)
+    a_max = a_stat.double().clamp(min=_EPS)
     log_s = (1 - alpha) * torch.log2(w_max) - alpha * torch.log2(a_max)
     log_s = log_s - log_s.mean()
-    return torch.exp2(torch.round(log_s)).float()
+    return torch.exp2(torch.round(log_s) if pow2 else log_s).float()
 
 
 def apply(wu: torch.Tensor, wd: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,28 +81,34 @@ def expert_error(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.
 
 @dataclass(frozen=True)
 class Smoothing:
-    """The chosen scales (None: no smoothing won) and the calibration error of each candidate."""
+    """The chosen scales (None: no smoothing won), its name in ``errors`` ("none" or "STAT ALPHA")
+    and the calibration error of each candidate."""
 
     s: torch.Tensor | None
     alpha: float | None
+    choice: str
     errors: dict[str, float]
 
 
 def choose(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, fmt: str,
-           act_in: ActQuant, act_mid: ActQuant, alphas: tuple[float, ...] = ALPHAS) -> Smoothing:
+           act_in: ActQuant, act_mid: ActQuant, alphas: tuple[float, ...] = ALPHAS,
+           pow2: bool = False) -> Smoothing:
     """The smoothing of one expert with the smallest quantized output error on its tokens ``x``
-    [n, H] (fp32 source weights ``wg``, ``wu`` [I, H], ``wd`` [H, I])."""
+    [n, H] (fp32 source weights ``wg``, ``wu`` [I, H], ``wd`` [H, I]): each statistic of
+    :data:`STATS` with each ``alpha``, or none."""
     xs = _subsample(x.float(), MAX_SCORE_TOKENS)
     a = swiglu(xs, wg, wu)
     y_ref = a @ wd.t()
-    a_absmax = swiglu(x.float(), wg, wu).abs().amax(0) if x.shape[0] <= 4 * MAX_SCORE_TOKENS else a.abs().amax(0)
+    a_all = swiglu(x.float(), wg, wu) if x.shape[0] <= 4 * MAX_SCORE_TOKENS else a
+    stats = {"rms": a_all.square().mean(0).sqrt(), "max": a_all.abs().amax(0)}
     errors = {"none": expert_error(xs, wg, wu, wd, fmt, act_in, act_mid, y_ref)}
-    best: tuple[float, float | None, torch.Tensor | None] = (errors["none"], None, None)
-    for alpha in alphas:
-        s = scales(a_absmax, wd, alpha)
-        wu_s, wd_s = apply(wu, wd, s)
-        err = expert_error(xs, wg, wu_s, wd_s, fmt, act_in, act_mid, y_ref)
-        errors[f"{alpha:g}"] = err
-        if err < best[0]:
-            best = (err, alpha, s)
-    return Smoothing(best[2], best[1], errors)
+    best: tuple[float, float | None, torch.Tensor | None, str] = (errors["none"], None, None, "none")
+    for stat in STATS:
+        for alpha in alphas:
+            s = scales(stats[stat], wd, alpha, pow2)
+            wu_s, wd_s = apply(wu, wd, s)
+            key = f"{stat} {alpha:g}"
+            errors[key] = expert_error(xs, wg, wu_s, wd_s, fmt, act_in, act_mid, y_ref)
+            if errors[key] < best[0]:
+                best = (errors[key], alpha, s, key)
+    return Smoothing(best[2], best[1], best[3], errors)
