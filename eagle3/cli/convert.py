@@ -85,7 +85,10 @@ def quantize(
     scope: Annotated[str | None, typer.Option(help="A scope of the recipe, e.g. mxfp4: experts|experts+shared+dense.")] = None,
     workers: Annotated[int, typer.Option(help="Worker threads (0 = one per CPU core, as memory allows).")] = 0,
     engine: Annotated[str, typer.Option(help="native (eagle3 codecs) | quark (AMD Quark's primitives: Quark's round to nearest, the bits of --method rtn).")] = "native",
-    method: Annotated[str | None, typer.Option(help="How the numbers are chosen within the recipe's format: rtn (Quark's round to nearest, max-based scales) | mse (data-free scale search against the source; w4a8's default). Default: the recipe's.")] = None,
+    method: Annotated[str | None, typer.Option(help="How the numbers are chosen within the recipe's format: rtn (Quark's round to nearest, max-based scales) | mse (data-free scale search against the source; w4a8's default) | calibrated, with --calibrate (w4a8 / mxfp4 MLP weights): gptq | gptaq | smooth | smooth+gptq | smooth+gptaq. Default: the recipe's.")] = None,
+    calibrate: Annotated[str | None, typer.Option(help="A calibrated --method's prompts, run through the source layer by layer: gsm8k (the packaged training split, 5-shot problems with their answers) or FILE.jsonl (one JSON object per line: 'text', 'prompt' (+ 'completion') or 'question' + 'answer').")] = None,
+    calibrate_samples: Annotated[int | None, typer.Option(help="--calibrate: sequences (default 16).")] = None,
+    calibrate_tokens: Annotated[int | None, typer.Option(help="--calibrate: tokens per sequence at most (default 2048).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from OUT.partial, skipping finished shards.")] = False,
     verify: Annotated[bool, typer.Option(help="Measure each quantized tensor's decode against the source and read it back from OUT.")] = True,
     trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
@@ -115,24 +118,50 @@ def quantize(
 
     eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-W4A8 --recipe w4a8 --eval --eval-prompts 24 --eval-tokens 96
 
+    eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-MXFP4-gptq --recipe mxfp4 --calibrate gsm8k --method smooth+gptq
+
     Writes OUT/quantization_report.json (+ .png): per-tensor error of the decoded output vs the source;
     with --target also the draft's held-out acceptance beside that target before and after; with --eval
-    the output's KLD, top-1 agreement and first divergence against the source.
+    the output's KLD, top-1 agreement and first divergence against the source; with --calibrate the
+    calibration pass per layer (MLPs calibrated / kept data-free, tokens, output error, time, peak RSS).
     """
     from eagle3.quantize import pipeline
 
     progress = not quiet and not json_out and sys.stderr.isatty()
+    calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens)
     measure = _measurement(target, eval_, eval_prompts, eval_tokens, eval_k, eval_fewshot, device, progress)
     _retain_freed_memory()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty(),
                                allow_nonfinite=allow_nonfinite, any_architecture=any_architecture,
-                               quark_zero_points=quark_zero_points, measure=measure, method=method)
+                               quark_zero_points=quark_zero_points, measure=measure, method=method,
+                               calibration=calibration, echo=None if quiet else _echo_err)
     if json_out:
         print_json(result.to_json())
     else:
         pipeline.print_summary(result)
+
+
+def _echo_err(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _calibration(source: str | None, samples: int | None, tokens: int | None) -> Any:
+    """``--calibrate`` and its options (None without it; then its options are refused)."""
+    from eagle3.errors import UsageError
+    from eagle3.quantize.calibrated import Calibration
+
+    if source is None:
+        given = [f for f, v in (("--calibrate-samples", samples), ("--calibrate-tokens", tokens)) if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} go with --calibrate gsm8k|FILE.jsonl")
+        return None
+    if samples is not None and samples < 1:
+        raise UsageError(f"--calibrate-samples {samples}: must be >= 1")
+    if tokens is not None and tokens < 2:
+        raise UsageError(f"--calibrate-tokens {tokens}: must be >= 2")
+    return Calibration(source, samples, tokens)
 
 
 def _measurement(target: Path | None, eval_: bool, prompts: int | None, tokens: int | None, k: int | None,

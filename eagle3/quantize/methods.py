@@ -28,8 +28,11 @@ Methods here (data-free):
   refines it by least squares; MXFP4 picks each block's exponent among Quark's ``even`` exponent
   and its two neighbours by the block's squared error.
 
-A calibrated method (GPTQ / GPTAQ, ``eagle3.quantize.calibrate``) is a :class:`Method` whose
-:meth:`Method.rows` reads ``ctx.inputs.hessian``; :func:`register` adds it to :data:`METHODS`.
+Calibrated methods (``gptq``, ``gptaq``, ``smooth``, ``smooth+gptq``, ``smooth+gptaq``;
+:class:`Calibrated`, solved by :mod:`eagle3.quantize.calibrate` before the file-to-file pass): the
+weights the calibration pass solved arrive whole as ``ctx.inputs.solved``; every other weight of the
+run (an expert too few calibration tokens reach, a module outside the MLPs) gets the recipe format's
+data-free default through :meth:`Calibrated.rows`. :func:`register` adds a method to :data:`METHODS`.
 """
 
 from __future__ import annotations
@@ -52,10 +55,15 @@ class InputStats:
     up to scale). Data-free, eagle3 takes it from the RMSNorm whose output is the weight's input
     (:mod:`eagle3.quantize.importance`); a calibrated method from ``E[x_k^2]`` over its tokens.
     ``hessian`` [K, K] fp32: ``E[x x^T]`` over calibration tokens (calibrated methods only).
+    ``solved``: the weight's whole export tensors, already chosen by a calibrated method's pass over
+    the model (error feedback needs a layer's inputs, which exist only while the source runs layer by
+    layer, so the calibrated numbers are solved before the file-to-file pass and handed in here; the
+    engine checks and writes them instead of calling :meth:`Method.rows`).
     ``source`` says where they came from, for the report."""
 
     importance: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
+    solved: dict[str, torch.Tensor] | None = None
     source: str = "none"
 
 
@@ -160,8 +168,42 @@ class ScaleSearch:
                 (keys.SCALE_2 if s1 is not None else keys.SCALE): scale}
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (RoundToNearest(), ScaleSearch())}
+class Calibrated:
+    """A calibrated method (module docstring): its numbers come solved through ``ctx.inputs.solved``;
+    :meth:`rows` is the data-free default of the format for the weights the calibration left alone
+    (W4A8: the scale search, the w4a8 recipes' default; MXFP4: round to nearest, the mxfp4 recipe's)."""
+
+    calibrated = True
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name, self.description = name, description
+
+    def supports(self, spec: WeightSpec) -> bool:
+        return spec.format in ("fp8_int4", "mxfp4")
+
+    def fallback(self, spec: WeightSpec) -> Method:
+        return METHODS["mse"] if spec.format == "fp8_int4" else RTN
+
+    def rows(self, x: torch.Tensor, ctx: RowsContext) -> dict[str, torch.Tensor]:
+        return self.fallback(ctx.spec).rows(x, ctx)
+
+
+CALIBRATED = {
+    "gptq": "calibrated: GPTQ error feedback with the source model's inputs on calibration prompts",
+    "gptaq": "calibrated: GPTAQ error feedback fitted to the quantized model's inputs on calibration prompts",
+    "smooth": "calibrated: per-expert up <-> down smoothing scored on calibration prompts, then round to nearest",
+    "smooth+gptq": "calibrated: per-expert up <-> down smoothing, then GPTQ error feedback",
+    "smooth+gptaq": "calibrated: per-expert up <-> down smoothing, then GPTAQ error feedback",
+}
+METHODS: dict[str, Method] = {m.name: m for m in (RoundToNearest(), ScaleSearch(),
+                                                   *(Calibrated(n, d) for n, d in CALIBRATED.items()))}
 RTN = METHODS["rtn"]
+
+
+def is_calibrated(method: Method | str) -> bool:
+    """Whether ``method`` needs calibration prompts (``--calibrate``)."""
+    m = METHODS.get(method) if isinstance(method, str) else method
+    return bool(getattr(m, "calibrated", False))
 
 
 def register(method: Method) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from eagle3.errors import ShapeError
+from eagle3.errors import Eagle3Error, ShapeError
 from eagle3.formats import codecs, keys
 from eagle3.quantize.methods import NO_STATS, RTN, InputStats, Method, RowsContext
 from eagle3.quantize.recipes import WeightSpec
@@ -90,11 +90,17 @@ class NativeEngine:
             s1 = codecs.fp8_per_tensor_scale(_amax(src, rows), torch.float32)
         ctx = RowsContext(spec, (n, k), s1, inputs)
         out = _allocate(spec, n, k, s1)
-        for r0, r1 in _chunks(n, rows):
-            x = src.rows(r0, r1)
-            _place(out, method.rows(x, ctx), spec, r0, r1)
+        if inputs.solved is not None:  # a calibrated method's numbers, solved before this pass
+            out = _solved(out, inputs.solved, inputs.source)
             if observe is not None:
-                observe(r0, r1, out, x)
+                for r0, r1 in _chunks(n, rows):
+                    observe(r0, r1, out, src.rows(r0, r1))
+        else:
+            for r0, r1 in _chunks(n, rows):
+                x = src.rows(r0, r1)
+                _place(out, method.rows(x, ctx), spec, r0, r1)
+                if observe is not None:
+                    observe(r0, r1, out, x)
         if zero_point and spec.format == "fp8_int4":
             # Two-stage W4A8: the INT4 stage's zeros; Quark's importer wants them as
             # weight_zero_point_2 (its weight_quantizer.1.zero_point), the FP8 stage has none.
@@ -127,6 +133,20 @@ def _allocate(spec: WeightSpec, n: int, k: int, s1: torch.Tensor | None) -> dict
         return {keys.WEIGHT: torch.empty(k, (n + 7) // 8, dtype=torch.int32),
                 keys.SCALE: torch.empty(k // g, n, dtype=f32)}
     raise ValueError(f"unsupported weight spec {spec}")
+
+
+def _solved(out: dict[str, torch.Tensor], solved: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The solved export tensors in place of the allocated ones, when they are exactly those: same
+    names, dtypes and shapes (values may differ anywhere, the per-tensor FP8-stage scale included:
+    smoothing rescales a weight's rows or columns before its grid is chosen)."""
+    if set(solved) != set(out):
+        raise Eagle3Error(f"{name}: calibrated tensors {sorted(solved)}, expected {sorted(out)}")
+    for key, want in out.items():
+        got = solved[key]
+        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            raise Eagle3Error(f"{name}.{key}: calibrated as {got.dtype}{list(got.shape)}, the format writes "
+                              f"{want.dtype}{list(want.shape)}")
+    return {key: solved[key].contiguous() for key in out}
 
 
 def _place(out: dict[str, torch.Tensor], part: dict[str, torch.Tensor], spec: WeightSpec, r0: int, r1: int) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+import eagle3.quantize.calibrated as calibrated
 import eagle3.quantize.compat as compat
 import eagle3.quantize.methods as methods
 import eagle3.quantize.native as native
@@ -70,6 +71,7 @@ from eagle3.checkpoint import (
 from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
+from eagle3.quantize.calibrated import Calibration
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
@@ -413,6 +415,7 @@ class QuantizeResult:
     acceptance: dict[str, Any] | None = None  # --target: the draft's acceptance before and after
     method: str = "rtn"
     fidelity: dict[str, Any] | None = None  # --eval: the output against its source (KLD, top-1, divergence)
+    calibration: dict[str, Any] | None = None  # --calibrate: the calibration pass's summary (per layer)
 
     @property
     def failed(self) -> list[report.TensorReport]:
@@ -497,7 +500,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
              resume: bool = False, verify: bool = True, trust_remote_code: bool = False,
              progress: bool = False, allow_nonfinite: bool = False, any_architecture: bool = False,
              quark_zero_points: bool = False, measure: Callable[[Path, Path], dict[str, Any]] | None = None,
-             method: str | None = None, input_stats: InputStatsFn | None = None) -> QuantizeResult:
+             method: str | None = None, input_stats: InputStatsFn | None = None,
+             calibration: Calibration | None = None, echo: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize ``src`` (a local checkpoint directory or a Hub repo id) into ``out``.
 
     ``measure(src_dir, out_dir)``: called on the finished output before it is published; its result
@@ -508,6 +512,9 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     None takes the recipe's (``rtn`` with ``engine="quark"``, which computes Quark's own numbers).
     ``input_stats(module)``: what is known about a module's inputs (a calibrated method's Hessian, say),
     handed to the method with its rows; None: nothing (the data-free methods need nothing).
+    ``calibration``: the prompts of a calibrated ``method`` (required by one, refused by the others);
+    their pass runs first, inside ``OUT.partial`` (:mod:`eagle3.quantize.calibrated`), printing a
+    line per layer through ``echo`` (None: silent), and its summary goes into the report.
 
     ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error subclasses (one line)
     for bad input, before anything is written: the source goes through the same model validation
@@ -530,6 +537,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     if quark_zero_points:
         rec = with_quark_zero_points(rec)
     meth = resolve_method(rec, engine, method)
+    calibrated.check_method(meth, calibration)
     sc = rec.scope(scope)
     src_dir = Path(hub.resolve(src))
     if src_dir.exists() and not src_dir.is_dir():
@@ -546,6 +554,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     if not any_architecture:  # the model against its schema, before any weight is read
         check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
+    calib_set = calibrated.load_set(src_dir, calibration) if calibration is not None else None
     tmp = partial_path(dst)
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite, meth.name)
     quark_cfg = None
@@ -559,6 +568,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
         shutil.rmtree(tmp)
     state = tmp / STATE_DIR
     fp = _fingerprint(plan, verify)
+    if calibration is not None:
+        fp["calibration"] = calibration.to_json()
     done: dict[str, ShardResult] = {}
     if resume and (state / "state.json").is_file():
         if read_json(state / "state.json") != fp:
@@ -572,10 +583,15 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             state.mkdir(parents=True, exist_ok=True)
             write_json(state / "state.json", fp)
             todo = [j for j in plan.jobs if j.file not in done]
+            calib_section = None
+            if calib_set is not None and todo:
+                calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calib_set, state, echo)
             results = dict(done)
             results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
             _finish(tmp_dir, src_dir, plan, results, quark_cfg, trust_remote_code)
+            if calib_section is not None:
+                report.add_section(tmp_dir, "calibration", calib_section)
             section = getattr(measure, "section", "acceptance")
             measured = report.add_section(tmp_dir, section, measure(src_dir, tmp_dir)) if measure else None
             shutil.rmtree(state, ignore_errors=True)
@@ -594,7 +610,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
                           out_bytes=sum(r.out_bytes for r in results.values()),
                           seconds=time.perf_counter() - t0 - (measured or {}).get("seconds", 0.0), rows=rows,
                           files=files, acceptance=measured if measure and section == "acceptance" else None,
-                          fidelity=measured if measure and section == "fidelity" else None)
+                          fidelity=measured if measure and section == "fidelity" else None,
+                          calibration=calib_section)
 
 
 def _after_failure(e: BaseException, tmp: Path, state: Path, plan: Plan) -> None:
@@ -820,6 +837,8 @@ def print_summary(result: QuantizeResult) -> None:
               f"({mb / max(result.seconds, 1e-9):.1f} MB/s), output {result.out_bytes / 1e6:.1f} MB"
               + (f", {result.shards_resumed} of {result.shards} shards resumed" if result.shards_resumed else ""))
     con.print(f"wrote {result.out} (report: {', '.join(f.name for f in result.files)})")
+    if result.calibration:
+        con.print(calibrated.summary_line(result.calibration), highlight=False)
     if result.acceptance:
         con.print(report.acceptance_line(result.acceptance))
     if result.fidelity:

@@ -230,8 +230,9 @@ class Calibrator:
             xqs = None if xq is None else (xq if tok is None else xq[tok])
             w = {r: self._source_values(n) for r, n in s.names.items()}
             r = solve_mlp(w, s.scope, xs, xqs, self.fmt, self.act, self.act, self.cfg)
-            for role, t in r.tensors.items():
-                self.store.put(s.names[role], t)
+            if not r.fallback:  # an MLP kept data-free gets the quantizer's data-free default instead
+                for role, t in r.tensors.items():
+                    self.store.put(s.names[role], t)
             results[s.expert if s.kind == "expert" else s.kind] = r
             rep.mlps += 1
             rep.fallback += int(r.fallback)
@@ -242,7 +243,7 @@ class Calibrator:
                 num += r.err * r.tokens
                 num_rtn += r.err_rtn * r.tokens
                 den += r.tokens
-        self.store.flush(f"layer-{i:04d}")
+        self.store.flush(f"layer-{i:04d}")  # nothing when every MLP of the layer was kept data-free
         rep.solve_seconds = time.perf_counter() - t1
         if den:
             rep.err, rep.err_rtn = num / den, num_rtn / den
