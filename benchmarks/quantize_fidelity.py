@@ -2,8 +2,14 @@
 table of methods (round to nearest vs the data-free scale search) per recipe.
 
     .venv/bin/python benchmarks/quantize_fidelity.py --workdir /tmp/qfid [--recipes w4a8,mxfp4]
-        [--methods rtn,mse] [--limit 24] [--max-tokens 96] [--full-width] [--repeat 1]
+        [--methods rtn,mse,w4a8:gptq,mxfp4:smooth+gptq] [--calibrate-samples 16] [--calibrate-tokens 2048]
+        [--limit 24] [--max-tokens 96] [--full-width] [--repeat 1] [--reuse-reference]
         [--json fidelity.json] [--dry-run]
+
+``--methods``: each item a method for every recipe, or ``RECIPE:METHOD`` for one; a calibrated
+method (gptq, gptaq, smooth, smooth+gptq, smooth+gptaq) is quantized with ``--calibrate gsm8k
+--calibrate-samples N --calibrate-tokens T`` and its row also shows the calibration pass's MLPs
+calibrated / kept data-free, time and peak RSS (from the output's quantization_report.json).
 
 On the trained tiny pair (``eagle3 make-tiny --only kimi-k2.5-trained`` and its two shipped drafts,
 written into WORKDIR once), every step a command a user types:
@@ -12,14 +18,16 @@ written into WORKDIR once), every step a command a user types:
    --max-tokens M --record-reference REF`` (its greedy continuations with their top-20 logprobs and
    the EAGLE-3 draft's acceptance on the source), and the MLA draft's acceptance on the source
    (``serve SRC --draft MLA --validate gsm8k --no-baseline``);
-2. per recipe and method: ``eagle3 quantize SRC Q --recipe R --method X`` (wall time and the peak
-   RSS of its process tree), then ``serve Q --draft EAGLE3 --validate gsm8k --reference REF
+2. per recipe and method: ``eagle3 quantize SRC Q --recipe R --method X [--calibrate gsm8k ...]``
+   (wall time and the peak RSS of its process tree), then ``serve Q --draft EAGLE3 --validate gsm8k --reference REF
    --no-baseline`` (mean / p99 KLD, top-1 agreement, identical continuations, first divergence,
    EAGLE-3's accept length), ``serve Q --draft MLA --validate gsm8k --no-baseline`` (the MLA
    draft's accept length) and ``serve Q --activation-quant none --validate gsm8k --reference REF
    --no-baseline`` (the same comparison with activations unquantized: the weights' share).
 
-``--full-width`` adds the quantize time and peak RSS per recipe and method on the Kimi-shaped
+``--reuse-reference`` keeps a recording (and the MLA draft's source run) already in WORKDIR from an
+earlier run with the same --limit / --max-tokens (the source's greedy continuations are the same).
+``--full-width`` adds the quantize time and peak RSS per recipe and data-free method on the Kimi-shaped
 full-width checkpoint of benchmarks/quantize.py (hidden 7168, 32 Moonshot-INT4 experts of width
 2048, a dense layer of width 18432; 3 GB), ``--repeat`` alternating rounds, best time kept (the
 2-core machine is shared). Prints one table and writes every number to ``--json``.
@@ -40,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "kimi-k2.5-trained"
 DRAFTS = {"eagle3": "kimi-k2.5-trained-eagle3", "mla": "kimi-k2.5-trained-eagle3.1-mla"}
+CALIBRATED = ("gptq", "gptaq", "smooth", "smooth+gptq", "smooth+gptaq")
 
 
 def cli(*args: str) -> list[str]:
@@ -74,9 +83,31 @@ def serve_cmd(target: Path, draft: Path | None, limit: int, max_tokens: int, rep
     return cmd + ["--no-baseline"]
 
 
-def quantize_cmd(src: Path, out: Path, recipe: str, method: str) -> list[str]:
-    return cli("quantize", str(src), str(out), "--recipe", recipe, "--method", method, "--overwrite", "--quiet",
-               "--json")
+def quantize_cmd(src: Path, out: Path, recipe: str, method: str, calib: tuple[int, int] = (16, 2048)) -> list[str]:
+    """``calib``: a calibrated method's --calibrate-samples and --calibrate-tokens (gsm8k prompts)."""
+    extra = (["--calibrate", "gsm8k", "--calibrate-samples", str(calib[0]), "--calibrate-tokens", str(calib[1])]
+             if method in CALIBRATED else [])
+    return cli("quantize", str(src), str(out), "--recipe", recipe, "--method", method, *extra, "--overwrite",
+               "--quiet", "--json")
+
+
+def plan(recipes: list[str], items: list[str]) -> list[tuple[str, str]]:
+    """(recipe, method) pairs in order: ``METHOD`` for every recipe, ``RECIPE:METHOD`` for one."""
+    out = []
+    for recipe in recipes:
+        for item in items:
+            r, _, m = item.rpartition(":")
+            if r in ("", recipe):
+                out.append((recipe, m))
+    return out
+
+
+def calibration(q: Path) -> dict[str, Any] | None:
+    """A calibrated output's pass summary (totals only) from its quantization_report.json."""
+    cal = _read(q / "quantization_report.json").get("calibration")
+    if not cal:
+        return None
+    return {k: cal[k] for k in ("tokens", "sequences", "calibrated", "kept_data_free", "seconds", "peak_rss_mb")}
 
 
 def run(cmd: list[str], dry: bool) -> dict[str, Any]:
@@ -132,6 +163,7 @@ def table(rows: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
 
 
 def full_width(workdir: Path, recipes: list[str], methods: list[str], repeat: int, dry: bool) -> dict[str, Any]:
+    methods = [m for m in methods if m not in CALIBRATED]
     """Quantize time and peak RSS of each recipe and method on benchmarks/quantize.py's checkpoint."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import quantize as qbench
@@ -159,7 +191,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--recipes", default="w4a8,mxfp4")
-    ap.add_argument("--methods", default="rtn,mse")
+    ap.add_argument("--methods", default="rtn,mse", help="METHOD or RECIPE:METHOD items, comma-separated")
+    ap.add_argument("--calibrate-samples", type=int, default=16)
+    ap.add_argument("--calibrate-tokens", type=int, default=2048)
+    ap.add_argument("--reuse-reference", action="store_true", help="keep WORKDIR's recording from an earlier run")
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--full-width", action="store_true", help="also time each method on the full-width checkpoint")
@@ -167,7 +202,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     a = ap.parse_args()
-    recipes, methods = a.recipes.split(","), a.methods.split(",")
+    recipes = a.recipes.split(",")
+    pairs = plan(recipes, a.methods.split(","))
+    methods = list(dict.fromkeys(m for _, m in pairs))
     w, dry = a.workdir, a.dry_run
     tiny = w / "tiny"
     if not (tiny / TARGET).is_dir() and not dry:
@@ -178,27 +215,29 @@ def main() -> None:
     src, ref = tiny / TARGET, w / "reference.jsonl.gz"
     drafts = {k: tiny / v for k, v in DRAFTS.items()}
     t0 = time.perf_counter()
-    run(record_cmd(src, drafts["eagle3"], ref, a.limit, a.max_tokens), dry)
-    run(serve_cmd(src, drafts["mla"], a.limit, a.max_tokens, w / "source-mla.json"), dry)
+    if not (a.reuse_reference and ref.is_file() and (w / "source-mla.json").is_file()):
+        run(record_cmd(src, drafts["eagle3"], ref, a.limit, a.max_tokens), dry)
+        run(serve_cmd(src, drafts["mla"], a.limit, a.max_tokens, w / "source-mla.json"), dry)
     source = {} if dry else {"accept_mla": _spec(_read(w / "source-mla.json"))}
     rows = []
-    for recipe in recipes:
-        for method in methods:
-            q = w / f"{recipe}-{method}"
-            name = f"{recipe}-{method}"
-            qrun = run(quantize_cmd(src, q, recipe, method), dry)
-            run(serve_cmd(q, drafts["eagle3"], a.limit, a.max_tokens, w / f"{name}.json", ref), dry)
-            run(serve_cmd(q, drafts["mla"], a.limit, a.max_tokens, w / f"{name}-mla.json"), dry)
-            run(serve_cmd(q, None, a.limit, a.max_tokens, w / f"{name}-weight-only.json", ref, weight_only=True), dry)
-            if dry:
-                continue
-            full = _read(w / f"{name}.json")
-            # the EAGLE-3 draft's acceptance on the source, recorded with the reference
-            src_spec = (((full.get("reference") or {}).get("workloads") or {}).get("gsm8k") or {}).get("acceptance")
-            source.setdefault("accept_eagle3", ((src_spec or {}).get("source") or {}).get("mean_acceptance_length"))
-            rows.append({"recipe": recipe, "method": method, "quantize": qrun, "full": comparison(full),
-                         "weight_only": comparison(_read(w / f"{name}-weight-only.json")),
-                         "accept_mla": _spec(_read(w / f"{name}-mla.json"))})
+    for recipe, method in pairs:
+        q = w / f"{recipe}-{method}"
+        name = f"{recipe}-{method}"
+        qrun = run(quantize_cmd(src, q, recipe, method, (a.calibrate_samples, a.calibrate_tokens)), dry)
+        run(serve_cmd(q, drafts["eagle3"], a.limit, a.max_tokens, w / f"{name}.json", ref), dry)
+        run(serve_cmd(q, drafts["mla"], a.limit, a.max_tokens, w / f"{name}-mla.json"), dry)
+        run(serve_cmd(q, None, a.limit, a.max_tokens, w / f"{name}-weight-only.json", ref, weight_only=True), dry)
+        if dry:
+            continue
+        full = _read(w / f"{name}.json")
+        # the EAGLE-3 draft's acceptance on the source, recorded with the reference
+        src_spec = (((full.get("reference") or {}).get("workloads") or {}).get("gsm8k") or {}).get("acceptance")
+        source.setdefault("accept_eagle3", ((src_spec or {}).get("source") or {}).get("mean_acceptance_length"))
+        rows.append({"recipe": recipe, "method": method, "quantize": qrun, "full": comparison(full),
+                     "weight_only": comparison(_read(w / f"{name}-weight-only.json")),
+                     "accept_mla": _spec(_read(w / f"{name}-mla.json")), "calibration": calibration(q)})
+        with open(w / "rows.jsonl", "a") as f:  # each row as soon as it is measured
+            f.write(json.dumps(rows[-1]) + "\n")
     fw = full_width(w, recipes, methods, a.repeat, dry) if a.full_width else {}
     if dry:
         return
@@ -208,14 +247,24 @@ def main() -> None:
                "seconds": time.perf_counter() - t0}
     for line in table(rows, source):
         print(line)
-    for recipe in recipes:  # the new default against round to nearest, per recipe
+    for recipe in recipes:  # every method against round to nearest, per recipe, measured in this run
         by = {r["method"]: r for r in rows if r["recipe"] == recipe}
-        if "rtn" in by and "mse" in by and by["rtn"]["full"]["kld_mean"]:
-            ratio = by["mse"]["full"]["kld_mean"] / by["rtn"]["full"]["kld_mean"]
-            fwr = ((by["mse"].get("full_width") or {}).get("wall_s") or 0) / max(
-                (by["rtn"].get("full_width") or {}).get("wall_s") or 1e-9, 1e-9)
-            summary.setdefault("ratios", {})[recipe] = {"kld_mse_over_rtn": ratio, "full_width_time_mse_over_rtn": fwr}
-            print(f"{recipe}: mean KLD mse / rtn {ratio:.3f}x" + (f", full-width time {fwr:.2f}x" if fw else ""))
+        if "rtn" not in by or not by["rtn"]["full"]["kld_mean"]:
+            continue
+        base = by["rtn"]
+        for m, r in by.items():
+            if m == "rtn" or r["full"]["kld_mean"] is None:
+                continue
+            ratio = r["full"]["kld_mean"] / base["full"]["kld_mean"]
+            entry = {"kld_over_rtn": ratio, "top1": r["full"]["top1"],
+                     "accept_eagle3_vs_rtn": [r["full"]["accept_length"], base["full"]["accept_length"]],
+                     "accept_mla_vs_rtn": [r["accept_mla"], base["accept_mla"]]}
+            line = f"{recipe}: mean KLD {m} / rtn {ratio:.3f}x"
+            if fw and r.get("full_width") and base.get("full_width"):
+                entry["full_width_time_over_rtn"] = r["full_width"]["wall_s"] / max(base["full_width"]["wall_s"], 1e-9)
+                line += f", full-width time {entry['full_width_time_over_rtn']:.2f}x"
+            summary.setdefault("ratios", {}).setdefault(recipe, {})[m] = entry
+            print(line)
     if a.json:
         a.json.write_text(json.dumps(summary, indent=2) + "\n")
 
