@@ -89,6 +89,7 @@ def quantize(
     calibrate: Annotated[str | None, typer.Option(help="A calibrated --method's prompts, run through the source layer by layer: gsm8k (the packaged training split, 5-shot problems with their answers) or FILE.jsonl (one JSON object per line: 'text', 'prompt' (+ 'completion') or 'question' + 'answer').")] = None,
     calibrate_samples: Annotated[int | None, typer.Option(help="--calibrate: sequences (default 16).")] = None,
     calibrate_tokens: Annotated[int | None, typer.Option(help="--calibrate: tokens per sequence at most (default 2048).")] = None,
+    calibrate_min_tokens: Annotated[float | None, typer.Option(help="--calibrate: an MLP is calibrated when at least this many tokens per input channel reach it (default 1.0: fewer leave its inputs' Hessian rank-deficient, and error feedback then moves rounding error into directions calibration never saw); the others keep their data-free values and the report counts them.")] = None,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from OUT.partial, skipping finished shards.")] = False,
     verify: Annotated[bool, typer.Option(help="Measure each quantized tensor's decode against the source and read it back from OUT.")] = True,
     trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
@@ -128,7 +129,7 @@ def quantize(
     from eagle3.quantize import pipeline
 
     progress = not quiet and not json_out and sys.stderr.isatty()
-    calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens)
+    calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens, calibrate_min_tokens)
     measure = _measurement(target, eval_, eval_prompts, eval_tokens, eval_k, eval_fewshot, device, progress)
     _retain_freed_memory()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
@@ -147,13 +148,14 @@ def _echo_err(line: str) -> None:
     typer.echo(line, err=True)
 
 
-def _calibration(source: str | None, samples: int | None, tokens: int | None) -> Any:
+def _calibration(source: str | None, samples: int | None, tokens: int | None, min_tokens: float | None) -> Any:
     """``--calibrate`` and its options (None without it; then its options are refused)."""
     from eagle3.errors import UsageError
     from eagle3.quantize.calibrated import Calibration
 
     if source is None:
-        given = [f for f, v in (("--calibrate-samples", samples), ("--calibrate-tokens", tokens)) if v is not None]
+        given = [f for f, v in (("--calibrate-samples", samples), ("--calibrate-tokens", tokens),
+                                ("--calibrate-min-tokens", min_tokens)) if v is not None]
         if given:
             raise UsageError(f"{', '.join(given)} go with --calibrate gsm8k|FILE.jsonl")
         return None
@@ -161,7 +163,9 @@ def _calibration(source: str | None, samples: int | None, tokens: int | None) ->
         raise UsageError(f"--calibrate-samples {samples}: must be >= 1")
     if tokens is not None and tokens < 2:
         raise UsageError(f"--calibrate-tokens {tokens}: must be >= 2")
-    return Calibration(source, samples, tokens)
+    if min_tokens is not None and not min_tokens >= 0:
+        raise UsageError(f"--calibrate-min-tokens {min_tokens}: must be >= 0")
+    return Calibration(source, samples, tokens, min_tokens)
 
 
 def _measurement(target: Path | None, eval_: bool, prompts: int | None, tokens: int | None, k: int | None,

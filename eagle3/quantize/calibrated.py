@@ -46,9 +46,21 @@ class Calibration:
     source: str  # "gsm8k" (the packaged training split) or a JSONL file
     samples: int | None = None  # None: the calibration package's default (prompts.DEFAULT_SAMPLES)
     max_tokens: int | None = None  # None: prompts.DEFAULT_MAX_TOKENS
+    # An MLP is calibrated when at least this many tokens per input channel reach it (None: the
+    # calibration package's MIN_TOKENS_PER_INPUT, 1.0; fewer leave its Hessian rank-deficient).
+    min_tokens_per_input: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "samples": self.samples, "max_tokens": self.max_tokens}
+        return {"source": self.source, "samples": self.samples, "max_tokens": self.max_tokens,
+                "min_tokens_per_input": self.min_tokens_per_input}
+
+    def config(self, method: str) -> Any:
+        """The calibration package's :class:`~eagle3.quantize.calibrate.CalibConfig` of ``method``."""
+        from eagle3.quantize.calibrate import CalibConfig
+
+        if self.min_tokens_per_input is None:
+            return CalibConfig(method=method)
+        return CalibConfig(method=method, min_tokens_per_input=self.min_tokens_per_input)
 
 
 def check_method(meth: methods.Method, calibration: Calibration | None) -> None:
@@ -75,12 +87,13 @@ def load_set(src_dir: Path, calibration: Calibration) -> CalibrationSet:
     return load_calibration(calibration.source, load_tokenizer(src_dir), samples, tokens)
 
 
-def run_pass(src_dir: Path, rec: Recipe, scope: Scope, method: str, calib: CalibrationSet, state: Path,
-             echo: Callable[[str], None] | None) -> tuple[dict[str, Any], Callable[[str], methods.InputStats]]:
+def run_pass(src_dir: Path, rec: Recipe, scope: Scope, method: str, calibration: Calibration, calib: CalibrationSet,
+             state: Path, echo: Callable[[str], None] | None
+             ) -> tuple[dict[str, Any], Callable[[str], methods.InputStats]]:
     """The calibration pass into ``state``/calibration (reused when a finished one is there: --resume);
     returns its report section and the quantizer's ``input_stats`` reading the store."""
     from eagle3.checkpoint import read_json, write_json
-    from eagle3.quantize.calibrate import CalibConfig, Calibrator, TensorStore
+    from eagle3.quantize.calibrate import Calibrator, TensorStore
 
     root = state / STORE_DIR
     done = state / SUMMARY
@@ -89,7 +102,7 @@ def run_pass(src_dir: Path, rec: Recipe, scope: Scope, method: str, calib: Calib
         (echo or _stderr)(f"calibrate: reusing the finished pass in {root}")
     else:
         store = TensorStore(root)
-        result = Calibrator(src_dir, rec, scope, CalibConfig(method=method), calib, store,
+        result = Calibrator(src_dir, rec, scope, calibration.config(method), calib, store,
                             echo=echo or (lambda _line: None)).run()
         section = summary(result, calib)
         write_json(done, section)

@@ -585,7 +585,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             todo = [j for j in plan.jobs if j.file not in done]
             calib_section = None
             if calib_set is not None and todo:
-                calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calib_set, state, echo)
+                calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calibration, calib_set, state,
+                                                                 echo)
             results = dict(done)
             results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})

@@ -2,7 +2,7 @@
 the streaming calibration pass inside a quantize run, on the trained tiny target (few short prompts).
 
 Checked at the CLI: the output has the tensors (names, dtypes, shapes) and ``quantization_config`` of
-``--method rtn``; the calibrated MLPs' numbers are the calibration pass's (the Python API run
+the data-free methods; the calibrated MLPs' numbers are the calibration pass's (the Python API run
 separately), the MLPs it kept data-free are byte for byte ``--method mse``'s, and the calibrated ones
 lower the output error the pass reports; the report's calibration section adds up; ``--eval`` and
 ``eagle3 verify`` work on it; misuse is one line, exit 2, nothing written."""
@@ -54,14 +54,13 @@ def test_calibrated_w4a8_has_rtn_layout_and_the_pass_numbers(target: Path, tmp_p
     from eagle3.quantize.recipes import load_recipe
     from eagle3.runtime.tokenizer import load_tokenizer
 
-    out, rtn, mse = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "mse"
+    out, mse = tmp_path / "gptq", tmp_path / "mse"
     code, printed, err = _run(["quantize", str(target), str(out), "--recipe", "w4a8", "--method", "gptq", *CALIB,
                                "--eval", *EVAL], capsys)
     assert code == 0, err
     assert "layer 1/4:" in err and "layer 4/4:" in err and " s (attention " in err  # progress + time per layer
     assert "calibration: gptq on " in printed and "fidelity vs" in printed
-    for m, d in (("rtn", rtn), ("mse", mse)):
-        assert _run(["quantize", str(target), str(d), "--recipe", "w4a8", "--method", m, "--quiet"], capsys)[0] == 0
+    assert _run(["quantize", str(target), str(mse), "--recipe", "w4a8", "--method", "mse", "--quiet"], capsys)[0] == 0
 
     rep = json.loads((out / "quantization_report.json").read_text())
     cal = rep["calibration"]
@@ -76,11 +75,12 @@ def test_calibrated_w4a8_has_rtn_layout_and_the_pass_numbers(target: Path, tmp_p
             assert x["rel_output_error"] < x["rel_output_error_data_free"]
     assert rep["method"] == "gptq"
 
-    got, want_rtn, want_mse = _tensors(out), _tensors(rtn), _tensors(mse)
+    # The data-free methods' layout (rtn's and mse's are one: tests/quantize/test_methods.py).
+    got, want_mse = _tensors(out), _tensors(mse)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in got.items()} == {
-        k: (v.dtype, tuple(v.shape)) for k, v in want_rtn.items()}
+        k: (v.dtype, tuple(v.shape)) for k, v in want_mse.items()}
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg == json.loads((rtn / "config.json").read_text())["quantization_config"]
+    assert cfg == json.loads((mse / "config.json").read_text())["quantization_config"]
 
     # The pass run on its own through the Python API: the output holds its tensors for the MLPs it
     # calibrated, and --method mse's bytes for every other quantized weight.
@@ -129,6 +129,8 @@ def test_calibration_misuse_is_one_line_and_writes_nothing(target: Path, tmp_pat
         (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "wiki"], "--calibrate wiki: give gsm8k or"),
         (["--recipe", "w4a8", "--calibrate-samples", "4"], "--calibrate-samples go with --calibrate"),
         (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--calibrate-tokens", "1"], "must be >= 2"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--calibrate-min-tokens", "-1"],
+         "--calibrate-min-tokens -1.0: must be >= 0"),
         (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--engine", "quark"], "--engine quark"),
         (["--recipe", "fp8-draft", "--method", "gptq", "--calibrate", "gsm8k"], "--method gptq: recipe"),
     ]
