@@ -125,7 +125,7 @@ def test_method_resolution_and_errors(tiny_dir: Path, tmp_path: Path, capsys: py
     bad_recipe.write_text("name: r\nmethod: fancy\nweight: {format: int4}\nscope: {include: ['*']}\n")
     src, draft = str(tiny_dir / "kimi-k2.5"), str(tiny_dir / "kimi-k2.5-eagle3")
     cases = [
-        ([src, "--recipe", "w4a8", "--method", "gptq"], "--method 'gptq': choose one of rtn, mse"),
+        ([src, "--recipe", "w4a8", "--method", "gptx"], "--method 'gptx': choose one of rtn, mse, gptq"),
         ([src, "--recipe", "w4a8", "--method", "mse", "--engine", "quark"], "--engine quark computes Quark's round"),
         ([draft, "--recipe", "fp8-draft", "--method", "mse"], "mse does not cover"),
         ([draft, "--recipe", str(bad_recipe)], f"{bad_recipe}: field 'method'"),
