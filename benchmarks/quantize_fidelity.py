@@ -3,7 +3,8 @@ table of methods (round to nearest vs the data-free scale search) per recipe.
 
     .venv/bin/python benchmarks/quantize_fidelity.py --workdir /tmp/qfid [--recipes w4a8,mxfp4]
         [--methods rtn,mse,w4a8:gptq,mxfp4:smooth+gptq] [--calibrate-samples 16] [--calibrate-tokens 2048]
-        [--limit 24] [--max-tokens 96] [--full-width] [--repeat 1] [--reuse-reference]
+        [--weight-only rtn,mse] [--limit 24] [--max-tokens 96] [--full-width] [--repeat 1]
+        [--reuse-reference] [--skip-done]
         [--json fidelity.json] [--dry-run]
 
 ``--methods``: each item a method for every recipe, or ``RECIPE:METHOD`` for one; a calibrated
@@ -25,6 +26,9 @@ written into WORKDIR once), every step a command a user types:
    draft's accept length) and ``serve Q --activation-quant none --validate gsm8k --reference REF
    --no-baseline`` (the same comparison with activations unquantized: the weights' share).
 
+``--weight-only`` limits the weight-only serve to some methods (default: every one). ``--skip-done``
+keeps the outputs and reports an interrupted run already wrote (its quantize time from the
+``NAME.quantize.json`` written beside them).
 ``--reuse-reference`` keeps a recording (and the MLA draft's source run) already in WORKDIR from an
 earlier run with the same --limit / --max-tokens (the source's greedy continuations are the same).
 ``--full-width`` adds the quantize time and peak RSS per recipe and data-free method on the Kimi-shaped
@@ -92,13 +96,11 @@ def quantize_cmd(src: Path, out: Path, recipe: str, method: str, calib: tuple[in
 
 
 def plan(recipes: list[str], items: list[str]) -> list[tuple[str, str]]:
-    """(recipe, method) pairs in order: ``METHOD`` for every recipe, ``RECIPE:METHOD`` for one."""
+    """(recipe, method) pairs in the items' order: ``METHOD`` for every recipe, ``RECIPE:METHOD`` for one."""
     out = []
-    for recipe in recipes:
-        for item in items:
-            r, _, m = item.rpartition(":")
-            if r in ("", recipe):
-                out.append((recipe, m))
+    for item in items:
+        r, _, m = item.rpartition(":")
+        out.extend((recipe, m) for recipe in recipes if r in ("", recipe))
     return out
 
 
@@ -195,6 +197,8 @@ def main() -> None:
     ap.add_argument("--calibrate-samples", type=int, default=16)
     ap.add_argument("--calibrate-tokens", type=int, default=2048)
     ap.add_argument("--reuse-reference", action="store_true", help="keep WORKDIR's recording from an earlier run")
+    ap.add_argument("--skip-done", action="store_true", help="keep the outputs and reports already in WORKDIR")
+    ap.add_argument("--weight-only", default=None, help="methods that get the weight-only serve (default: all)")
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--full-width", action="store_true", help="also time each method on the full-width checkpoint")
@@ -223,10 +227,23 @@ def main() -> None:
     for recipe, method in pairs:
         q = w / f"{recipe}-{method}"
         name = f"{recipe}-{method}"
-        qrun = run(quantize_cmd(src, q, recipe, method, (a.calibrate_samples, a.calibrate_tokens)), dry)
-        run(serve_cmd(q, drafts["eagle3"], a.limit, a.max_tokens, w / f"{name}.json", ref), dry)
-        run(serve_cmd(q, drafts["mla"], a.limit, a.max_tokens, w / f"{name}-mla.json"), dry)
-        run(serve_cmd(q, None, a.limit, a.max_tokens, w / f"{name}-weight-only.json", ref, weight_only=True), dry)
+        qjson = w / f"{name}.quantize.json"
+        if a.skip_done and qjson.is_file() and (q / "quantization_report.json").is_file():
+            qrun = _read(qjson)
+        else:
+            qrun = run(quantize_cmd(src, q, recipe, method, (a.calibrate_samples, a.calibrate_tokens)), dry)
+            if not dry:
+                qjson.write_text(json.dumps(qrun) + "\n")
+        wo = a.weight_only is None or method in a.weight_only.split(",")
+        for rep, cmd in ((w / f"{name}.json", serve_cmd(q, drafts["eagle3"], a.limit, a.max_tokens, w / f"{name}.json",
+                                                         ref)),
+                         (w / f"{name}-mla.json", serve_cmd(q, drafts["mla"], a.limit, a.max_tokens,
+                                                             w / f"{name}-mla.json")),
+                         (w / f"{name}-weight-only.json", serve_cmd(q, None, a.limit, a.max_tokens,
+                                                                    w / f"{name}-weight-only.json", ref,
+                                                                    weight_only=True) if wo else None)):
+            if cmd is not None and not (a.skip_done and rep.is_file()):
+                run(cmd, dry)
         if dry:
             continue
         full = _read(w / f"{name}.json")
@@ -234,7 +251,7 @@ def main() -> None:
         src_spec = (((full.get("reference") or {}).get("workloads") or {}).get("gsm8k") or {}).get("acceptance")
         source.setdefault("accept_eagle3", ((src_spec or {}).get("source") or {}).get("mean_acceptance_length"))
         rows.append({"recipe": recipe, "method": method, "quantize": qrun, "full": comparison(full),
-                     "weight_only": comparison(_read(w / f"{name}-weight-only.json")),
+                     "weight_only": comparison(_read(w / f"{name}-weight-only.json") if wo else {}),
                      "accept_mla": _spec(_read(w / f"{name}-mla.json")), "calibration": calibration(q)})
         with open(w / "rows.jsonl", "a") as f:  # each row as soon as it is measured
             f.write(json.dumps(rows[-1]) + "\n")

@@ -30,7 +30,7 @@ def test_commands_are_the_cli_a_user_types(bench, tmp_path: Path) -> None:  # ty
         "eagle3 quantize src q --recipe mxfp4 --method smooth+gptq --calibrate gsm8k --calibrate-samples 4 "
         "--calibrate-tokens 512 --overwrite --quiet --json")
     assert bench.plan(["w4a8", "mxfp4"], ["rtn", "w4a8:mse", "w4a8:gptq", "mxfp4:smooth+gptq"]) == [
-        ("w4a8", "rtn"), ("w4a8", "mse"), ("w4a8", "gptq"), ("mxfp4", "rtn"), ("mxfp4", "smooth+gptq")]
+        ("w4a8", "rtn"), ("mxfp4", "rtn"), ("w4a8", "mse"), ("w4a8", "gptq"), ("mxfp4", "smooth+gptq")]
     assert bench.shown(bench.serve_cmd(Path("q"), None, 24, 96, rep, ref, weight_only=True)) == (
         f"eagle3 serve q --activation-quant none --validate gsm8k --limit 24 --max-tokens 96 --report {rep} "
         f"--overwrite --reference {ref} --no-baseline")
