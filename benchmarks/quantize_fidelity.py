@@ -164,9 +164,10 @@ def table(rows: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
     return out
 
 
-def full_width(workdir: Path, recipes: list[str], methods: list[str], repeat: int, dry: bool) -> dict[str, Any]:
-    methods = [m for m in methods if m not in CALIBRATED]
-    """Quantize time and peak RSS of each recipe and method on benchmarks/quantize.py's checkpoint."""
+def full_width(workdir: Path, pairs: list[tuple[str, str]], repeat: int, dry: bool) -> dict[str, Any]:
+    """Quantize time and peak RSS of each recipe and data-free method on benchmarks/quantize.py's
+    checkpoint (a calibrated method's cost at full width: benchmarks/calibrated_memory.py)."""
+    pairs = [(r, m) for r, m in pairs if m not in CALIBRATED]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import quantize as qbench
 
@@ -176,16 +177,15 @@ def full_width(workdir: Path, recipes: list[str], methods: list[str], repeat: in
         qbench.make_checkpoint(src, 32, 32768)
     out: dict[str, Any] = {}
     for _ in range(repeat):  # rounds alternate the methods: a slow spell hits them alike
-        for recipe in recipes:
-            for method in methods:
-                r = run(quantize_cmd(src, workdir / "fw-out", recipe, method), dry)
-                key = f"{recipe}:{method}"
-                prev = out.get(key)
-                walls = [*(prev or {}).get("walls_s", []), r["wall_s"]]
-                if prev is None or r["wall_s"] < prev["wall_s"]:
-                    out[key] = r
-                out[key]["walls_s"] = walls
-                out[key]["peak_rss_bytes"] = max(r["peak_rss_bytes"], (prev or {}).get("peak_rss_bytes", 0))
+        for recipe, method in pairs:
+            r = run(quantize_cmd(src, workdir / "fw-out", recipe, method), dry)
+            key = f"{recipe}:{method}"
+            prev = out.get(key)
+            walls = [*(prev or {}).get("walls_s", []), r["wall_s"]]
+            if prev is None or r["wall_s"] < prev["wall_s"]:
+                out[key] = r
+            out[key]["walls_s"] = walls
+            out[key]["peak_rss_bytes"] = max(r["peak_rss_bytes"], (prev or {}).get("peak_rss_bytes", 0))
     return out
 
 
@@ -208,7 +208,6 @@ def main() -> None:
     a = ap.parse_args()
     recipes = a.recipes.split(",")
     pairs = plan(recipes, a.methods.split(","))
-    methods = list(dict.fromkeys(m for _, m in pairs))
     w, dry = a.workdir, a.dry_run
     tiny = w / "tiny"
     if not (tiny / TARGET).is_dir() and not dry:
@@ -255,7 +254,7 @@ def main() -> None:
                      "accept_mla": _spec(_read(w / f"{name}-mla.json")), "calibration": calibration(q)})
         with open(w / "rows.jsonl", "a") as f:  # each row as soon as it is measured
             f.write(json.dumps(rows[-1]) + "\n")
-    fw = full_width(w, recipes, methods, a.repeat, dry) if a.full_width else {}
+    fw = full_width(w, pairs, a.repeat, dry) if a.full_width else {}
     if dry:
         return
     for r in rows:
