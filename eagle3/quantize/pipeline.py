@@ -584,7 +584,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             write_json(state / "state.json", fp)
             todo = [j for j in plan.jobs if j.file not in done]
             calib_section = None
-            if calib_set is not None and todo:
+            if calib_set is not None and (todo or (state / calibrated.SUMMARY).is_file()):  # resumed: its summary
                 calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calibration, calib_set, state,
                                                                  echo)
             results = dict(done)
