@@ -117,7 +117,9 @@ def summary(result: Any, calib: CalibrationSet) -> dict[str, Any]:
     """The report's ``calibration`` section: totals first, then one entry per decoder layer."""
     layers = [{"layer": r.layer, "mlps": r.mlps, "calibrated": r.calibrated, "kept_data_free": r.fallback,
                "smoothed": r.smoothed, "fewest_tokens": r.tokens_min, "rel_output_error_data_free": _num(r.err_rtn),
-               "rel_output_error": _num(r.err), "seconds": round(r.seconds, 3), "cpu_seconds": round(r.cpu_seconds, 3),
+               "rel_output_error": _num(r.err), "seconds": round(r.seconds, 3),
+               "attention_seconds": round(r.attention_seconds, 3), "solve_seconds": round(r.solve_seconds, 3),
+               "cpu_seconds": round(r.cpu_seconds, 3),
                "peak_rss_mb": round(r.peak_rss_mb, 1), "expert_tokens": r.expert_tokens}
               for r in result.layers]
     return {"method": result.method, "source": calib.source, "sequences": result.sequences, "tokens": result.tokens,
