@@ -131,7 +131,8 @@ def quantize(
     progress = not quiet and not json_out and sys.stderr.isatty()
     calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens, calibrate_min_tokens)
     measure = _measurement(target, eval_, eval_prompts, eval_tokens, eval_k, eval_fewshot, device, progress)
-    _retain_freed_memory()
+    if calibration is None:  # a calibrated run's time is the solver's; its peak memory should not wander
+        _retain_freed_memory()  # with what the heap keeps (up to the 1 GiB trim threshold)
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty(),
