@@ -145,6 +145,9 @@ def table(rows: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{100 * v:.1f} %"
+
     out = [f"source (bf16 + INT4 experts): accept length EAGLE-3 {f(source.get('accept_eagle3'), '.2f')}, "
            f"EAGLE-3.1 MLA {f(source.get('accept_mla'), '.2f')}",
            "| recipe | method | mean KLD | p99 KLD | top-1 | identical | first div. | weight-only KLD | weight-only "
@@ -154,9 +157,9 @@ def table(rows: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
         full, wo = r["full"], r["weight_only"]
         fw = r.get("full_width") or {}
         out.append(f"| {r['recipe']} | {r['method']} | {f(full['kld_mean'], '.5f')} | {f(full['kld_p99'], '.4f')} | "
-                   f"{f(100 * full['top1'] if full['top1'] is not None else None, '.1f')} % | "
+                   f"{pct(full['top1'])} | "
                    f"{full['identical']}/{full['sequences']} | {f(full['mean_first_divergence'], '.1f')} | "
-                   f"{f(wo['kld_mean'], '.5f')} | {f(100 * wo['top1'] if wo['top1'] is not None else None, '.1f')} % | "
+                   f"{f(wo['kld_mean'], '.5f')} | {pct(wo['top1'])} | "
                    f"{f(full['accept_length'], '.2f')} | {f(r['accept_mla'], '.2f')} | "
                    f"{f(r['quantize']['wall_s'], '.1f')} | {f(r['quantize']['peak_rss_bytes'] / 2**20, '.0f')} | "
                    f"{f(fw.get('wall_s'), '.1f')} | "
