@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -84,7 +84,12 @@ def quantize(
     recipe: Annotated[str, typer.Option(help="w4a8|w4a8-int8|mxfp4|int4-draft|fp8-draft, or a recipe YAML file.")],
     scope: Annotated[str | None, typer.Option(help="A scope of the recipe, e.g. mxfp4: experts|experts+shared+dense.")] = None,
     workers: Annotated[int, typer.Option(help="Worker threads (0 = one per CPU core, as memory allows).")] = 0,
-    engine: Annotated[str, typer.Option(help="native (eagle3 codecs) | quark (AMD Quark's primitives, same bits).")] = "native",
+    engine: Annotated[str, typer.Option(help="native (eagle3 codecs) | quark (AMD Quark's primitives: Quark's round to nearest, the bits of --method rtn).")] = "native",
+    method: Annotated[str | None, typer.Option(help="How the numbers are chosen within the recipe's format: rtn (Quark's round to nearest, max-based scales) | mse (data-free scale search against the source; w4a8's default) | calibrated, with --calibrate (w4a8 / mxfp4 MLP weights): gptq | gptaq | smooth | smooth+gptq | smooth+gptaq. Default: the recipe's.")] = None,
+    calibrate: Annotated[str | None, typer.Option(help="A calibrated --method's prompts, run through the source layer by layer: gsm8k (the packaged training split, 5-shot problems with their answers) or FILE.jsonl (one JSON object per line: 'text', 'prompt' (+ 'completion') or 'question' + 'answer').")] = None,
+    calibrate_samples: Annotated[int | None, typer.Option(help="--calibrate: sequences (default 16).")] = None,
+    calibrate_tokens: Annotated[int | None, typer.Option(help="--calibrate: tokens per sequence at most (default 2048).")] = None,
+    calibrate_min_tokens: Annotated[float | None, typer.Option(help="--calibrate: an MLP is calibrated when at least this many tokens per input channel reach it (default 1.0: fewer leave its inputs' Hessian rank-deficient, and error feedback then moves rounding error into directions calibration never saw); the others keep their data-free values and the report counts them.")] = None,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run from OUT.partial, skipping finished shards.")] = False,
     verify: Annotated[bool, typer.Option(help="Measure each quantized tensor's decode against the source and read it back from OUT.")] = True,
     trust_remote_code: Annotated[bool, typer.Option(help="Also carry *.py remote-code files over.")] = False,
@@ -93,11 +98,12 @@ def quantize(
     any_architecture: Annotated[bool, typer.Option(help="Quantize a model whose architecture eagle3 does not know, file to file, without its model checks.")] = False,
     quark_zero_points: Annotated[bool, typer.Option(help="Also write the all-zero INT4 zero points (weight_zero_point[_2]) that Quark's own importer needs; vLLM's DeepSeek/Kimi loader refuses them.")] = False,
     target: Annotated[Path | None, typer.Option(help="Draft only: measure its acceptance with this target before and after quantization (held-out GSM8K 5-shot prompts) into the report.")] = None,
-    eval_prompts: Annotated[int, typer.Option(help="--target: held-out prompts.")] = 24,
-    eval_tokens: Annotated[int, typer.Option(help="--target: new tokens per prompt.")] = 96,
-    eval_k: Annotated[int, typer.Option(help="--target: speculative tokens per step.")] = 3,
-    eval_fewshot: Annotated[int, typer.Option(help="--target: GSM8K exemplars per prompt (serve --validate gsm8k sends 5).")] = 5,
-    device: Annotated[str, typer.Option(help="--target: where the runtime serves the pair (cpu, cuda, ...).")] = "cpu",
+    eval_: Annotated[bool, typer.Option("--eval", help="Target only: compare OUT with SRC before publishing it (the two passes of serve --validate gsm8k --reference, held-out GSM8K prompts, one model loaded at a time): mean / p99 KLD, top-1 agreement and first divergence into the report.")] = False,
+    eval_prompts: Annotated[int | None, typer.Option(help="--target / --eval: held-out prompts (default 24 with --target, 8 with --eval).")] = None,
+    eval_tokens: Annotated[int | None, typer.Option(help="--target / --eval: new tokens per prompt (default 96 with --target, 64 with --eval).")] = None,
+    eval_k: Annotated[int | None, typer.Option(help="--target: speculative tokens per step (default 3).")] = None,
+    eval_fewshot: Annotated[int | None, typer.Option(help="--target / --eval: GSM8K exemplars per prompt (default 5, as serve --validate gsm8k).")] = None,
+    device: Annotated[str | None, typer.Option(help="--target / --eval: where the runtime serves the models (cpu, cuda, ...; default cpu).")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
 ) -> None:
@@ -105,41 +111,100 @@ def quantize(
 
     Examples: eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-W4A8 --recipe w4a8
 
+    eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-W4A8-rtn --recipe w4a8 --method rtn
+
     eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-MXFP4 --recipe mxfp4 --scope experts --workers 4
 
     eagle3 quantize ./kimi-k2.5-eagle3 ./draft-int4 --recipe int4-draft --target ./Kimi-K2.5-MXFP4
 
+    eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-W4A8 --recipe w4a8 --eval --eval-prompts 24 --eval-tokens 96
+
+    eagle3 quantize ./Kimi-K2.5 ./Kimi-K2.5-MXFP4-gptq --recipe mxfp4 --calibrate gsm8k --method smooth+gptq
+
     Writes OUT/quantization_report.json (+ .png): per-tensor error of the decoded output vs the source;
-    with --target also the draft's held-out acceptance beside that target before and after.
+    with --target also the draft's held-out acceptance beside that target before and after; with --eval
+    the output's KLD, top-1 agreement and first divergence against the source; with --calibrate the
+    calibration pass per layer (MLPs calibrated / kept data-free, tokens, output error, time, peak RSS).
     """
     from eagle3.quantize import pipeline
-    from eagle3.quantize.acceptance import AcceptanceCheck
 
-    measure = None
-    if target is None:
-        d = AcceptanceCheck(Path())  # its defaults are the options'
-        given = [flag for flag, v, default in (("--eval-prompts", eval_prompts, d.prompts),
-                                               ("--eval-tokens", eval_tokens, d.tokens), ("--eval-k", eval_k, d.k),
-                                               ("--eval-fewshot", eval_fewshot, d.fewshot),
-                                               ("--device", device, d.device)) if v != default]
-        if given:
-            from eagle3.errors import UsageError
-
-            raise UsageError(f"{', '.join(given)} go with --target (the draft's acceptance beside it)")
-    else:
-        measure = AcceptanceCheck(target, eval_prompts, eval_tokens, eval_k, eval_fewshot, device=device,
-                                  progress=not quiet and not json_out and sys.stderr.isatty())
-        measure.check()
-    _retain_freed_memory()
+    progress = not quiet and not json_out and sys.stderr.isatty()
+    calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens, calibrate_min_tokens)
+    measure = _measurement(target, eval_, eval_prompts, eval_tokens, eval_k, eval_fewshot, device, progress)
+    if calibration is None:  # a calibrated run's time is the solver's; its peak memory should not wander
+        _retain_freed_memory()  # with what the heap keeps (up to the 1 GiB trim threshold)
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty(),
                                allow_nonfinite=allow_nonfinite, any_architecture=any_architecture,
-                               quark_zero_points=quark_zero_points, measure=measure)
+                               quark_zero_points=quark_zero_points, measure=measure, method=method,
+                               calibration=calibration, echo=None if quiet else _echo_err)
     if json_out:
         print_json(result.to_json())
     else:
         pipeline.print_summary(result)
+
+
+def _echo_err(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _calibration(source: str | None, samples: int | None, tokens: int | None, min_tokens: float | None) -> Any:
+    """``--calibrate`` and its options (None without it; then its options are refused)."""
+    from eagle3.errors import UsageError
+    from eagle3.quantize.calibrated import Calibration
+
+    if source is None:
+        given = [f for f, v in (("--calibrate-samples", samples), ("--calibrate-tokens", tokens),
+                                ("--calibrate-min-tokens", min_tokens)) if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} go with --calibrate gsm8k|FILE.jsonl")
+        return None
+    if samples is not None and samples < 1:
+        raise UsageError(f"--calibrate-samples {samples}: must be >= 1")
+    if tokens is not None and tokens < 2:
+        raise UsageError(f"--calibrate-tokens {tokens}: must be >= 2")
+    if min_tokens is not None and not min_tokens >= 0:
+        raise UsageError(f"--calibrate-min-tokens {min_tokens}: must be >= 0")
+    return Calibration(source, samples, tokens, min_tokens)
+
+
+def _measurement(target: Path | None, eval_: bool, prompts: int | None, tokens: int | None, k: int | None,
+                 fewshot: int | None, device: str | None, progress: bool) -> Any:
+    """``--target`` (a draft's acceptance beside it) or ``--eval`` (a target against its source), checked
+    before anything is quantized; None without either (and then none of their options may be given)."""
+    from eagle3.errors import UsageError
+
+    options = (("--eval-prompts", prompts), ("--eval-tokens", tokens), ("--eval-k", k), ("--eval-fewshot", fewshot),
+               ("--device", device))
+    if target is not None and eval_:
+        raise UsageError("--target (a draft's acceptance beside a target) and --eval (a target against its source) "
+                         "measure different sources: give one")
+    if target is None and not eval_:
+        given = [flag for flag, v in options if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} go with --target (a draft's acceptance) or --eval (a target "
+                             f"against its source)")
+        return None
+    if eval_:
+        if k is not None:
+            raise UsageError("--eval-k goes with --target (the speculative tokens of a draft's acceptance run)")
+        from eagle3.quantize.fidelity import DEFAULT_PROMPTS, DEFAULT_TOKENS, FidelityCheck
+
+        echo = (lambda line: typer.echo(line, err=True)) if progress else None
+        m: Any = FidelityCheck(DEFAULT_PROMPTS if prompts is None else prompts,
+                               DEFAULT_TOKENS if tokens is None else tokens, 5 if fewshot is None else fewshot,
+                               device=device or "cpu", echo=echo)
+    else:
+        from eagle3.quantize.acceptance import AcceptanceCheck
+
+        assert target is not None
+        d = AcceptanceCheck(target)
+        m = AcceptanceCheck(target, d.prompts if prompts is None else prompts, d.tokens if tokens is None else tokens,
+                            d.k if k is None else k, d.fewshot if fewshot is None else fewshot,
+                            device=device or d.device, progress=progress)
+    m.check()
+    return m
 
 
 def _shard_bytes(text: str | None) -> int:

@@ -670,9 +670,14 @@ def _mxfp4_exponent_of_abs_bits(bits: torch.Tensor) -> torch.Tensor:
     return (field + 1).bitwise_right_shift_(8).add_(field).sub_(129).clamp_(-127, 127)
 
 
-def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_quantize(w: torch.Tensor, group_size: int = 32,
+                   exponents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MXFP4 along the last dim as Quark ``OCP_MXFP4Spec`` (``PerBlockMXObserver``, "even"
     scales): returns (uint8 packed [..., K/2], uint8 E8M0 scales [..., K/32]).
+
+    ``exponents`` (int32 [..., K/32], unbiased, in [-126, 127]): each block's scale exponent chosen by
+    the caller (a scale search) instead of the ``even`` rule; the elements are rounded exactly as
+    for the rule's exponents.
 
     Quark works in fp32 whatever the weight dtype (bf16 -> fp32 is exact). To reproduce AMD's
     Kimi MXFP4 artifact from the Moonshot INT4 source, pass its fp32 dequant. ``w`` is not modified.
@@ -687,13 +692,18 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
         raise ShapeError(f"input dim {k} is not divisible by the MXFP4 group size {group_size}")
     lead = w.shape[:-1]
     x = w.float().contiguous().reshape(*lead, k // group_size, group_size)
+    given = None
+    if exponents is not None:
+        if tuple(exponents.shape) != (*lead, k // group_size):
+            raise ShapeError(f"MXFP4 exponents {list(exponents.shape)} do not match weight {list(w.shape)}")
+        given = exponents.to(torch.int32).clamp(-126, 127).reshape(*lead, k // group_size, 1)
     if sys.byteorder != "little":
-        e = mxfp4_scale_even(x.abs().amax(-1, keepdim=True))
+        e = mxfp4_scale_even(x.abs().amax(-1, keepdim=True)) if given is None else given.clone()
         codes = _fp4_encode_owned(x / torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)).reshape(w.shape)
         return fp4_pack(codes), (e.clamp(min=-126) + 127).to(torch.uint8).reshape(*lead, -1)
     # |x| as int32 bits: for non-negative floats the integer order is the float order.
     buf = torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF)
-    e = _mxfp4_exponent_of_abs_bits(buf.amax(-1, keepdim=True))
+    e = _mxfp4_exponent_of_abs_bits(buf.amax(-1, keepdim=True)) if given is None else given.clone()
     # 2**-e exactly: bits (127 - e) << 23, except e = 127 whose reciprocal 2**-127 is the
     # subnormal 0x00400000 (e = 127 is the only value with (e + 129) >> 8 == 1).
     inv = (127 - e).bitwise_left_shift_(23).bitwise_or_((e + 129).bitwise_right_shift_(8).bitwise_left_shift_(22))
@@ -710,6 +720,16 @@ def mxfp4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor,
     packed = codes.view(torch.int16).bitwise_right_shift_(4).to(torch.uint8)
     # Stored byte = to_e8m0_uint8(scale): exact for powers of two, except 2**-127 -> byte 1.
     return packed.reshape(*lead, k // 2), (e.clamp_(min=-126) + 127).to(torch.uint8).reshape(*lead, -1)
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` (already divided by its block scale) -> the E2M1 value it encodes to, as fp32: the
+    rounding of :func:`fp4_encode` (saturate at +-6, half to even on the grid), computed in the float
+    domain without codes (a scale search compares the errors of candidate scales with it)."""
+    a = y.float().abs().clamp_(max=6.0)
+    e = (a.view(torch.int32) >> 23).sub_(127).clamp_(0, 2)  # grid step 2**(e-1) on [2**e, 2**(e+1))
+    step = torch.bitwise_left_shift(e.add_(126), 23).view(torch.float32)  # 2**(e-1)
+    return a.div_(step).round_().mul_(step).copysign_(y)
 
 
 def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -30,6 +30,12 @@ class AcceptanceCheck:
     device: str = "cpu"
     progress: bool = False
 
+    section = "acceptance"  # the report key
+    role = "draft"  # what SRC must be
+
+    def wrong_role(self, src: Path) -> str:
+        return f"--target: {src} is not an EAGLE draft (acceptance is measured for drafts; a target: --eval)"
+
     def check(self) -> None:
         """Before anything is quantized: the target is a model eagle3 loads, the numbers are sane."""
         from eagle3.formats.check import require_valid

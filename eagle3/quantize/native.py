@@ -1,5 +1,6 @@
-"""The native engine: eagle3's vectorised torch codecs (:mod:`eagle3.formats.codecs`), which
-reproduce Quark 0.13's numerics bit for bit, applied a chunk of output rows at a time.
+"""The native engine: eagle3's vectorised torch codecs (:mod:`eagle3.formats.codecs`), applied a
+chunk of output rows at a time, with the numbers a :mod:`method <eagle3.quantize.methods>` chooses:
+``rtn`` reproduces Quark 0.13's numerics bit for bit, ``mse`` searches the scales (same tensors).
 
 Why chunks: a torch element-wise op over a whole 2048x7168 weight streams ~60 MB through memory
 and allocates fresh pages for every temporary; over ~128K-element row chunks the same ops run in
@@ -17,8 +18,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from eagle3.errors import ShapeError
+from eagle3.errors import Eagle3Error, ShapeError
 from eagle3.formats import codecs, keys
+from eagle3.quantize.methods import NO_STATS, RTN, InputStats, Method, RowsContext
 from eagle3.quantize.recipes import WeightSpec
 from eagle3.quantize.sources import RowSource
 
@@ -65,76 +67,40 @@ Observer = Callable[[int, int, dict[str, torch.Tensor], torch.Tensor], None]
 
 
 class NativeEngine:
-    """Quantize a weight into Quark's export tensors with eagle3's codecs."""
+    """Quantize a weight into Quark's export tensors with eagle3's codecs, its numbers chosen by a
+    :mod:`method <eagle3.quantize.methods>` (round to nearest by default: Quark's bits)."""
 
     name = "native"
 
     def quantize(self, src: RowSource, spec: WeightSpec, zero_point: bool = False,
-                 observe: Observer | None = None) -> dict[str, torch.Tensor]:
+                 observe: Observer | None = None, method: Method = RTN,
+                 inputs: InputStats = NO_STATS) -> dict[str, torch.Tensor]:
         """-> {parameter suffix: tensor}, e.g. {"weight": int32, "weight_scale": f32, ...}.
 
         ``observe(r0, r1, out, rows)`` is called after each row chunk is quantized, with the
         output tensors (rows r0:r1 already filled) and the source rows they came from: the
-        verification pass measures the error there, while the source chunk is still at hand."""
+        verification pass measures the error there, while the source chunk is still at hand.
+        ``inputs``: what is known about the weight's inputs, for the methods that use it."""
         n, k = src.shape
-        f32 = torch.float32
         rows = chunk_rows(n, k, src.row_align)
-        out: dict[str, torch.Tensor] = {}
         s1: torch.Tensor | None = None
         if spec.format == "fp8_int4" or (spec.format == "fp8" and spec.qscheme == "per_tensor"):
             # The FP8 stage's per-tensor scale needs the whole weight's amax: one pass for it, then
             # row chunks with that scale (stage 2 of W4A8 is per row).
-            s1 = codecs.fp8_per_tensor_scale(_amax(src, rows), f32)
-        if spec.format == "fp8" and s1 is not None:
-            w = out[keys.WEIGHT] = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-            out[keys.SCALE] = s1
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                w[r0:r1] = codecs.fp8_per_tensor_quantize(x, f32, s1)[0]
-        elif spec.format == "fp8_int4":
-            assert s1 is not None
-            w = out[keys.WEIGHT] = torch.empty(n, (k + 7) // 8, dtype=torch.int32)
-            out[keys.SCALE] = s1
-            s2 = out[keys.SCALE_2] = torch.empty(n, dtype=f32)
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                w[r0:r1], _, s2[r0:r1] = codecs.w4a8_quantize(x, True, f32, s1)
-        elif spec.format == "mxfp4":
-            w = out[keys.WEIGHT] = torch.empty(n, k // 2, dtype=torch.uint8)
-            s = out[keys.SCALE] = torch.empty(n, k // 32, dtype=torch.uint8)
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                w[r0:r1], s[r0:r1] = codecs.mxfp4_quantize(x)
-        elif spec.format == "fp8":
-            w = out[keys.WEIGHT] = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-            s = out[keys.SCALE] = torch.empty(n, dtype=f32)
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                w[r0:r1], s[r0:r1] = codecs.fp8_per_channel_quantize(x, f32)
-        elif spec.format == "int4" and spec.qscheme == "per_channel":
-            w = out[keys.WEIGHT] = torch.empty(n, (k + 7) // 8, dtype=torch.int32)
-            s = out[keys.SCALE] = torch.empty(n, dtype=f32)
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                w[r0:r1], s[r0:r1] = codecs.quark_int4_per_channel_quantize(x, True, f32)
-        elif spec.format == "int4" and spec.qscheme == "per_group":
-            g = int(spec.group_size or 0)
-            # Export layout is transposed: weight [K, N/8], scale [K/g, N]; row chunks of W are
-            # column chunks of both (chunk rows are multiples of 8, so words never straddle chunks).
-            w = out[keys.WEIGHT] = torch.empty(k, (n + 7) // 8, dtype=torch.int32)
-            s = out[keys.SCALE] = torch.empty(k // g, n, dtype=f32)
-
-            def step(x: torch.Tensor, r0: int, r1: int) -> None:
-                pw, ps = codecs.quark_int4_per_group_quantize(x, g, True, f32)
-                w[:, r0 // 8: r0 // 8 + pw.shape[1]] = pw
-                s[:, r0:r1] = ps
-        else:
-            raise ValueError(f"unsupported weight spec {spec}")
-        for r0, r1 in _chunks(n, rows):
-            x = src.rows(r0, r1)
-            step(x, r0, r1)
+            s1 = codecs.fp8_per_tensor_scale(_amax(src, rows), torch.float32)
+        ctx = RowsContext(spec, (n, k), s1, inputs)
+        out = _allocate(spec, n, k, s1)
+        if inputs.solved is not None:  # a calibrated method's numbers, solved before this pass
+            out = _solved(out, inputs.solved, inputs.source)
             if observe is not None:
-                observe(r0, r1, out, x)
+                for r0, r1 in _chunks(n, rows):
+                    observe(r0, r1, out, src.rows(r0, r1))
+        else:
+            for r0, r1 in _chunks(n, rows):
+                x = src.rows(r0, r1)
+                _place(out, method.rows(x, ctx), spec, r0, r1)
+                if observe is not None:
+                    observe(r0, r1, out, x)
         if zero_point and spec.format == "fp8_int4":
             # Two-stage W4A8: the INT4 stage's zeros; Quark's importer wants them as
             # weight_zero_point_2 (its weight_quantizer.1.zero_point), the FP8 stage has none.
@@ -142,6 +108,56 @@ class NativeEngine:
         elif zero_point:
             out[keys.ZERO_POINT] = codecs.quark_int4_zero_point_like(out[keys.SCALE])
         return out
+
+
+def _allocate(spec: WeightSpec, n: int, k: int, s1: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The export tensors of a whole [n, k] weight, to be filled a row chunk at a time."""
+    f32 = torch.float32
+    if spec.format == "fp8" and s1 is not None:
+        return {keys.WEIGHT: torch.empty(n, k, dtype=torch.float8_e4m3fn), keys.SCALE: s1}
+    if spec.format == "fp8_int4":
+        assert s1 is not None
+        return {keys.WEIGHT: torch.empty(n, (k + 7) // 8, dtype=torch.int32), keys.SCALE: s1,
+                keys.SCALE_2: torch.empty(n, dtype=f32)}
+    if spec.format == "mxfp4":
+        return {keys.WEIGHT: torch.empty(n, k // 2, dtype=torch.uint8),
+                keys.SCALE: torch.empty(n, k // 32, dtype=torch.uint8)}
+    if spec.format == "fp8":
+        return {keys.WEIGHT: torch.empty(n, k, dtype=torch.float8_e4m3fn), keys.SCALE: torch.empty(n, dtype=f32)}
+    if spec.format == "int4" and spec.qscheme == "per_channel":
+        return {keys.WEIGHT: torch.empty(n, (k + 7) // 8, dtype=torch.int32), keys.SCALE: torch.empty(n, dtype=f32)}
+    if spec.format == "int4" and spec.qscheme == "per_group":
+        # Export layout is transposed: weight [K, N/8], scale [K/g, N]; row chunks of W are
+        # column chunks of both (chunk rows are multiples of 8, so words never straddle chunks).
+        g = int(spec.group_size or 0)
+        return {keys.WEIGHT: torch.empty(k, (n + 7) // 8, dtype=torch.int32),
+                keys.SCALE: torch.empty(k // g, n, dtype=f32)}
+    raise ValueError(f"unsupported weight spec {spec}")
+
+
+def _solved(out: dict[str, torch.Tensor], solved: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The solved export tensors in place of the allocated ones, when they are exactly those: same
+    names, dtypes and shapes (values may differ anywhere, the per-tensor FP8-stage scale included:
+    smoothing rescales a weight's rows or columns before its grid is chosen)."""
+    if set(solved) != set(out):
+        raise Eagle3Error(f"{name}: calibrated tensors {sorted(solved)}, expected {sorted(out)}")
+    for key, want in out.items():
+        got = solved[key]
+        if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            raise Eagle3Error(f"{name}.{key}: calibrated as {got.dtype}{list(got.shape)}, the format writes "
+                              f"{want.dtype}{list(want.shape)}")
+    return {key: solved[key].contiguous() for key in out}
+
+
+def _place(out: dict[str, torch.Tensor], part: dict[str, torch.Tensor], spec: WeightSpec, r0: int, r1: int) -> None:
+    """Rows r0:r1 of each export tensor (per-group INT4: its columns, the layout is transposed)."""
+    if spec.format == "int4" and spec.qscheme == "per_group":
+        pw = part[keys.WEIGHT]
+        out[keys.WEIGHT][:, r0 // 8: r0 // 8 + pw.shape[1]] = pw
+        out[keys.SCALE][:, r0:r1] = part[keys.SCALE]
+        return
+    for key, t in part.items():
+        out[key][r0:r1] = t
 
 
 def decode(tensors: dict[str, torch.Tensor], spec: WeightSpec, shape: tuple[int, int],

@@ -45,7 +45,9 @@ from typing import Any
 
 import torch
 
+import eagle3.quantize.calibrated as calibrated
 import eagle3.quantize.compat as compat
+import eagle3.quantize.methods as methods
 import eagle3.quantize.native as native
 import eagle3.quantize.report as report
 from eagle3 import __version__, finite
@@ -69,6 +71,7 @@ from eagle3.checkpoint import (
 from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
+from eagle3.quantize.calibrated import Calibration
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
@@ -82,6 +85,8 @@ from eagle3.quantize.sources import (
 )
 
 ENGINES = ("native", "quark")
+# module name -> what is known about its inputs (eagle3.quantize.methods.InputStats), for a method
+InputStatsFn = Callable[[str], "methods.InputStats"]
 STATE_DIR = ".eagle3-quantize"
 
 
@@ -110,6 +115,7 @@ class ShardJob:
     bound: float
     work_bytes: int  # progress units: source bytes
     allow_nonfinite: bool = False
+    method: str = "rtn"  # eagle3.quantize.methods: how the numbers are chosen (native engine)
 
 
 @dataclass
@@ -123,10 +129,11 @@ class Plan:
     jobs: list[ShardJob]
     weight_map: dict[str, str]
     src_bytes: int
+    method: str = "rtn"
 
 
 def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recipe: Recipe, scope: Scope,
-              tmp: Path, engine: str, verify: bool, allow_nonfinite: bool = False) -> Plan:
+              tmp: Path, engine: str, verify: bool, allow_nonfinite: bool = False, method: str = "rtn") -> Plan:
     """Decide every output tensor from headers only; one-line errors for a scope that matches
     nothing and for a weight the scheme cannot take."""
     modules = find_modules(reader, source)
@@ -170,9 +177,9 @@ def make_plan(src_dir: Path, reader: CheckpointReader, source: SourceInfo, recip
         jobs.append(ShardJob(src=str(src_dir), tmp=str(tmp), file=f.name, steps=tuple(steps), modules=tuple(mods),
                              entries=tuple(entries), spec=recipe.weight, zero_point=recipe.export.zero_point,
                              engine=engine, verify=verify, bound=recipe.weight.max_rel_error, work_bytes=work,
-                             allow_nonfinite=allow_nonfinite))
+                             allow_nonfinite=allow_nonfinite, method=method))
     unquantized = sorted(m for m in modules if m not in qset)
-    return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes)
+    return Plan(source, recipe, scope, modules, quantized, unquantized, jobs, weight_map, reader.total_bytes, method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +218,10 @@ def make_engine(name: str) -> Any:
 class OpenShard:
     """An output shard being written: its planned file and what is left to do."""
 
-    def __init__(self, job: ShardJob, reader: CheckpointReader, engine: Any) -> None:
+    def __init__(self, job: ShardJob, reader: CheckpointReader, engine: Any,
+                 input_stats: InputStatsFn | None = None) -> None:
         self.job, self.reader, self.engine = job, reader, engine
+        self.input_stats = input_stats
         self.mods = {m.name: m for m in job.modules}
         self.work = Path(job.tmp) / STATE_DIR / f"{job.file}.part"
         self.final = Path(job.tmp) / job.file
@@ -319,7 +328,9 @@ def quantize_module(shard: OpenShard, m: Module) -> report.TensorReport | None:
 
     with torch.no_grad():
         if isinstance(shard.engine, native.NativeEngine):
-            tensors = shard.engine.quantize(src, job.spec, job.zero_point, observe if acc else None)
+            inputs = shard.input_stats(m.name) if shard.input_stats is not None else methods.NO_STATS
+            tensors = shard.engine.quantize(src, job.spec, job.zero_point, observe if acc else None,
+                                            method=methods.METHODS[job.method], inputs=inputs)
         else:  # Quark's primitives take the whole tensor: measure afterwards, a chunk at a time
             tensors = shard.engine.quantize(src, job.spec, job.zero_point)
             if acc is not None:
@@ -402,6 +413,9 @@ class QuantizeResult:
     rows: list[report.TensorReport]
     files: list[Path]
     acceptance: dict[str, Any] | None = None  # --target: the draft's acceptance before and after
+    method: str = "rtn"
+    fidelity: dict[str, Any] | None = None  # --eval: the output against its source (KLD, top-1, divergence)
+    calibration: dict[str, Any] | None = None  # --calibrate: the calibration pass's summary (per layer)
 
     @property
     def failed(self) -> list[report.TensorReport]:
@@ -420,7 +434,7 @@ def _fingerprint(plan: Plan, verify: bool) -> dict[str, Any]:
     src = [[f, os.stat(Path(plan.source.path) / f).st_size, os.stat(Path(plan.source.path) / f).st_mtime_ns]
            for f in plan.source.shard_files]
     return {"eagle3": __version__, "recipe": plan.recipe.raw, "export": asdict(plan.recipe.export),
-            "scope": plan.scope.name, "verify": verify, "source": src}
+            "scope": plan.scope.name, "verify": verify, "source": src, "method": plan.method}
 
 
 def _load_done(state: Path, tmp: Path, jobs: list[ShardJob]) -> dict[str, ShardResult]:
@@ -485,12 +499,22 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
              scope: str | None = None, *, workers: int = 0, engine: str = "native", overwrite: bool = False,
              resume: bool = False, verify: bool = True, trust_remote_code: bool = False,
              progress: bool = False, allow_nonfinite: bool = False, any_architecture: bool = False,
-             quark_zero_points: bool = False, measure: Callable[[Path, Path], dict[str, Any]] | None = None
-             ) -> QuantizeResult:
+             quark_zero_points: bool = False, measure: Callable[[Path, Path], dict[str, Any]] | None = None,
+             method: str | None = None, input_stats: InputStatsFn | None = None,
+             calibration: Calibration | None = None, echo: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize ``src`` (a local checkpoint directory or a Hub repo id) into ``out``.
 
-    ``measure(src_dir, out_dir)``, for a draft only: called on the finished output before it is
-    published; its result is the report's ``acceptance`` (``eagle3.quantize.acceptance``).
+    ``measure(src_dir, out_dir)``: called on the finished output before it is published; its result
+    is a report section (``acceptance`` for a draft, ``eagle3.quantize.acceptance``; ``fidelity`` for
+    a target, ``eagle3.quantize.fidelity``).
+
+    ``method``: how the numbers are chosen within the recipe's format (:mod:`eagle3.quantize.methods`);
+    None takes the recipe's (``rtn`` with ``engine="quark"``, which computes Quark's own numbers).
+    ``input_stats(module)``: what is known about a module's inputs (a calibrated method's Hessian, say),
+    handed to the method with its rows; None: nothing (the data-free methods need nothing).
+    ``calibration``: the prompts of a calibrated ``method`` (required by one, refused by the others);
+    their pass runs first, inside ``OUT.partial`` (:mod:`eagle3.quantize.calibrated`), printing a
+    line per layer through ``echo`` (None: silent), and its summary goes into the report.
 
     ``workers=0`` picks one worker thread per CPU core. Raises Eagle3Error subclasses (one line)
     for bad input, before anything is written: the source goes through the same model validation
@@ -512,6 +536,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if quark_zero_points:
         rec = with_quark_zero_points(rec)
+    meth = resolve_method(rec, engine, method)
+    calibrated.check_method(meth, calibration)
     sc = rec.scope(scope)
     src_dir = Path(hub.resolve(src))
     if src_dir.exists() and not src_dir.is_dir():
@@ -522,13 +548,15 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
     dst = check_output(out_p, overwrite, inputs, resume)
     source, reader = inspect_source(src_dir, any_architecture=any_architecture)
     validate_source(source)
-    if measure is not None and source.role != "draft":
-        raise UsageError(f"--target: {src_dir} is not an EAGLE draft (acceptance is measured for drafts)")
+    if measure is not None and source.role != getattr(measure, "role", "draft"):
+        raise UsageError(measure.wrong_role(src_dir) if hasattr(measure, "wrong_role") else
+                         f"{src_dir}: a {source.role}, which this measurement does not take")
     if not any_architecture:  # the model against its schema, before any weight is read
         check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
+    calib_set = calibrated.load_set(src_dir, calibration) if calibration is not None else None
     tmp = partial_path(dst)
-    plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite)
+    plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite, meth.name)
     quark_cfg = None
     if engine == "quark":  # fail on a missing Quark before anything is written; its classes build the config
         import eagle3.quantize.quark as quark_engine
@@ -540,10 +568,12 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
         shutil.rmtree(tmp)
     state = tmp / STATE_DIR
     fp = _fingerprint(plan, verify)
+    if calibration is not None:
+        fp["calibration"] = calibration.to_json()
     done: dict[str, ShardResult] = {}
     if resume and (state / "state.json").is_file():
         if read_json(state / "state.json") != fp:
-            raise UsageError(f"{tmp}: was written by a run with another recipe, scope or source; "
+            raise UsageError(f"{tmp}: was written by a run with another recipe, method, scope or source; "
                              f"rerun without --resume to start over")
         done = _load_done(state, tmp, plan.jobs)
     digests: dict[str, str] = {}
@@ -553,11 +583,18 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             state.mkdir(parents=True, exist_ok=True)
             write_json(state / "state.json", fp)
             todo = [j for j in plan.jobs if j.file not in done]
+            calib_section = None
+            if calib_set is not None and (todo or (state / calibrated.SUMMARY).is_file()):  # resumed: its summary
+                calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calibration, calib_set, state,
+                                                                 echo)
             results = dict(done)
-            results.update(_run_jobs(todo, workers, state, progress))
+            results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
             _finish(tmp_dir, src_dir, plan, results, quark_cfg, trust_remote_code)
-            measured = report.add_section(tmp_dir, "acceptance", measure(src_dir, tmp_dir)) if measure else None
+            if calib_section is not None:
+                report.add_section(tmp_dir, "calibration", calib_section)
+            section = getattr(measure, "section", "acceptance")
+            measured = report.add_section(tmp_dir, section, measure(src_dir, tmp_dir)) if measure else None
             shutil.rmtree(state, ignore_errors=True)
     except BaseException as e:
         err = _write_error(e, tmp) if isinstance(e, OSError) else e  # disk full, read-only, ...: one line
@@ -567,12 +604,15 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
         raise
     rows = [r for j in plan.jobs for r in results[j.file].rows]
     files = [dst / report.REPORT_JSON] + ([dst / report.REPORT_PNG] if (dst / report.REPORT_PNG).exists() else [])
-    return QuantizeResult(out=dst, recipe=rec.name, scope=sc.name, engine=engine, source_kind=source.kind,
+    return QuantizeResult(out=dst, recipe=rec.name, scope=sc.name, engine=engine, method=meth.name,
+                          source_kind=source.kind,
                           quantized=len(plan.quantized), unquantized=len(plan.unquantized), shards=len(plan.jobs),
                           shards_resumed=len(done), src_bytes=plan.src_bytes,
                           out_bytes=sum(r.out_bytes for r in results.values()),
                           seconds=time.perf_counter() - t0 - (measured or {}).get("seconds", 0.0), rows=rows,
-                          files=files, acceptance=measured)
+                          files=files, acceptance=measured if measure and section == "acceptance" else None,
+                          fidelity=measured if measure and section == "fidelity" else None,
+                          calibration=calib_section)
 
 
 def _after_failure(e: BaseException, tmp: Path, state: Path, plan: Plan) -> None:
@@ -591,6 +631,23 @@ def _after_failure(e: BaseException, tmp: Path, state: Path, plan: Plan) -> None
         e.args = (f"{e.args[0]}; {note}",)
     else:
         print(note, file=sys.stderr, flush=True)
+
+
+def resolve_method(rec: Recipe, engine: str, method: str | None) -> methods.Method:
+    """The method of this run: ``--method``, else the recipe's; ``--engine quark`` computes Quark's own
+    round to nearest, so it takes ``rtn`` whatever the recipe says and refuses another ``--method``."""
+    if engine == "quark":
+        if method not in (None, methods.RTN.name):
+            raise UsageError(f"--method {method}: --engine quark computes Quark's round to nearest only; use --method "
+                             f"rtn or --engine native")
+        return methods.RTN
+    name = method or rec.method
+    try:
+        return methods.get_method(name, rec.weight, rec.name)
+    except UsageError as e:
+        if method is None:  # the recipe's own choice: the message names its file and field
+            raise UsageError(f"{rec.source}: field 'method' {e.args[0].split(': ', 1)[1]}") from None
+        raise
 
 
 def with_quark_zero_points(rec: Recipe) -> Recipe:
@@ -620,7 +677,8 @@ def validate_source(source: SourceInfo) -> None:
         target_spec(source.path)
 
 
-def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -> dict[str, ShardResult]:
+def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool,
+              input_stats: InputStatsFn | None = None) -> dict[str, ShardResult]:
     """Run every shard's steps on a thread pool (in this thread for one worker), two shards open at
     a time so that the cores stay busy across shard boundaries; record each shard as it finishes."""
     results: dict[str, ShardResult] = {}
@@ -644,7 +702,7 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool) -
     kind: dict[Future[Any], tuple[str, OpenShard]] = {}
 
     def open_next() -> None:
-        sh = OpenShard(queue.popleft(), reader, engine)
+        sh = OpenShard(queue.popleft(), reader, engine, input_stats)
         live.append(sh)
         if sh.left == 0:
             kind[ex.submit(finish_shard, sh)] = ("finish", sh)
@@ -759,6 +817,7 @@ def _finish(tmp: Path, src_dir: Path, plan: Plan, results: dict[str, ShardResult
     meta = {"eagle3_version": __version__, "source": str(src_dir), "source_format": plan.source.kind,
             "recipe": plan.recipe.name, "recipe_source": plan.recipe.source, "scope": plan.scope.name,
             "weight": plan.recipe.weight.describe(), "activation": plan.recipe.activation.describe(),
+            "method": plan.method, "method_description": methods.METHODS[plan.method].description,
             "expected_max_rel_error": plan.recipe.weight.max_rel_error, "quantized_modules": len(plan.quantized),
             "unquantized_linear_modules": len(plan.unquantized), "verified": bool(rows)}
     report.write_report(tmp, rows, meta)
@@ -769,7 +828,8 @@ def print_summary(result: QuantizeResult) -> None:
     from rich.console import Console
 
     con = Console()
-    title = f"{result.recipe} ({result.scope}), engine {result.engine}: verification of {result.out.name}"
+    title = (f"{result.recipe} ({result.scope}), engine {result.engine}, method {result.method}: verification of "
+             f"{result.out.name}")
     if result.rows:
         con.print(report.summary_table(result.rows, title))
     mb = result.src_bytes / 1e6
@@ -778,8 +838,14 @@ def print_summary(result: QuantizeResult) -> None:
               f"({mb / max(result.seconds, 1e-9):.1f} MB/s), output {result.out_bytes / 1e6:.1f} MB"
               + (f", {result.shards_resumed} of {result.shards} shards resumed" if result.shards_resumed else ""))
     con.print(f"wrote {result.out} (report: {', '.join(f.name for f in result.files)})")
+    if result.calibration:
+        con.print(calibrated.summary_line(result.calibration), highlight=False)
     if result.acceptance:
         con.print(report.acceptance_line(result.acceptance))
+    if result.fidelity:
+        from eagle3.quantize.fidelity import fidelity_line
+
+        con.print(fidelity_line(result.fidelity), highlight=False)
     if result.failed:
         con.print(f"[yellow]warning: {len(result.failed)} tensor(s) exceed the scheme's expected error, e.g. "
                   f"{result.failed[0].module} (rel. error {result.failed[0].rel_error:.3f})[/yellow]")

@@ -9,6 +9,7 @@ example in docs/recipes.md)::
     description: one line
     weight: {format: int4, qscheme: per_group, group_size: 128}
     activation: {format: none}
+    method: rtn                   # how the numbers are chosen: rtn | mse (eagle3.quantize.methods)
     scopes:                       # or a single `scope: {...}`
       all:
         include: ["re:\\.mlp\\.", "*self_attn.o_proj"]
@@ -133,6 +134,9 @@ class Recipe:
     default_scope: str
     export: ExportOptions
     source: str  # "builtin:<name>" or the YAML path
+    # How the numbers are chosen within the format (eagle3.quantize.methods; --method overrides it):
+    # "rtn" (Quark's round to nearest, the default) or "mse" (the data-free scale search).
+    method: str = "rtn"
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def scope(self, name: str | None = None) -> Scope:
@@ -233,7 +237,7 @@ def parse_recipe(text: str, where: str) -> Recipe:
         raise UsageError(f"{where}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(d, dict):
         raise UsageError(f"{where}: a recipe must be a YAML mapping")
-    known = {"name", "description", "schema_version", "weight", "activation", "scope", "scopes",
+    known = {"name", "description", "schema_version", "weight", "activation", "method", "scope", "scopes",
              "default_scope", "export"}
     unknown = set(d) - known
     if unknown:
@@ -310,4 +314,13 @@ def parse_recipe(text: str, where: str) -> Recipe:
     if zp and fmt not in ("int4", "fp8_int4"):
         raise _fail(where, "export.zero_point", f"applies to int4 and fp8_int4 only, not {fmt}")
     return Recipe(name=name, description=str(d.get("description") or ""), weight=weight, activation=activation,
-                  scopes=scopes, default_scope=default_scope, export=ExportOptions(zp), source=where, raw=d)
+                  scopes=scopes, default_scope=default_scope, export=ExportOptions(zp), source=where,
+                  method=_method(d.get("method", "rtn"), where), raw=d)
+
+
+def _method(v: Any, where: str) -> str:
+    """The recipe's ``method`` (a name; whether eagle3 has it, and whether it can write the recipe's
+    format, is checked with the rest of the run's options: eagle3.quantize.methods.get_method)."""
+    if not isinstance(v, str) or not v:
+        raise _fail(where, "method", f"is {v!r}; expected a method name such as rtn or mse")
+    return v

@@ -27,7 +27,6 @@ from eagle3.runtime.interfaces import default_aux_layer_ids
 from eagle3.runtime.kernels import get_backend
 from eagle3.runtime.kernels.base import (
     ACT_QUANTS,
-    ActQuant,
     DenseWeight,
 )
 from eagle3.runtime.layers.linear import Linear
@@ -35,17 +34,18 @@ from eagle3.runtime.layers.moe import MoE
 from eagle3.runtime.models.deepseek_v3 import DeepseekV3Model
 from eagle3.runtime.models.eagle3 import Eagle3DraftModel
 from eagle3.runtime.parallel import SINGLE, TPGroup
-from eagle3.runtime.weights import WeightReader, named_errors
+from eagle3.runtime.weights import WEIGHT_ONLY, ActOverride, WeightReader, named_errors
 
 
 def _device(device: str | torch.device | None) -> torch.device:
     return torch.device(device or "cpu")
 
 
-def _check_act_override(act: ActQuant) -> None:
-    if act is not None and act not in ("int8", "fp8"):
-        raise UsageError(f"act_override must be 'int8' or 'fp8' (W4A8 activation type), got {act!r}; "
-                         f"known activation types: {', '.join(ACT_QUANTS)}")
+def _check_act_override(act: ActOverride) -> None:
+    if act is not None and act not in ("int8", "fp8", WEIGHT_ONLY):
+        raise UsageError(f"act_override must be 'int8' or 'fp8' (W4A8 activation type) or {WEIGHT_ONLY!r} (no "
+                         f"activation quantization at all), got {act!r}; known activation types: "
+                         f"{', '.join(ACT_QUANTS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,12 +69,13 @@ def target_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = No
 
 
 def load_target(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                backend: str = "torch", *, act_override: ActQuant = None,
+                backend: str = "torch", *, act_override: ActOverride = None,
                 latent_norm_eps: float | None = None, tp: TPGroup = SINGLE,
                 kv_cache_dtype: str = "auto") -> DeepseekV3Model:
     """Load a DeepSeek-V3 / Kimi target from any supported format.
 
-    ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's).
+    ``act_override``: activation type of W4A8 layers ("fp8" or "int8"; default: the config's), or
+    "none": no quantized Linear quantizes its activations (weight-only emulation).
     ``latent_norm_eps``: eps of q_a/kv_a layernorms; None = ``rms_norm_eps`` as vLLM/SGLang/ATOM
     (transformers uses 1e-6 there).
     ``tp``: this process's place in a tensor-parallel group: the model's parallel layers hold only
@@ -193,7 +194,7 @@ def draft_spec(path: str | os.PathLike[str], latent_norm_eps: float | None = Non
 
 def load_draft(path: str | os.PathLike[str], target: DeepseekV3Model, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None, backend: str | None = None, *,
-               act_override: ActQuant = None, latent_norm_eps: float | None = None,
+               act_override: ActOverride = None, latent_norm_eps: float | None = None,
                aux_layer_ids: tuple[int, ...] | None = None, lm_head: Linear | None = None,
                kv_cache_dtype: str | None = None) -> Eagle3DraftModel:
     """Load an EAGLE-3 / 3.1 draft for ``target`` (dtype, device, backend and ``kv_cache_dtype``

@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -65,12 +65,17 @@ from eagle3.runtime.kernels.base import (
 from eagle3.runtime.layers.linear import Linear, Shard
 from eagle3.runtime.layers.norm import RMSNorm
 
+# ``act_override`` of the loader: "int8" / "fp8" for W4A8 layers, or WEIGHT_ONLY: no quantized Linear
+# quantizes its activations (EngineConfig.activation_quant "none", the weight-only emulation).
+WEIGHT_ONLY = "none"
+ActOverride = ActQuant | Literal["none"]
+
 
 class WeightReader:
     """Reads named tensors and decodes one Linear module into a canonical weight."""
 
     def __init__(self, path: str | os.PathLike[str], quant: QuantSpec, dtype: torch.dtype, device: torch.device,
-                 act_override: ActQuant = None, tp: Any = None) -> None:
+                 act_override: ActOverride = None, tp: Any = None) -> None:
         self.reader = CheckpointReader(path)
         # linear_part's default for input-column parts: ``tp`` (a parallel.TPGroup, or None for a
         # whole model) keeps the bias on its first member. Parallel layers pass their own (Shard).
@@ -127,6 +132,8 @@ class WeightReader:
             return None
         if isinstance(w, FP8Weight) and w.block is not None:
             return None  # weight-only emulation of block FP8 (module docstring)
+        if self.act_override == WEIGHT_ONLY:
+            return None
         act = self.quant.act_for(module)
         if self.act_override is not None and act in ("int8", "fp8") and isinstance(w, Int4Weight):
             act = self.act_override

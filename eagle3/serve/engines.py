@@ -181,11 +181,17 @@ def build_command(engine: str, target: str | Path, draft: str | Path | None, con
                   served_model_name: str | None = None, attention_backend: str | None = None) -> LaunchCommand:
     """The engine's launch command for ``target`` (+ ``draft``) with ``config``'s settings; nothing
     is run. A draft tree (``speculative_eagle_topk > 1``) the engine cannot verify over this target
-    is refused (UsageError), and so is ``num_speculative_tokens="auto"`` (the bundled runtime's)."""
+    is refused (UsageError), and so are ``num_speculative_tokens="auto"`` and ``activation_quant="none"``
+    (the bundled runtime's)."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if config.adaptive:
         raise UsageError("--num-speculative-tokens auto is the bundled runtime's; --engine takes an integer k")
+    if config.activation_quant != "auto":
+        # a measurement mode of the bundled runtime: an engine quantizes activations as the checkpoint says,
+        # and a note would let a weight-only number be read off a full W4A8 / MXFP4 run
+        raise UsageError(f"--activation-quant {config.activation_quant} (weight-only emulation) is the bundled "
+                         f"runtime's; --engine quantizes activations as the checkpoint's config says")
     if attention_backend is not None and engine != "sglang":
         raise UsageError("--attention-backend goes with --engine sglang")
     target, draft = str(target), (None if draft is None else str(draft))

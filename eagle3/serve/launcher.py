@@ -261,6 +261,24 @@ def record_reference(source: Path, draft: Path | None, eopts: EngineConfig, vopt
                    echo=echo, rejoin=eopts.nnodes > 1)
 
 
+def teacher_force_reference(target: Path, eopts: EngineConfig, vopts: Any, loaded: Any, prep: Any, *,
+                            model_name: str, echo: Callable[[str], None] = print) -> Any:
+    """Pass 2's teacher forcing alone with the bundled runtime: serve ``target`` (no draft), send every
+    turn of the reference ``loaded`` back through it (:func:`eagle3.validate.twopass.teacher_force`),
+    unload it. No validation run: ``quantize --eval`` compares, it does not score."""
+    from eagle3.formats.check import require_valid_pair
+    from eagle3.validate import twopass
+
+    require_valid_pair(target, None)
+
+    def work(url: str) -> Any:
+        echo(f"reference: teacher-forcing {prep.describe()} item(s) through {target} at {url}")
+        return twopass.teacher_force(url, loaded, prep, vopts, model_name)
+
+    return _served(target, None, eopts, work, model_name=model_name, api_key=None, host="127.0.0.1", port=0,
+                   echo=echo)
+
+
 def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vopts: Any, *,
                        model_name: str, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                        baseline: bool = True, echo: Callable[[str], None] = print,
@@ -290,7 +308,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
             "max_speculative_tokens": eopts.max_k if draft is not None and eopts.adaptive else None,
             "engine": "eagle3", "device": eopts.device, "dtype": eopts.dtype,
             "tensor_parallel_size": eopts.tensor_parallel_size, "kernel_backend": eopts.backend,
-            "enforce_eager": eopts.enforce_eager}
+            "enforce_eager": eopts.enforce_eager, "activation_quant": eopts.activation_quant}
     common = dict(model_name=model_name, api_key=api_key, host=host, port=port, echo=echo)
     with tempfile.TemporaryDirectory(prefix="eagle3-reference-") as tmp:
         if source is not None:
@@ -352,7 +370,7 @@ def run_headless(target: Path, config: EngineConfig, torchrun_rank: int | None) 
     config.check_address()
     device = torch.device(config.device)
     load_kw = {"dtype": config.torch_dtype(), "backend": resolve_backend_name(config.backend, device),
-               "kv_cache_dtype": config.kv_cache_dtype}
+               "kv_cache_dtype": config.kv_cache_dtype, "act_override": config.act_override}
     layout = Layout(config.tensor_parallel_size, config.nnodes, parse_addr(str(config.dist_init_addr)))
     if torchrun_rank is not None:  # this process is the rank (torchrun started it)
         return run_torchrun_rank(torchrun_rank, layout, str(target), dict(load_kw, device=str(device)))

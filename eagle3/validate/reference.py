@@ -579,7 +579,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if not block:
         return []
     k, d, f = block["kld"], block["divergence"], block["flips"]
-    lines = [f"vs the source ({block['source'].get('model')}, top-{block['logprobs']} logprobs, {k['tokens']} tokens): "
+    # serve --activation-quant none: the weights' share of the loss, said on the line that reports it
+    weight_only = ", activations unquantized" if (report.get("server") or {}).get("activation_quant") == "none" else ""
+    lines = [f"vs the source ({block['source'].get('model')}, top-{block['logprobs']} logprobs, {k['tokens']} tokens"
+             f"{weight_only}): "
              f"KLD mean {_fmt(k['mean'], '.4g')} p99 {_fmt(k['p99'], '.4g')} max {_fmt(k['max'], '.4g')}  top-1 "
              f"agreement {_fmt(block['top1_agreement'], '.4f')}  identical continuations {d['identical']}/"
              f"{d['sequences']}"

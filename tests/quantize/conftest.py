@@ -27,7 +27,9 @@ def case_id(case: tuple[str, str, str | None]) -> str:
 
 @pytest.fixture(scope="session")
 def native_runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{case id: output dir} of `quantize(..., engine="native", workers=1)` for every CASE."""
+    """{case id: output dir} of `quantize(..., engine="native", workers=1, method="rtn")` for every
+    CASE: round to nearest, the numbers Quark computes (test_quark_engine compares these outputs with
+    Quark's bit for bit); the recipes' own default methods are tested in test_methods.py."""
     from eagle3.quantize import quantize
 
     root = tmp_path_factory.mktemp("quantize-native")
@@ -35,6 +37,6 @@ def native_runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     for case in CASES:
         m, r, s = case
         dst = root / case_id(case).replace(":", "_")
-        quantize(tiny_dir / m, dst, r, s, workers=1, engine="native")
+        quantize(tiny_dir / m, dst, r, s, workers=1, engine="native", method="rtn")
         out[case_id(case)] = dst
     return out

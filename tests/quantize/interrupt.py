@@ -12,8 +12,9 @@ from eagle3.quantize.pipeline import quantize
 
 
 def interrupt_after_first_shard(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch, workers: int = 1) -> str:
-    """Run ``quantize(src, out, "w4a8")`` until one shard is finished, then interrupt it; returns
-    that shard's file name. ``pipeline.finish_shard`` is restored afterwards."""
+    """Run ``quantize(src, out, "w4a8", method="rtn")`` (the numbers of ``native_runs``) until one
+    shard is finished, then interrupt it; returns that shard's file name. ``pipeline.finish_shard``
+    is restored afterwards."""
     real = pipeline.finish_shard
     first: list[str] = []
 
@@ -25,6 +26,6 @@ def interrupt_after_first_shard(src: Path, out: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(pipeline, "finish_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        quantize(src, out, "w4a8", workers=workers)
+        quantize(src, out, "w4a8", workers=workers, method="rtn")
     monkeypatch.setattr(pipeline, "finish_shard", real)
     return first[0]

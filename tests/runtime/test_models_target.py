@@ -236,3 +236,32 @@ def test_quantized_moe_layers_within_scheme_error(quantized, scheme: str, act, b
         ids, w = ra.route(x)
         rel = (qa.experts(x, ids, w) - ra.experts(x, ids, w)).norm() / ra.experts(x, ids, w).norm()
         assert 0 < rel < bound, (layer, float(rel))
+
+
+@pytest.mark.parametrize("scheme", ["w4a8", "mxfp4"])
+def test_weight_only_emulation_is_the_dequantized_weights_exactly(quantized, scheme: str) -> None:
+    """``act_override="none"`` (``EngineConfig.activation_quant="none"``): the quantized experts run
+    their decoded weights on unquantized activations, i.e. the dense reference model to the bit,
+    while the default path (activations quantized) differs from it."""
+    r = load_target(quantized[scheme + "-ref"], dtype=torch.float32)
+    none = load_target(quantized[scheme], dtype=torch.float32, act_override="none")
+    full = load_target(quantized[scheme], dtype=torch.float32)
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(1))
+    for layer in (1, 6):
+        ids, w = r.layers[layer].mlp.route(x)
+        want = r.layers[layer].mlp.experts(x, ids, w)
+        assert none.layers[layer].mlp.experts.mode == "dense"
+        assert torch.equal(none.layers[layer].mlp.experts(x, ids, w), want)
+        assert not torch.equal(full.layers[layer].mlp.experts(x, ids, w), want)
+
+
+def test_engine_option_reaches_the_loader(quantized) -> None:
+    from eagle3.errors import UsageError
+    from eagle3.runtime.engine.llm import LLM
+
+    llm = LLM(quantized["mxfp4"], None, activation_quant="none", tokenizer=None, num_blocks=8)
+    assert llm.target.layers[1].mlp.experts.mode == "dense"
+    with pytest.raises(UsageError, match="pass the target as a checkpoint directory"):
+        LLM(llm.target, None, activation_quant="none", tokenizer=None, num_blocks=8)
+    with pytest.raises(UsageError, match="activation_quant must be one of auto, none"):
+        LLM(quantized["mxfp4"], None, activation_quant="fp8", tokenizer=None, num_blocks=8)

@@ -195,6 +195,17 @@ def test_tree_flag_misuse(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) ->
         [t, "--draft", d, "--engine", "vllm", "--attention-backend", "triton"], capsys)
 
 
+def test_weight_only_emulation_is_the_bundled_runtimes(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--activation-quant none`` measures a checkpoint's weights alone; an engine would quantize the
+    activations anyway, so the hand-off refuses it (one line, exit 2) rather than noting it."""
+    t = str(tiny_dir / "kimi-k2.5")
+    for engine in ("vllm", "sglang"):
+        assert "--activation-quant none (weight-only emulation) is the bundled runtime's" in _refused(
+            [t, "--engine", engine, "--activation-quant", "none"], capsys)
+    assert "--activation-quant 'int8': expected one of auto, none" in _refused(
+        [t, "--engine", "vllm", "--activation-quant", "int8"], capsys)
+
+
 def test_vllm_tree_refused_for_mha_target_too(tmp_path: Path) -> None:
     """A multi-head-attention target: vLLM's trees are static (speculative_token_tree), not topk trees."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))

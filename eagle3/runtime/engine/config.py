@@ -32,6 +32,9 @@ DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
                "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 DTYPES = tuple(DTYPE_NAMES)
 BACKENDS = ("auto", "torch", "triton", "aiter")
+# What runs in front of a quantized Linear: "auto" = the activation quantization its checkpoint's
+# quantization_config names; "none" = activations in the compute dtype (weight-only emulation).
+ACTIVATION_QUANTS = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,12 @@ def _parse_k(text: str) -> int | str:
 def _parse_backend(name: str) -> str:
     if name not in BACKENDS:
         raise UsageError(f"--kernel-backend {name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _parse_activation_quant(name: str) -> str:
+    if name not in ACTIVATION_QUANTS:
+        raise UsageError(f"--activation-quant {name!r}: expected one of {', '.join(ACTIVATION_QUANTS)}")
     return name
 
 
@@ -133,6 +142,15 @@ class EngineConfig:
     tokenizer: Any = "auto"  # "auto" (the target directory's), a path, a tokenizer object, or None
     trust_remote_code: bool = _flag(
         False, "Allow code shipped with the model (e.g. its tokenizer) to run.", bool)
+    # Activation quantization in front of the quantized Linears of the target and the draft: "auto"
+    # as each checkpoint's quantization_config says (W4A8: FP8 per token; MXFP4: MXFP4 per 32-block);
+    # "none": the activations stay in the compute dtype, so a W4A8 / MXFP4 checkpoint is served with
+    # its quantized weights alone. That is the weight-only half of the loss decomposition
+    # (docs/recipes.md), not what an engine serving the checkpoint computes: bundled runtime only.
+    activation_quant: str = _flag(
+        "auto", "auto: quantize activations in front of quantized Linears as the checkpoint's quantization_config "
+        "says; none: keep them in the compute dtype (weight-only emulation: the share of a W4A8 / MXFP4 "
+        "checkpoint's loss that its weights alone cause; bundled runtime only).", str, parse=_parse_activation_quant)
     # -- KV cache
     # Python API only (block_size, num_blocks): the command line sizes the cache by --kv-cache-memory
     block_size: int = 16  # tokens per KV block
@@ -188,6 +206,9 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise UsageError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         canonical_kv_dtype(self.kv_cache_dtype)  # one line when unknown
+        if self.activation_quant not in ACTIVATION_QUANTS:
+            raise UsageError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, got "
+                             f"{self.activation_quant!r}")
         if self.draft_sampling not in ("sample", "greedy"):
             raise UsageError(f"draft_sampling must be 'sample' or 'greedy', got {self.draft_sampling!r}")
 
@@ -272,6 +293,11 @@ class EngineConfig:
         if unknown:
             raise UsageError(f"unknown engine option(s) {', '.join(unknown)}; the options are {', '.join(sorted(names))}")
         return cls(**kwargs)
+
+    @property
+    def act_override(self) -> str | None:
+        """What the loader takes for :attr:`activation_quant` (``load_target(act_override=...)``)."""
+        return "none" if self.activation_quant == "none" else None
 
     def torch_dtype(self) -> Any:
         """:attr:`dtype` as a ``torch.dtype``."""

@@ -201,16 +201,18 @@ class LLM(SpecShape):
 
     # -- loading ---------------------------------------------------------------------------
     def _load_target(self, target: Any, dtype: torch.dtype, backend: str) -> TargetModel:
-        kv = self.config.kv_cache_dtype
+        kv, act = self.config.kv_cache_dtype, self.config.act_override
         if _is_model(target):
             if self.tensor_parallel_size > 1:
                 raise UsageError("tensor_parallel_size > 1 needs the target as a checkpoint directory (each rank "
                                  "loads its own shard), not a loaded model")
+            _refuse_loaded(act, "target")
             return _check_kv_format(target, kv, "target")
         from eagle3.runtime.loader import load_target
 
         if self.tensor_parallel_size == 1:
-            return load_target(Path(target), dtype=dtype, device=self.device, backend=backend, kv_cache_dtype=kv)
+            return load_target(Path(target), dtype=dtype, device=self.device, backend=backend, kv_cache_dtype=kv,
+                               act_override=act)
         from eagle3.runtime.engine.worker import TPTarget, TPWorkers
         from eagle3.runtime.parallel import TPGroup, parse_addr
 
@@ -223,14 +225,15 @@ class LLM(SpecShape):
             raise UsageError(f"tensor_parallel_size={world} over {cfg.nnodes} node(s) needs {local} GPUs from "
                              f"{self.device} on each; {torch.cuda.device_count()} visible")
         addr = parse_addr(cfg.dist_init_addr) if cfg.dist_init_addr else None
-        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend, "kv_cache_dtype": kv}, self.device,
+        workers = TPWorkers(world, str(target), {"dtype": dtype, "backend": backend, "kv_cache_dtype": kv,
+                                                 "act_override": act}, self.device,
                             nnodes=cfg.nnodes, addr=addr)
         # The driver loads its shard while the workers start and join the group; the workers' own
         # loads overlap the driver's draft and tokenizer loads, waited for in __init__ (_join_workers).
         try:
             self.device = workers.start_driver_rank(self.device)
             model = load_target(Path(target), dtype=dtype, device=self.device, backend=backend,
-                                tp=TPGroup(0, world), kv_cache_dtype=kv)
+                                tp=TPGroup(0, world), kv_cache_dtype=kv, act_override=act)
             workers.join_driver_rank()
         except BaseException:
             workers.close()
@@ -275,6 +278,7 @@ class LLM(SpecShape):
 
     def _load_draft(self, draft: Any) -> DraftModel:
         if _is_model(draft):
+            _refuse_loaded(self.config.act_override, "draft")
             return _check_kv_format(draft, self.config.kv_cache_dtype, "draft")
         from eagle3.runtime.loader import draft_spec, load_draft, load_lm_head
 
@@ -283,7 +287,8 @@ class LLM(SpecShape):
             # The draft (rank 0 only) needs the whole vocabulary projection; the target's is split.
             t = self.target
             head = load_lm_head(self.target_path, t.dtype, t.backend.device, t.backend.name)
-        return load_draft(Path(draft), self.target, lm_head=head, kv_cache_dtype=self.config.kv_cache_dtype)
+        return load_draft(Path(draft), self.target, lm_head=head, kv_cache_dtype=self.config.kv_cache_dtype,
+                          act_override=self.config.act_override)
 
     def _load_tokenizer(self, tokenizer: Any, trust_remote_code: bool) -> Any:
         if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
@@ -601,6 +606,13 @@ class LLM(SpecShape):
     def reset_stats(self) -> None:
         """Start the engine-wide acceptance counters afresh (e.g. after a warm-up)."""
         self.scheduler.stats = SpecStats(self.stats.num_speculative_tokens)
+
+
+def _refuse_loaded(act: str | None, role: str) -> None:
+    """``activation_quant`` is applied while the weights load: a model loaded before cannot take it."""
+    if act is not None:
+        raise UsageError(f"activation_quant={act!r} is applied when the {role} loads: pass the {role} as a checkpoint "
+                         f"directory, not a loaded model")
 
 
 def _is_model(obj: Any) -> bool:

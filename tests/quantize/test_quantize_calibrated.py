@@ -1,0 +1,142 @@
+"""``eagle3 quantize SRC OUT --recipe R --calibrate gsm8k|FILE.jsonl --method gptq|gptaq|smooth...``:
+the streaming calibration pass inside a quantize run, on the trained tiny target (few short prompts).
+
+Checked at the CLI: the output has the tensors (names, dtypes, shapes) and ``quantization_config`` of
+the data-free methods; the calibrated MLPs' numbers are the calibration pass's (the Python API run
+separately), the MLPs it kept data-free are byte for byte ``--method mse``'s, and the calibrated ones
+lower the output error the pass reports; the report's calibration section adds up; ``--eval`` and
+``eagle3 verify`` work on it; misuse is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3.cli import main
+
+CALIB = ["--calibrate", "gsm8k", "--calibrate-samples", "2", "--calibrate-tokens", "300"]
+EVAL = ["--eval-prompts", "2", "--eval-tokens", "6", "--eval-fewshot", "0"]
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return int(e.value.code or 0), out.out, out.err
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no iteration
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def target(trained_pair: Path) -> Path:
+    return trained_pair / "kimi-k2.5-trained"
+
+
+def test_calibrated_w4a8_has_rtn_layout_and_the_pass_numbers(target: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from eagle3.quantize.calibrate import CalibConfig, Calibrator, TensorStore, load_calibration
+    from eagle3.quantize.recipes import load_recipe
+    from eagle3.runtime.tokenizer import load_tokenizer
+
+    out, mse = tmp_path / "gptq", tmp_path / "mse"
+    code, printed, err = _run(["quantize", str(target), str(out), "--recipe", "w4a8", "--method", "gptq", *CALIB,
+                               "--eval", *EVAL], capsys)
+    assert code == 0, err
+    assert "layer 1/4:" in err and "layer 4/4:" in err and " s (attention " in err  # progress + time per layer
+    assert "calibration: gptq on " in printed and "fidelity vs" in printed
+    assert _run(["quantize", str(target), str(mse), "--recipe", "w4a8", "--method", "mse", "--quiet"], capsys)[0] == 0
+
+    rep = json.loads((out / "quantization_report.json").read_text())
+    cal = rep["calibration"]
+    assert rep["fidelity"]["kld"]["mean"] > 0
+    assert cal["method"] == "gptq" and cal["sequences"] == 2 and cal["tokens"] == 600
+    assert len(cal["layers"]) == 4 and cal["peak_rss_mb"] > 0 and cal["seconds"] > 0
+    assert cal["calibrated"] + cal["kept_data_free"] == 24  # 3 MoE layers x 8 routed experts (w4a8's scope)
+    assert cal["calibrated"] == sum(x["calibrated"] for x in cal["layers"]) > 0
+    assert cal["kept_data_free"] == sum(x["kept_data_free"] for x in cal["layers"]) > 0  # few tokens: some are
+    for x in cal["layers"]:
+        if x["calibrated"]:
+            assert x["rel_output_error"] < x["rel_output_error_data_free"]
+    assert rep["method"] == "gptq"
+
+    # The data-free methods' layout (rtn's and mse's are one: tests/quantize/test_methods.py).
+    got, want_mse = _tensors(out), _tensors(mse)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in got.items()} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in want_mse.items()}
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg == json.loads((mse / "config.json").read_text())["quantization_config"]
+
+    # The pass run on its own through the Python API: the output holds its tensors for the MLPs it
+    # calibrated, and --method mse's bytes for every other quantized weight.
+    rec = load_recipe("w4a8")
+    calib = load_calibration("gsm8k", load_tokenizer(target), samples=2, max_tokens=300)
+    store = TensorStore(tmp_path / "store")
+    Calibrator(target, rec, rec.scope(None), CalibConfig("gptq"), calib, store, echo=lambda s: None).run()
+    solved = set(store.modules())
+    assert solved and all(".mlp.experts." in m for m in solved)
+    for k, v in got.items():
+        module = k.rsplit(".", 1)[0]
+        want = store.get(module)[k.rsplit(".", 1)[1]] if module in solved else want_mse[k]
+        assert _same_bytes(v, want), k
+    assert not all(_same_bytes(got[k], want_mse[k]) for k in got if k.rsplit(".", 1)[0] in solved)
+    assert _run(["verify", str(out)], capsys)[0] == 0
+
+
+def test_calibrated_mxfp4_smoothing_from_a_jsonl_file(target: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "calib.jsonl"
+    f.write_text("".join(json.dumps({"text": f"Question {i}: what is {i} + {i}? Answer: {2 * i}. " * 6}) + "\n"
+                         for i in range(3)))
+    out = tmp_path / "q"
+    code, _, err = _run(["quantize", str(target), str(out), "--recipe", "mxfp4", "--method", "smooth+gptaq",
+                         "--calibrate", str(f), "--json"], capsys)
+    assert code == 0, err
+    cal = json.loads((out / "quantization_report.json").read_text())["calibration"]
+    assert cal["method"] == "smooth+gptaq" and cal["sequences"] == 3 and cal["source"] == str(f)
+    assert cal["calibrated"] + cal["kept_data_free"] == sum(x["mlps"] for x in cal["layers"]) > 24  # + dense, shared
+    assert _run(["verify", str(out)], capsys)[0] == 0
+
+
+def test_calibration_misuse_is_one_line_and_writes_nothing(target: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text"}\n')
+    notjson = tmp_path / "broken.jsonl"
+    notjson.write_text('{"text": "fine"}\n\n{"text": \n')
+    cases = [
+        (["--recipe", "w4a8", "--method", "gptq"], "--method gptq is calibrated: give --calibrate"),
+        (["--recipe", "w4a8", "--method", "rtn", "--calibrate", "gsm8k"], "--calibrate goes with a calibrated"),
+        (["--recipe", "w4a8", "--calibrate", "gsm8k"], "--method mse is data-free"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", str(bad)], "bad.jsonl:2: expected a JSON object"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", str(notjson)], "broken.jsonl:3: not JSON"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", str(tmp_path / "none.jsonl")], "no such file"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "wiki"], "--calibrate wiki: give gsm8k or"),
+        (["--recipe", "w4a8", "--calibrate-samples", "4"], "--calibrate-samples go with --calibrate"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--calibrate-tokens", "1"], "must be >= 2"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--calibrate-min-tokens", "-1"],
+         "--calibrate-min-tokens -1.0: must be >= 0"),
+        (["--recipe", "w4a8", "--method", "gptq", "--calibrate", "gsm8k", "--engine", "quark"], "--engine quark"),
+        (["--recipe", "fp8-draft", "--method", "gptq", "--calibrate", "gsm8k"], "--method gptq: recipe"),
+    ]
+    for args, want in cases:
+        out = tmp_path / "o"
+        code, _, err = _run(["quantize", str(target), str(out), *args], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and want in lines[0], (args, err)
+        assert not out.exists() and not out.with_name("o.partial").exists()
