@@ -124,7 +124,20 @@ def summary(result: Any, calib: CalibrationSet) -> dict[str, Any]:
               for r in result.layers]
     return {"method": result.method, "source": calib.source, "sequences": result.sequences, "tokens": result.tokens,
             "calibrated": result.calibrated, "kept_data_free": result.fallback, "seconds": round(result.seconds, 3),
-            "peak_rss_mb": round(result.peak_rss_mb, 1), "layers": layers, "config": result.config}
+            "peak_rss_mb": round(result.peak_rss_mb, 1), "layers": layers, "config": result.config,
+            "warning": coverage_warning(result.calibrated, result.fallback)}
+
+
+def coverage_warning(calibrated: int, kept: int) -> str | None:
+    """Said when most MLPs in scope kept their data-free values: at Kimi-K2.5's width (7168 inputs)
+    a routed expert needs 7168 routed tokens, which the default 16 x 2048 calibration tokens give to
+    none of its 384 experts (top 8: ~680 each), so such a run would change nothing and say so only
+    in its counts."""
+    if kept == 0 or kept <= calibrated:
+        return None
+    return (f"{kept} of {calibrated + kept} MLPs saw fewer calibration tokens than they have inputs and kept "
+            "their data-free values: raise --calibrate-samples / --calibrate-tokens (or lower "
+            "--calibrate-min-tokens) to calibrate them")
 
 
 def _num(v: float) -> float | None:
@@ -155,4 +168,5 @@ def summary_line(section: dict[str, Any]) -> str:
     err = f"; rel. output error {errs[-1][0]:.4g} -> {errs[-1][1]:.4g} (last layer)" if errs else ""
     return (f"calibration: {section['method']} on {section['tokens']} tokens in {section['sequences']} sequences "
             f"({section['source']}): {section['calibrated']} MLPs calibrated, {section['kept_data_free']} kept "
-            f"data-free{err}; {section['seconds']:.1f} s, peak RSS {section['peak_rss_mb']:.0f} MB")
+            f"data-free{err}; {section['seconds']:.1f} s, peak RSS {section['peak_rss_mb']:.0f} MB"
+            + (f"\nwarning: {section['warning']}" if section.get("warning") else ""))

@@ -140,3 +140,16 @@ def test_calibration_misuse_is_one_line_and_writes_nothing(target: Path, tmp_pat
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and want in lines[0], (args, err)
         assert not out.exists() and not out.with_name("o.partial").exists()
+
+
+def test_a_pass_that_calibrates_few_mlps_says_so() -> None:
+    """At Kimi-K2.5's width the default calibration tokens reach no routed expert often enough: the
+    summary line and the report then say how many kept their data-free values and what to raise."""
+    from eagle3.quantize.calibrated import coverage_warning, summary_line
+
+    assert coverage_warning(28, 0) is None and coverage_warning(20, 8) is None
+    warning = coverage_warning(1, 27)
+    assert warning is not None and warning.startswith("27 of 28 MLPs") and "--calibrate-samples" in warning
+    section = {"method": "gptq", "tokens": 300, "sequences": 2, "source": "gsm8k", "calibrated": 1,
+               "kept_data_free": 27, "seconds": 1.0, "peak_rss_mb": 300.0, "layers": [], "warning": warning}
+    assert summary_line(section).splitlines()[1] == f"warning: {warning}"
