@@ -48,7 +48,7 @@ import torch
 import eagle3.quantize.compat as compat
 import eagle3.quantize.native as native
 import eagle3.quantize.report as report
-from eagle3 import __version__, finite
+from eagle3 import finite
 from eagle3.checkpoint import (
     CheckpointReader,
     ShardFile,
@@ -80,6 +80,7 @@ from eagle3.quantize.sources import (
     inspect_source,
     open_rows,
 )
+from eagle3.version import __version__
 
 ENGINES = ("native", "quark")
 STATE_DIR = ".eagle3-quantize"
