@@ -9,6 +9,7 @@ fail because of the kernels, on every x86-64 CPU alike."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,19 +27,26 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(autouse=True)
-def _fixed_order_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_order_dot() -> Iterator[None]:
     """Under the interpreter, ``tl.dot`` as a GPU computes it: each output element reduced over K in
-    one order, the same for every row and column, on any CPU (not numpy's BLAS)."""
+    one order, the same for every row and column, on any CPU (not numpy's BLAS). Session-wide, so
+    that a module fixture (a plain-greedy LLM, say) computes with the same dot as the tests that
+    compare against it: a function-scoped patch came after them, and bf16 speculative decoding
+    parted from a plain greedy that numpy's BLAS had computed."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        yield
         return
     try:
         import triton.runtime.interpreter  # noqa: F401
     except ImportError:  # no triton: the test modules skip themselves
+        yield
         return
     from tests.runtime.triton import fixed_order_dot
 
-    fixed_order_dot.install(monkeypatch)
+    with pytest.MonkeyPatch.context() as mp:
+        fixed_order_dot.install(mp)
+        yield
 
 
 @pytest.fixture
