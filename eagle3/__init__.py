@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from eagle3.version import __version__
+
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:

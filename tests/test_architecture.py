@@ -1,8 +1,12 @@
 """Structural rules of the codebase, checked from the source (see docs/architecture.md).
 
-- no import cycle between modules of `eagle3/` (function-level imports included), and none between
-  its packages (directories with an `__init__.py`): no two packages import each other, directly or
-  around a longer loop (a package contains its subpackages; `if TYPE_CHECKING:` imports do not count);
+- no import cycle between modules of `eagle3/`, and none between its packages (directories with an
+  `__init__.py`): no two packages import each other, directly or around a longer loop (a package
+  contains its subpackages), and none at any package depth (modules grouped by their first d name
+  parts: `eagle3.runtime.engine.sequence` -> `eagle3.runtime.engine` at depth 3, so the runtime's
+  shared modules and its subpackages point one way). Every import counts: function-level ones, and
+  typing-only ones under `if TYPE_CHECKING:` (a type two modules each name is a dependency both
+  ways even where Python never runs the import; such a loop became a run-time cycle before);
 - no product file over 800 lines;
 - no function over 150 lines (Triton kernels excepted);
 - docs/architecture.md's layer diagrams match the imports;
@@ -65,33 +69,15 @@ def _owning_module(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node that can run, at module or function level: `if TYPE_CHECKING:` bodies are
-    skipped because they never execute (their `else:` branch does)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the eagle3 modules it imports anywhere in its body."""
+    """module -> the eagle3 modules it imports anywhere in its body (functions and `if
+    TYPE_CHECKING:` blocks included)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         is_package = path.name == "__init__.py"
-        for node in _runtime_nodes(tree):
+        for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -213,10 +199,17 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_type_checking_imports_are_not_edges():
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nelse:\n    import y\n")
-    names = [a.name for n in _runtime_nodes(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert names == ["y"]
+def test_typing_only_and_function_level_imports_are_edges(tmp_path, monkeypatch):
+    pkg = tmp_path / "eagle3"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "b.py", "sub/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "sub" / "c.py").write_text("def f():\n    from eagle3 import b\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle3.sub.c import f\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # import_graph reads this planted package
+    monkeypatch.setitem(globals(), "PKG", pkg)
+    g = import_graph()
+    assert g["eagle3.a"] == {"eagle3.sub.c", "eagle3.sub"} and g["eagle3.sub.c"] == {"eagle3.b"}
 
 
 def test_relative_imports_resolve():
@@ -230,7 +223,46 @@ def test_relative_imports_resolve():
 def test_no_import_cycle_in_eagle3():
     lines = describe_cycles(import_graph())
     msg = "\n".join(lines)
-    assert not lines, f"import cycles in eagle3/ (function-level imports count):\n{msg}"
+    assert not lines, f"import cycles in eagle3/ (function-level and typing-only imports count):\n{msg}"
+
+
+def at_depth(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The module graph with every module grouped under its first ``depth`` name parts
+    (``eagle3.runtime.engine.sequence`` -> ``eagle3.runtime.engine`` at depth 3); a shorter name
+    stays itself. Imports inside a group are dropped."""
+    def group(m: str) -> str:
+        return ".".join(m.split(".")[:depth])
+
+    out: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        g = group(mod)
+        out.setdefault(g, set())
+        for t in targets:
+            out.setdefault(group(t), set())
+            if group(t) != g:
+                out[g].add(group(t))
+    return out
+
+
+def test_grouping_by_depth_finds_a_cycle_through_shared_modules():
+    # the issue's shape: an engine module and a runtime-level module name each other (a typing-only
+    # import is enough); no module-level cycle, but the groups at depth 3 import each other
+    graph = {"eagle3.rt.engine.seq": {"eagle3.rt.logprobs"}, "eagle3.rt.engine.runner": {"eagle3.rt.sampling"},
+             "eagle3.rt.sampling": {"eagle3.rt.logprobs"}, "eagle3.rt.logprobs": {"eagle3.rt.engine.runner"}}
+    assert find_cycles(graph) == [["eagle3.rt.engine.runner", "eagle3.rt.logprobs", "eagle3.rt.sampling"]]
+    graph["eagle3.rt.logprobs"] = {"eagle3.rt.engine.util"}
+    graph["eagle3.rt.engine.util"] = set()
+    assert find_cycles(graph) == []
+    assert find_cycles(at_depth(graph, 3)) == [["eagle3.rt.engine", "eagle3.rt.logprobs", "eagle3.rt.sampling"]]
+    assert find_cycles(at_depth(graph, 2)) == []  # one group
+
+
+def test_no_import_cycle_at_any_package_depth():
+    graph = import_graph()
+    deepest = max(m.count(".") + 1 for m in graph)
+    lines = [f"depth {d}: {line}" for d in range(2, deepest) for line in describe_cycles(at_depth(graph, d))]
+    assert not lines, ("modules grouped by package import each other (move the shared type or function to "
+                       "the lower one; typing-only imports count):\n" + "\n".join(lines))
 
 
 def _packages() -> list[str]:

@@ -41,7 +41,7 @@ def write_manifest(d: Path, workers: int = 2, known: dict[str, str] | None = Non
     known = known or {}
     with ThreadPoolExecutor(max_workers=workers) as ex:
         digests = list(ex.map(lambda f: known.get(str(f.relative_to(d))) or sha256_file(f), files))
-    from eagle3 import __version__
+    from eagle3.version import __version__
 
     data = {
         "eagle3_version": __version__,

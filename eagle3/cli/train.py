@@ -23,7 +23,7 @@ def train_draft(
     regenerate: Annotated[bool | None, typer.Option("--regenerate/--no-regenerate", help="Train on the target's own greedy continuations of the prompts.")] = None,
     regen_tokens: Annotated[int | None, typer.Option(help="--regenerate: new tokens per prompt (default 128).")] = None,
     draft_vocab_size: Annotated[int | None, typer.Option(help="Reduced draft vocabulary (d2t/t2d from token frequencies).")] = None,
-    aux_layer_ids: Annotated[str | None, typer.Option(help="Target layers feeding the draft, input-to-layer convention, e.g. 2,30,58 (default 2,N//2,N-3).")] = None,
+    aux_layer_ids: Annotated[str | None, typer.Option(help="Target layers feeding the draft, input-to-layer convention, e.g. 2,30,58 (default 2,N//2,N-3 for N >= 7 layers, 1,N//2,N-1 for 4-6, 0,1,2 for 2-3; printed).")] = None,
     ttt_steps: Annotated[int, typer.Option(help="Training-time-test steps unrolled per position.")] = 3,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default 1000).")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Sequences per step (default 8).")] = None,

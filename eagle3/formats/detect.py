@@ -139,6 +139,31 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+def new_draft_aux_layer_ids(num_layers: int) -> tuple[tuple[int, int, int], str]:
+    """Aux layers for a new draft of a target of ``num_layers`` decoder layers ("input" convention),
+    and the rule that chose them. Always three distinct ascending ids: SpecForge and SafeAILab
+    drafts take exactly three aux states, and every engine's capture reaches them.
+
+    * 7 layers and more: the engines' default (2, N//2, N-3) (:func:`default_aux_layer_ids`);
+    * 4 to 6 layers, where that default repeats ids or runs backwards ((2, 2, 1) for 4 layers):
+      (1, N//2, N-1), the second, middle and last layers' inputs ((1, 2, 3) for 4 layers, the ids of
+      the trained tiny target's shipped drafts);
+    * 2 and 3 layers: (0, 1, 2), the embeddings and the next two layer boundaries (for 2 layers id 2
+      is the last layer's output, before the final norm);
+    * 1 layer: a ValueError (no three distinct states to take).
+    """
+    if num_layers >= 7:
+        return default_aux_layer_ids(num_layers), f"(2, N//2, N-3), the engines' default, for {num_layers} layers"
+    if num_layers >= 4:
+        return ((1, num_layers // 2, num_layers - 1),
+                f"(1, N//2, N-1) for {num_layers} layers: the engines' (2, N//2, N-3) would be "
+                f"{list(default_aux_layer_ids(num_layers))}, not three ascending ids")
+    if num_layers >= 2:
+        return (0, 1, 2), f"(0, 1, 2) for {num_layers} layers: too few for (2, N//2, N-3)"
+    raise ValueError(f"a draft takes three distinct aux states; a {num_layers}-layer target has only "
+                     f"{num_layers + 1} (input-to-layer ids 0..{num_layers})")
+
+
 def to_input_convention(ids: list[int] | tuple[int, ...] | None, convention: str) -> list[int] | None:
     """Rewrite aux ids to the "input to layer k" convention (output of layer k == input of k+1)."""
     if ids is None:

@@ -50,7 +50,7 @@ import eagle3.quantize.compat as compat
 import eagle3.quantize.methods as methods
 import eagle3.quantize.native as native
 import eagle3.quantize.report as report
-from eagle3 import __version__, finite
+from eagle3 import finite
 from eagle3.checkpoint import (
     CheckpointReader,
     ShardFile,
@@ -83,6 +83,7 @@ from eagle3.quantize.sources import (
     inspect_source,
     open_rows,
 )
+from eagle3.version import __version__
 
 ENGINES = ("native", "quark")
 # module name -> what is known about its inputs (eagle3.quantize.methods.InputStats), for a method

@@ -238,6 +238,24 @@ def assert_generations_agree(ref_target: object, got_target: object, prompts: Se
                                       {"reference": ref, "other": got}, f"{what}: prompt {i}")
 
 
+def assert_tokens_until_near_tie(ref_target: object, prompts: Sequence[Sequence[int]],
+                                 ref_outputs: Sequence[Sequence[int]], others: dict[str, Sequence[Sequence[int]]],
+                                 tol: float, router: float, what: str = "") -> None:
+    """Greedy tokens of engines whose target only the reference's runs in this process (a
+    tensor-parallel one, say): the reference's tokens and each of ``others`` equal the reference
+    target's teacher-forced argmax up to the first near tie (logit margin at most ``2 * tol``, or
+    a routing margin so far at most ``router``), as :func:`assert_generations_agree` holds them."""
+    for i, (prompt, ref) in enumerate(zip(prompts, ref_outputs, strict=True)):
+        ref = list(ref)
+        if not ref:
+            continue
+        tape = RoutingTape()
+        with tape.record(ref_target):
+            logits = forced_logits(ref_target, list(prompt) + ref[:-1])[len(prompt) - 1:]
+        outputs = {"reference": ref} | {name: list(out[i]) for name, out in others.items()}
+        _assert_tokens_until_near_tie(logits, tape.margins, len(prompt), tol, router, outputs, f"{what}: prompt {i}")
+
+
 def _assert_tokens_until_near_tie(logits: torch.Tensor, route_margins: torch.Tensor | None, prompt_len: int,
                                   tol: float, router: float, outputs: dict[str, list[int]], what: str) -> None:
     """Decode steps and the one prefill round differently too, so the reference's own tokens are

@@ -48,7 +48,7 @@ from eagle3.checkpoint import (
 from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import UsageError
 from eagle3.formats import sizing
-from eagle3.formats.detect import default_aux_layer_ids
+from eagle3.formats.detect import new_draft_aux_layer_ids
 from eagle3.formats.sizing import TensorSpec
 from eagle3.testing import tiny
 
@@ -187,14 +187,14 @@ def draft_slice_config(kind: str, target_layers: int, vocab: int = KIMI_K25_DIMS
     """config.json of a full-width EAGLE-3 draft for a slice of ``target_layers`` layers: the tiny
     draft config of that format (``eagle3``: lightseek's Llama draft for K2.5; ``eagle3.1-mla``: the
     MLA EAGLE-3.1 draft) with the real widths, full vocabulary (its own embedding, as both ship)
-    and aux ids that exist in the slice (input-to-layer: the engines' (2, N//2, N-3) from 4 layers
-    on, else 0, 1, 2)."""
+    and aux ids that exist in the slice (input-to-layer, ``train-draft``'s default:
+    :func:`eagle3.formats.detect.new_draft_aux_layer_ids`)."""
     if kind not in DRAFT_KINDS:
         raise UsageError(f"--draft {kind!r}: expected one of {', '.join(DRAFT_KINDS)}")
     if target_layers < 2:
         raise UsageError(f"--layers {target_layers}: a draft's three aux states need a target of at least 2 layers")
     _check_vocab(vocab)
-    ids = list(default_aux_layer_ids(target_layers)) if target_layers >= 4 else [0, 1, 2]
+    ids = list(new_draft_aux_layer_ids(target_layers)[0])
     eagle = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     if kind == "eagle3":
         cfg = tiny.eagle3_config()

@@ -157,14 +157,23 @@ def _target_lm_head(target: Any, path: Path) -> torch.Tensor | None:
     return target.embed_tokens.float() if spec.tie_word_embeddings else None
 
 
-def _fresh_aux_ids(opts: TrainOptions, target: Any) -> list[int]:
-    from eagle3.runtime.interfaces import default_aux_layer_ids
+def _fresh_aux_ids(opts: TrainOptions, target: Any) -> tuple[list[int], str]:
+    """A new draft's aux layers and why: ``--aux-layer-ids`` as given, else a default that is valid
+    for this target's depth (``formats.detect.new_draft_aux_layer_ids``: (2, N//2, N-3) from 7
+    layers on, a documented fallback below)."""
+    from eagle3.formats.detect import new_draft_aux_layer_ids
 
-    ids = list(opts.aux_layer_ids or default_aux_layer_ids(target.num_layers))
+    if not opts.aux_layer_ids:
+        try:
+            ids, rule = new_draft_aux_layer_ids(target.num_layers)
+        except ValueError as e:
+            raise UsageError(f"{opts.target}: {e}") from None
+        return list(ids), f"default {rule}; --aux-layer-ids chooses others"
+    ids = list(opts.aux_layer_ids)
     if len(ids) != len(set(ids)) or sorted(ids) != ids or ids[0] < 0 or ids[-1] > target.num_layers:
         raise UsageError(f"--aux-layer-ids {ids}: must be ascending target layer ids in 0..{target.num_layers} "
                          f"(input-to-layer convention)")
-    return ids
+    return ids, "given with --aux-layer-ids"
 
 
 def _convert_init(opts: TrainOptions, init: Path) -> None:
@@ -373,8 +382,13 @@ def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict
             shutil.rmtree(init, ignore_errors=True)
         if opts.init_from is not None and not have_init:
             _convert_init(opts, init)
-        aux_ids = tuple(read_json(init / "config.json")["eagle_aux_hidden_state_layer_ids"] if init.is_dir()
-                        else _fresh_aux_ids(opts, run.target))
+        if init.is_dir():
+            aux_ids = tuple(read_json(init / "config.json")["eagle_aux_hidden_state_layer_ids"])
+            aux_rule = "the starting draft's" if opts.init_from is not None else "the resumed run's"
+        else:
+            fresh, aux_rule = _fresh_aux_ids(opts, run.target)
+            aux_ids = tuple(fresh)
+        echo(f"aux layers {list(aux_ids)} (input-to-layer ids of a {run.target.num_layers}-layer target): {aux_rule}")
         cache, digests, teacher_counts = _teacher_phase(run, aux_ids)
         if not init.is_dir():
             _fresh_init(opts, init, run.target, list(aux_ids), cache, digests, run.eos)
@@ -391,6 +405,7 @@ def train_draft(opts: TrainOptions, echo: Callable[[str], None] = _echo) -> dict
         heldout = _heldout(run, tmp, "after" if before else "held-out", plain)
         report = _report(run, model, aux_ids, n_params, history, before, heldout, teacher_counts, digests, cache,
                          time.perf_counter() - t_start)
+        report["draft"]["aux_layer_ids_rule"] = aux_rule
         write_json(tmp / REPORT_FILE, report)
         figure(tmp / FIGURE_FILE, history, f"{opts.target.name}: {model.spec.attention} EAGLE-"
                                            f"{model.spec.eagle_version} draft")

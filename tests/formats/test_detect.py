@@ -17,6 +17,7 @@ from eagle3.formats.detect import (
     aux_convention,
     default_aux_layer_ids,
     load_config,
+    new_draft_aux_layer_ids,
     text_config,
     to_input_convention,
     to_output_convention,
@@ -529,3 +530,15 @@ def test_summary_rows_cover_sections(tmp_path: Path) -> None:
     secs = {r[0] for r in rows}
     assert {"model", "quant", "draft", "tensors", "warnings"} <= secs
     assert any(k == "d2t / t2d" and v.startswith("yes / no") for _, k, v in rows)
+
+
+def test_a_new_draft_gets_three_ascending_aux_ids_at_every_depth() -> None:
+    for n in range(2, 70):
+        ids, rule = new_draft_aux_layer_ids(n)
+        assert len(set(ids)) == 3 and list(ids) == sorted(ids) and 0 <= ids[0] and ids[-1] <= n, (n, ids)
+        assert ids[-1] < n or n == 2, (n, ids)  # a layer's input, which every engine captures
+        assert (n >= 7) is (n >= 4 and ids == default_aux_layer_ids(n)), (n, ids, rule)
+    assert new_draft_aux_layer_ids(4)[0] == (1, 2, 3) and "[2, 2, 1]" in new_draft_aux_layer_ids(4)[1]
+    assert new_draft_aux_layer_ids(61)[0] == (2, 30, 58)
+    with pytest.raises(ValueError, match="1-layer target"):
+        new_draft_aux_layer_ids(1)

@@ -27,8 +27,14 @@ import torch
 
 from eagle3.runtime.engine.llm import LLM
 from eagle3.runtime.parallel import free_port
+from eagle3.testing.numerics import (
+    FP32_ROUTER_TOL,
+    assert_greedy_agrees,
+    assert_tokens_until_near_tie,
+    forced_logits,
+)
 from tests.runtime.model_kit import single_thread
-from tests.runtime.test_tensor_parallel import LOGITS_ATOL, PROMPTS, _logits, _tokens
+from tests.runtime.test_tensor_parallel import LOGITS_ATOL, PROMPTS, _tokens
 
 REPO = Path(__file__).resolve().parents[2]
 # Small liveness limits, so that a killed node is noticed in seconds (the defaults are for real
@@ -98,12 +104,13 @@ def _llm(target: Path, draft: Path | None, port: int) -> LLM:
 
 @pytest.mark.slow
 def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path: Path) -> None:
-    """TP=4 over two nodes == TP=1 (greedy tokens; logits within rounding), plain and speculative
-    with both draft architectures; each LLM closes with rejoin so that node 1 joins the next group."""
+    """TP=4 over two nodes == TP=1 within rounding (logits over TP=1's tokens; greedy tokens up to
+    the first near tie), speculative TP=4 == plain TP=4 bit for bit with both draft architectures;
+    each LLM closes with rejoin so that node 1 joins the next group."""
     target = tiny_dir / "kimi-k2.5"
     one = LLM(target, dtype="float32", tokenizer=None, num_blocks=64)
-    ref, ref_logits = _tokens(one), _logits(one, PROMPTS[3])
-    del one
+    ref = _tokens(one)
+    plain: list[list[int]] = []
     port = free_port()
     log = tmp_path / "node1.log"
     with _node(_serve_argv(target, 1, port), log) as node1:
@@ -111,12 +118,17 @@ def test_tp4_over_two_nodes_equals_tp1_with_both_drafts(tiny_dir: Path, tmp_path
         for i, draft in enumerate(runs):
             llm = _llm(target, draft, port)
             try:
-                assert _tokens(llm) == ref, draft
                 if draft is None:
-                    diff = (_logits(llm, PROMPTS[3]) - ref_logits).abs().max().item()
-                    assert diff <= LOGITS_ATOL, diff
+                    plain = _tokens(llm)
+                    for j, (prompt, toks) in enumerate(zip(PROMPTS, ref, strict=True)):
+                        history = prompt + toks[:-1]
+                        assert_greedy_agrees(forced_logits(one.target, history), forced_logits(llm.target, history),
+                                             LOGITS_ATOL, f"TP=4 vs TP=1, prompt {j}")
+                    assert_tokens_until_near_tie(one.target, PROMPTS, ref, {"tp=4": plain}, LOGITS_ATOL,
+                                                 FP32_ROUTER_TOL, "TP=4 vs TP=1")
                     assert llm.target.model.lm_head.out_features == llm.target.model.vocab_size // 4
                 else:
+                    assert _tokens(llm) == plain, draft  # speculative == plain at one TP size: bitwise
                     assert llm.stats.num_drafts > 0
             finally:
                 llm.close(rejoin=i < len(runs) - 1)
@@ -131,8 +143,9 @@ def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None
     data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     port = free_port()
-    flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "4", "--num-fewshot",
-             "1", "--max-tokens", "16", "--concurrency", "4", "--dataset", str(data)]
+    # two short 1-shot questions: the claim is both nodes through both groups, not the workload
+    flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "2", "--num-fewshot",
+             "1", "--max-tokens", "8", "--concurrency", "2", "--dataset", str(data)]
     target = tiny_dir / "kimi-k2.5"
     log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
     with _node(_serve_argv(target, 1, port, *flags), log1) as node1, \
@@ -141,7 +154,7 @@ def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None
         out = log0.read_text(errors="replace")
         assert "result: PASS" in out, out[-3000:]
         rep = json.loads(report.read_text())
-        assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 4
+        assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 2
         assert rep["server"]["tensor_parallel_size"] == 4
         assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]  # both runs' groups
         assert _gone(node0.pid) and _gone(node1.pid)
@@ -305,8 +318,8 @@ def test_serve_validate_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
-            "--dtype", "float32", "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", "--concurrency", "4",
-            "--dataset", str(data), "--report", str(report)]
+            "--dtype", "float32", "--validate", "gsm8k", "--limit", "2", "--num-fewshot", "1", "--max-tokens", "8",
+            "--concurrency", "2", "--dataset", str(data), "--report", str(report)]  # short: the claim is the groups
     log = tmp_path / "torchrun.log"
     with _node(argv, log) as p:
         assert _wait_exit(p, log, 400) == 0, log.read_text(errors="replace")[-3000:]

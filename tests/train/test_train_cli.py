@@ -87,6 +87,19 @@ def test_train_draft_cli(tiny_dir: Path, tmp_path: Path, data_file: Path, gsm8k_
         assert "MLA" in _error(capsys, "convert", out, tmp_path / "spec", "--engine", "speculators")
 
 
+def test_default_aux_ids_fit_the_four_layer_trained_target(trained_pair: Path, tmp_path: Path,
+                                                           data_file: Path) -> None:
+    """The engines' (2, N//2, N-3) is (2, 2, 1) for the trained target's 4 layers: without
+    --aux-layer-ids the command takes (1, 2, 3) instead and says which ids and why."""
+    out = tmp_path / "draft"
+    res = _cli("train-draft", trained_pair / "kimi-k2.5-trained", out, "--data", data_file, "--steps", "1",
+               "--eval-prompts", "0", *FAST)
+    assert "aux layers [1, 2, 3] (input-to-layer ids of a 4-layer target): default (1, N//2, N-1)" in res.output
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    draft = json.loads((out / "train_report.json").read_text())["draft"]
+    assert draft["aux_layer_ids"] == [1, 2, 3] and "[2, 2, 1]" in draft["aux_layer_ids_rule"]
+
+
 def test_resume_continues_from_checkpoint(tiny_dir: Path, tmp_path: Path, data_file: Path,
                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     target = tiny_dir / "kimi-k2.5"

@@ -42,13 +42,16 @@ def targets(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 def test_serve_validate_gsm8k(which: str, targets: dict[str, Path], tiny_dir: Path, tmp_path: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "report.json"
+    # bf16 keeps lm-eval's default 5-shot prompts (the long prefills); W4A8's claim is its experts
+    # through the same path, which 1-shot prompts (a quarter of the tokens) make as well
+    shots = [] if which == "bf16" else ["--num-fewshot", "1"]
     code = _cli(["serve", str(targets[which]), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
-                 "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16",
+                 "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", *shots,
                  "--concurrency", "4", "--dataset", str(lmeval.gsm8k_dir()), "--report", str(report)])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err
     r = json.loads(report.read_text())
-    assert r["passed"] and r["n_samples"] == 4 and r["num_fewshot"] == 5  # lm-eval's gsm8k default
+    assert r["passed"] and r["n_samples"] == 4 and r["num_fewshot"] == (5 if which == "bf16" else 1)  # 5: lm-eval's
     assert r["lossless"]["passed"] and r["lossless"]["num_compared"] == 4
     assert r["server"]["engine"] == "eagle3" and r["server"]["num_speculative_tokens"] == 3
     spec = r["speculative"]

@@ -26,9 +26,10 @@ from eagle3.runtime import kv_cache
 from eagle3.runtime.context import AttnMetadata, TreeMask
 from eagle3.runtime.engine.config import EngineConfig, SpecShape
 from eagle3.runtime.engine.graphs import GraphRunner, TreeStep, capture_sizes, context_cap
+from eagle3.runtime.engine.prompt_logprobs import step_prompt_logprobs
 from eagle3.runtime.engine.sequence import ScheduledSeq
 from eagle3.runtime.interfaces import DraftModel, TargetModel, allocate_kv_cache, compact_tree_kv
-from eagle3.runtime.logprobs import TokenLogprob, emitted_logprobs, step_prompt_logprobs
+from eagle3.runtime.logprobs import TokenLogprob, emitted_logprobs
 from eagle3.runtime.sampling import SamplingBatch
 from eagle3.runtime.spec.adaptive import AdaptivePolicy, MeasuredCostModel
 from eagle3.runtime.spec.proposer import EagleProposer, Proposal, ProposeItem

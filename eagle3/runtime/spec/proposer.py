@@ -20,24 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3.runtime.interfaces import DraftModel
 from eagle3.runtime.sampling import SamplingBatch, logits_to_probs, sample_from_weights
+from eagle3.runtime.spec.engine_view import DraftingConfig, DraftingSeq
 from eagle3.runtime.spec.tree_proposer import TreeDrafting
-
-if TYPE_CHECKING:  # the engine's types, for annotations only: spec/ never imports engine/
-    from eagle3.runtime.engine.config import EngineConfig
-    from eagle3.runtime.engine.sequence import Sequence as Seq
 
 
 @dataclass
 class ProposeItem:
     """One sequence's input to the proposer for this step."""
 
-    seq: Seq
+    seq: DraftingSeq  # the engine's Sequence
     start: int  # first committed position of this step (draft step 0 runs over start .. start+count-1)
     next_ids: list[int]  # the token after each of those positions (the inputs shifted left by one)
     aux: torch.Tensor  # [count, n*H] target aux states of those positions
@@ -64,10 +60,11 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, Sequence[Sequence[int]], Se
 
 
 class EagleProposer:
-    """``config``: the engine's one :class:`EngineConfig` (``draft_sampling``); how many tokens each
-    sequence drafts comes with its :class:`ProposeItem` (the model runner's k, or auto's choice)."""
+    """``config``: the engine's one ``EngineConfig``, read as a :class:`DraftingConfig`
+    (``draft_sampling``); how many tokens each sequence drafts comes with its :class:`ProposeItem`
+    (the model runner's k, or auto's choice)."""
 
-    def __init__(self, draft: DraftModel, config: EngineConfig, forward_fn: DraftForward,
+    def __init__(self, draft: DraftModel, config: DraftingConfig, forward_fn: DraftForward,
                  generator: torch.Generator | None = None, tree: TreeDrafting | None = None) -> None:
         self.draft = draft
         self.config = config

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from eagle3.runtime.context import TreeMask
 from eagle3.runtime.interfaces import DraftModel
+from eagle3.runtime.spec.engine_view import DraftingConfig
 from eagle3.runtime.spec.tree import DraftTree, TreeBuilder
-
-if TYPE_CHECKING:  # the engine's config, for annotations only: spec/ never imports engine/
-    from eagle3.runtime.engine.config import EngineConfig
 
 # One draft-tree step: (target ids [T], hidden [T, H], block_tables, cache starts, counts, RoPE
 # positions int64 [T] on the host, tree mask) -> (post_norm [T, H], next_hidden [T, H]). The
@@ -101,7 +99,7 @@ class TreeDrafting:
     verified as point masses (no ``q`` is kept). The shape is read from the engine's one config
     (``speculative_eagle_topk``, ``num_speculative_tokens``, ``speculative_num_draft_tokens``)."""
 
-    config: EngineConfig
+    config: DraftingConfig  # the engine's EngineConfig
     step: TreeStepFn
 
     @property

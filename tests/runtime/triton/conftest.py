@@ -1,10 +1,15 @@
 """Triton kernel tests. Without a GPU the kernels run under the Triton interpreter, which must be
 switched on before triton is first imported (``@triton.jit`` decides at decoration time); each
-test module skips itself cleanly when triton is not installed."""
+test module skips itself cleanly when triton is not installed.
+
+Under the interpreter ``tl.dot`` is replaced by a product whose bits do not depend on the CPU's
+BLAS kernels (``fixed_order_dot.py`` says why): the bitwise batch-invariance tests then hold or
+fail because of the kernels, on every x86-64 CPU alike."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +25,28 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_order_dot() -> Iterator[None]:
+    """Under the interpreter, ``tl.dot`` as a GPU computes it: each output element reduced over K in
+    one order, the same for every row and column, on any CPU (not numpy's BLAS). Session-wide, so
+    that a module fixture (a plain-greedy LLM, say) computes with the same dot as the tests that
+    compare against it: a function-scoped patch came after them, and bf16 speculative decoding
+    parted from a plain greedy that numpy's BLAS had computed."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        yield
+        return
+    try:
+        import triton.runtime.interpreter  # noqa: F401
+    except ImportError:  # no triton: the test modules skip themselves
+        yield
+        return
+    from tests.runtime.triton import fixed_order_dot
+
+    with pytest.MonkeyPatch.context() as mp:
+        fixed_order_dot.install(mp)
+        yield
 
 
 @pytest.fixture

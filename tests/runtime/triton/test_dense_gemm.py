@@ -52,10 +52,7 @@ def test_dense_bmm_matches_float64_and_rows_are_batch_invariant(b, k, n, dtype, 
     assert y.dtype == dtype and y.shape == (b, 40, n)
     ref = x.double() @ w.double()
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=TOL[dtype] * float(ref.abs().max()))
-    for lo, hi in [(20, 21), (17, 22), (0, 16), (3, 36)]:  # alone, other offsets, one and several tiles
-        assert torch.equal(dense_gemm.bmm(x[:, lo:hi], w), y[:, lo:hi]), (lo, hi)
-    other = torch.cat([x[:, :5] * 2, x[:, 30:31]], dim=1)  # after other rows
-    assert torch.equal(dense_gemm.bmm(other, w)[:, 5:], y[:, 30:31])
+    assert _batch_dependent_rows(x, w, y) == []
     if b == 1:
         assert torch.equal(dense_gemm.matmul(x[0], w[0]), y[0])
 
@@ -73,6 +70,34 @@ def test_router_reads_bf16_operands_and_multiplies_in_fp32(device: torch.device)
     xc, wc = x.cpu(), w_t.cpu()
     ref = torch_ref.TorchBackend("cpu").matmul(xc, wc, torch.float32)
     assert torch.equal(ref, torch_ref.mm_rows(xc.float(), wc.float()))  # the reference's bits as before
+
+
+def _batch_dependent_rows(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> list[object]:
+    """The row slices of ``y = bmm(x, w)`` whose bits change when computed alone, at other offsets,
+    as one or several tiles, or after other rows."""
+    bad: list[object] = []
+    for lo, hi in [(20, 21), (17, 22), (0, 16), (3, 36)]:
+        if not torch.equal(dense_gemm.bmm(x[:, lo:hi], w), y[:, lo:hi]):
+            bad.append((lo, hi))
+    other = torch.cat([x[:, :5] * 2, x[:, 30:31]], dim=1)
+    if not torch.equal(dense_gemm.bmm(other, w)[:, 5:], y[:, 30:31]):
+        bad.append("after other rows")
+    return bad
+
+
+def test_a_tile_chosen_by_the_row_count_is_caught(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """The check above can fail on any CPU (the interpreter's dot is BLAS-independent: conftest.py):
+    a BLOCK_K picked from the number of rows, as a batch-tuned GEMM might, changes a row's bits."""
+    real_bmm, real_tiles = dense_gemm.bmm, dense_gemm.tiles
+
+    def batch_tuned(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        bk = 32 if x.shape[1] > 16 else 64
+        monkeypatch.setattr(dense_gemm, "tiles", lambda n, k: (*real_tiles(n, k)[:2], bk, real_tiles(n, k)[3]))
+        return real_bmm(x, w)
+
+    monkeypatch.setattr(dense_gemm, "bmm", batch_tuned)
+    x, w = _operands(1, 40, 128, 8, torch.float32, False, False, device)
+    assert _batch_dependent_rows(x, w, dense_gemm.bmm(x, w)) != []
 
 
 def test_backend_keeps_the_reference_on_the_cpu_and_the_kernel_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,8 @@ when there is one (the caches and metadata follow the model's device), else inte
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,15 +20,24 @@ from eagle3.runtime.interfaces import default_aux_layer_ids  # noqa: E402
 from eagle3.runtime.kernels.triton.linear import TritonLinear  # noqa: E402
 from eagle3.runtime.kernels.triton.moe import TritonMoE  # noqa: E402
 from eagle3.runtime.loader import load_target  # noqa: E402
-from tests.runtime.test_models_target import _schedule, _seqs, quantized  # noqa: E402, F401 (fixture)
+from tests.runtime.model_kit import requantize_target  # noqa: E402
+from tests.runtime.test_models_target import _schedule, _seqs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def w4a8(tiny_dir, tmp_path_factory) -> Path:
+    """The W4A8 re-quantization of test_models_target.py's ``quantized`` alone (that fixture also
+    writes MXFP4 and the dense references, which these tests do not read)."""
+    return requantize_target(tiny_dir / "kimi-k2-thinking", tmp_path_factory.mktemp("triton-bi") / "w4a8", "w4a8")
 
 
 @pytest.mark.parametrize("fmt", ["int4-w4a16", "w4a8-int8"])
-def test_batch_invariance_on_triton(tiny_dir, quantized, fmt: str, device: torch.device) -> None:  # noqa: F811
+def test_batch_invariance_on_triton(tiny_dir, request: pytest.FixtureRequest, fmt: str, device: torch.device) -> None:
     if fmt == "int4-w4a16":
         m = load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32, device=device, backend="triton")
     else:
-        m = load_target(quantized["w4a8"], dtype=torch.float32, device=device, act_override="int8", backend="triton")
+        m = load_target(request.getfixturevalue("w4a8"), dtype=torch.float32, device=device, act_override="int8",
+                        backend="triton")
     ops = [getattr(mod, a) for mod in m.modules() for a in ("op", "experts") if hasattr(mod, a)]
     assert any(isinstance(op, TritonMoE) for op in ops) and any(isinstance(op, TritonLinear) for op in ops)
     _schedule(m, _seqs(), default_aux_layer_ids(m.num_layers))
