@@ -126,7 +126,7 @@ def quantize(
     the output's KLD, top-1 agreement and first divergence against the source; with --calibrate the
     calibration pass per layer (MLPs calibrated / kept data-free, tokens, output error, time, peak RSS).
     """
-    from eagle3.quantize import pipeline
+    from eagle3.quantize import pipeline, report
 
     progress = not quiet and not json_out and sys.stderr.isatty()
     calibration = _calibration(calibrate, calibrate_samples, calibrate_tokens, calibrate_min_tokens)
@@ -142,7 +142,7 @@ def quantize(
     if json_out:
         print_json(result.to_json())
     else:
-        pipeline.print_summary(result)
+        report.print_summary(result)
 
 
 def _echo_err(line: str) -> None:
@@ -189,7 +189,7 @@ def _measurement(target: Path | None, eval_: bool, prompts: int | None, tokens: 
     if eval_:
         if k is not None:
             raise UsageError("--eval-k goes with --target (the speculative tokens of a draft's acceptance run)")
-        from eagle3.quantize.fidelity import DEFAULT_PROMPTS, DEFAULT_TOKENS, FidelityCheck
+        from eagle3.serve.fidelity import DEFAULT_PROMPTS, DEFAULT_TOKENS, FidelityCheck
 
         echo = (lambda line: typer.echo(line, err=True)) if progress else None
         m: Any = FidelityCheck(DEFAULT_PROMPTS if prompts is None else prompts,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,6 +71,7 @@ from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
 from eagle3.quantize.calibrated import Calibration
+from eagle3.quantize.progress import Progress
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
     DENSE,
@@ -507,7 +507,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
 
     ``measure(src_dir, out_dir)``: called on the finished output before it is published; its result
     is a report section (``acceptance`` for a draft, ``eagle3.quantize.acceptance``; ``fidelity`` for
-    a target, ``eagle3.quantize.fidelity``).
+    a target, ``eagle3.serve.fidelity``).
 
     ``method``: how the numbers are chosen within the recipe's format (:mod:`eagle3.quantize.methods`);
     None takes the recipe's (``rtn`` with ``engine="quark"``, which computes Quark's own numbers).
@@ -686,7 +686,7 @@ def _run_jobs(todo: list[ShardJob], workers: int, state: Path, progress: bool,
     if not todo:
         return results
     n = min(workers or _auto_workers(todo), sum(max(1, len(j.steps)) for j in todo))
-    bar = _Progress(sum(j.work_bytes for j in todo), enabled=progress)
+    bar = Progress(sum(j.work_bytes for j in todo), enabled=progress)
     reader = CheckpointReader(todo[0].src)
     engine = make_engine(todo[0].engine)
     if todo[0].verify:
@@ -767,40 +767,6 @@ class _Inline:
         pass
 
 
-class _Progress:
-    """A rich progress bar over work bytes (source bytes, quantized ones counted twice when verified)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self._p = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            # stderr: stdout stays clean for the summary (or --json).
-            self._p = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                               TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
-                               console=Console(stderr=True))
-            self._p.start()
-            self._task = self._p.add_task("quantize", total=total)
-        self._lock = threading.Lock()
-
-    def advance(self, n: int) -> None:
-        if self._p is not None:
-            with self._lock:
-                self._p.advance(self._task, n)
-
-    def close(self) -> None:
-        if self._p is not None:
-            self._p.stop()
-            self._p = None
-
-
 def _finish(tmp: Path, src_dir: Path, plan: Plan, results: dict[str, ShardResult],
             quark_cfg: dict[str, Any] | None, trust_remote_code: bool) -> None:
     """Index, config.json, side files and the report, next to the shards in ``OUT.partial``."""
@@ -822,31 +788,3 @@ def _finish(tmp: Path, src_dir: Path, plan: Plan, results: dict[str, ShardResult
             "expected_max_rel_error": plan.recipe.weight.max_rel_error, "quantized_modules": len(plan.quantized),
             "unquantized_linear_modules": len(plan.unquantized), "verified": bool(rows)}
     report.write_report(tmp, rows, meta)
-
-
-def print_summary(result: QuantizeResult) -> None:
-    """The table ``eagle3 quantize`` prints: error per module kind, then one line of totals."""
-    from rich.console import Console
-
-    con = Console()
-    title = (f"{result.recipe} ({result.scope}), engine {result.engine}, method {result.method}: verification of "
-             f"{result.out.name}")
-    if result.rows:
-        con.print(report.summary_table(result.rows, title))
-    mb = result.src_bytes / 1e6
-    con.print(f"quantized {result.quantized} modules ({result.unquantized} Linear modules left unquantized) "
-              f"from a {result.source_kind} source: {mb:.1f} MB in {result.seconds:.1f} s "
-              f"({mb / max(result.seconds, 1e-9):.1f} MB/s), output {result.out_bytes / 1e6:.1f} MB"
-              + (f", {result.shards_resumed} of {result.shards} shards resumed" if result.shards_resumed else ""))
-    con.print(f"wrote {result.out} (report: {', '.join(f.name for f in result.files)})")
-    if result.calibration:
-        con.print(calibrated.summary_line(result.calibration), highlight=False)
-    if result.acceptance:
-        con.print(report.acceptance_line(result.acceptance))
-    if result.fidelity:
-        from eagle3.quantize.fidelity import fidelity_line
-
-        con.print(fidelity_line(result.fidelity), highlight=False)
-    if result.failed:
-        con.print(f"[yellow]warning: {len(result.failed)} tensor(s) exceed the scheme's expected error, e.g. "
-                  f"{result.failed[0].module} (rel. error {result.failed[0].rel_error:.3f})[/yellow]")

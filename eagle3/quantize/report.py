@@ -229,3 +229,51 @@ def acceptance_line(acc: dict[str, Any]) -> str:
     return (f"acceptance with {acc['target']['path']} ({a['num_prompts']} held-out prompts, k="
             f"{a['num_speculative_tokens']}, greedy): mean accept length {b['mean_acceptance_length']:.2f} -> "
             f"{a['mean_acceptance_length']:.2f} ({acc['ratio']:.3f}x), lossless {'PASS' if a['lossless'] else 'FAIL'}")
+
+
+def print_summary(result: Any) -> None:
+    """The table ``eagle3 quantize`` prints (a :class:`~eagle3.quantize.pipeline.QuantizeResult`): error
+    per module kind, then one line of totals, then the calibration, acceptance and fidelity lines."""
+    from rich.console import Console
+
+    from eagle3.quantize import calibrated
+
+    con = Console()
+    title = (f"{result.recipe} ({result.scope}), engine {result.engine}, method {result.method}: verification of "
+             f"{result.out.name}")
+    if result.rows:
+        con.print(summary_table(result.rows, title))
+    mb = result.src_bytes / 1e6
+    con.print(f"quantized {result.quantized} modules ({result.unquantized} Linear modules left unquantized) "
+              f"from a {result.source_kind} source: {mb:.1f} MB in {result.seconds:.1f} s "
+              f"({mb / max(result.seconds, 1e-9):.1f} MB/s), output {result.out_bytes / 1e6:.1f} MB"
+              + (f", {result.shards_resumed} of {result.shards} shards resumed" if result.shards_resumed else ""))
+    con.print(f"wrote {result.out} (report: {', '.join(f.name for f in result.files)})")
+    if result.calibration:
+        con.print(calibrated.summary_line(result.calibration), highlight=False)
+    if result.acceptance:
+        con.print(acceptance_line(result.acceptance))
+    if result.fidelity:
+        con.print(fidelity_line(result.fidelity), highlight=False)
+    if result.failed:
+        con.print(f"[yellow]warning: {len(result.failed)} tensor(s) exceed the scheme's expected error, e.g. "
+                  f"{result.failed[0].module} (rel. error {result.failed[0].rel_error:.3f})[/yellow]")
+
+
+def fidelity_line(f: dict[str, Any]) -> str:
+    """``fidelity vs SRC (8 held-out GSM8K prompts x 64 tokens, top-20): KLD mean ... p99 ..., top-1 ...``."""
+    k, d = f["kld"], f["divergence"]
+    first = d.get("mean_first_divergence")
+    return (f"fidelity vs {f['source']} ({f['prompts']} held-out GSM8K prompts x {f['tokens']} tokens, top-"
+            f"{f['logprobs']} logprobs, {k['tokens']} tokens): KLD mean {_g(k['mean'])} p99 {_g(k['p99'])}, "
+            f"top-1 agreement {_pct(f['top1_agreement'])}, identical continuations {d['identical']}/{d['sequences']}"
+            + (f", first divergence at token {first:.1f} on average" if first is not None else "")
+            + ("" if f["passed"] else f" [{'; '.join(f['failures'])}]"))
+
+
+def _g(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.1f} %"

@@ -8,7 +8,9 @@ never training data) recorded with their top-N log-probabilities; then the finis
 ``OUT.partial``) is served and every recorded prompt + continuation teacher-forced through it. The
 comparison (:func:`eagle3.validate.reference.compare`: mean / p99 KLD per token, top-1 agreement,
 identical continuations and the first divergence) goes into ``quantization_report.json`` as
-``fidelity``, so ``manifest.json`` covers it, and ``eagle3 quantize`` prints it in one line.
+``fidelity``, so ``manifest.json`` covers it, and ``eagle3 quantize`` prints it in one line
+(:func:`eagle3.quantize.report.fidelity_line`). It lives beside the server it runs (the quantizer
+imports nothing of ``serve``): the CLI hands it to :func:`eagle3.quantize.quantize` as its ``check``.
 
 Only the comparison runs: no speculative validation, no answer scoring (the served model is forced
 along the source's tokens, it generates nothing of its own). The defaults (8 prompts x 64 tokens)
@@ -97,22 +99,3 @@ def measure_fidelity(c: FidelityCheck, src: Path, out: Path) -> dict[str, Any]:
                     f"({gsm8k.dataset_name(c.dataset)}), the source's greedy continuation of up to {c.tokens} tokens",
             "device": c.device, "dtype": c.dtype, **{k: block[k] for k in keep},
             "seconds": round(time.perf_counter() - t0, 3)}
-
-
-def fidelity_line(f: dict[str, Any]) -> str:
-    """``fidelity vs SRC (8 held-out GSM8K prompts x 64 tokens, top-20): KLD mean ... p99 ..., top-1 ...``."""
-    k, d = f["kld"], f["divergence"]
-    first = d.get("mean_first_divergence")
-    return (f"fidelity vs {f['source']} ({f['prompts']} held-out GSM8K prompts x {f['tokens']} tokens, top-"
-            f"{f['logprobs']} logprobs, {k['tokens']} tokens): KLD mean {_g(k['mean'])} p99 {_g(k['p99'])}, "
-            f"top-1 agreement {_pct(f['top1_agreement'])}, identical continuations {d['identical']}/{d['sequences']}"
-            + (f", first divergence at token {first:.1f} on average" if first is not None else "")
-            + ("" if f["passed"] else f" [{'; '.join(f['failures'])}]"))
-
-
-def _g(v: Any) -> str:
-    return "-" if v is None else f"{v:.4g}"
-
-
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * v:.1f} %"
