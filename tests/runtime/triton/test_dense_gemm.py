@@ -14,6 +14,8 @@ the MLA absorption ``bmm``) and where the backend sends them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,7 +94,7 @@ def test_a_tile_chosen_by_the_row_count_is_caught(monkeypatch: pytest.MonkeyPatc
 
     def batch_tuned(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bk = 32 if x.shape[1] > 16 else 64
-        monkeypatch.setattr(dense_gemm, "tiles", lambda n, k: (*real_tiles(n, k)[:2], bk, real_tiles(n, k)[3]))
+        monkeypatch.setattr(dense_gemm, "tiles", lambda n, k, dtype: dataclasses.replace(real_tiles(n, k, dtype), bk=bk))
         return real_bmm(x, w)
 
     monkeypatch.setattr(dense_gemm, "bmm", batch_tuned)
