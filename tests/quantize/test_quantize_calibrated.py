@@ -16,18 +16,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.cli import main
+from tests.cli_run import run_cli as _run
 
 CALIB = ["--calibrate", "gsm8k", "--calibrate-samples", "2", "--calibrate-tokens", "300"]
 EVAL = ["--eval-prompts", "2", "--eval-tokens", "6", "--eval-fewshot", "0"]
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    out = capsys.readouterr()
-    return int(e.value.code or 0), out.out, out.err
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:

@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.cli import main
+from tests.cli_run import run_cli as _run
 
 EVAL = ["--eval-prompts", "2", "--eval-tokens", "6", "--eval-fewshot", "0"]  # 0-shot: short prompts
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    out = capsys.readouterr()
-    return int(e.value.code or 0), out.out, out.err
 
 
 def test_eval_writes_the_comparison_with_the_source_before_publishing(tiny_dir: Path, tmp_path: Path,
