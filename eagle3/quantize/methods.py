@@ -52,8 +52,8 @@ class InputStats:
     """What is known about a weight's inputs (its K input channels), for the methods that use it.
 
     ``importance`` [K] fp32 > 0: how much each input channel's error counts (a diagonal Hessian,
-    up to scale). Data-free, eagle3 takes it from the RMSNorm whose output is the weight's input
-    (:mod:`eagle3.quantize.importance`); a calibrated method from ``E[x_k^2]`` over its tokens.
+    up to scale), e.g. ``E[x_k^2]`` over calibration tokens. No data-free method sets it: the RMSNorm
+    weight feeding a Linear was measured no better than none (docs/recipes.md, "Importance").
     ``hessian`` [K, K] fp32: ``E[x x^T]`` over calibration tokens (calibrated methods only).
     ``solved``: the weight's whole export tensors, already chosen by a calibrated method's pass over
     the model (error feedback needs a layer's inputs, which exist only while the source runs layer by
