@@ -5,7 +5,7 @@ test module skips itself cleanly when triton is not installed.
 Under the interpreter ``tl.dot`` is replaced by a product whose bits do not depend on the CPU's
 BLAS kernels (``fixed_order_dot.py`` says why): the bitwise batch-invariance tests then hold or
 fail because of the kernels, on every x86-64 CPU alike. The interpreter also patches the language
-once per launch instead of once per device-function call (``launch_scoped_patching.py``: speed)."""
+once per launch and looks its numpy dtypes up (``interpreter_speed.py``: speed)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def _fixed_order_dot() -> Iterator[None]:
     except ImportError:  # no triton: the test modules skip themselves
         yield
         return
-    from tests.runtime.triton import fixed_order_dot, launch_scoped_patching
+    from tests.runtime.triton import fixed_order_dot, interpreter_speed
 
     with pytest.MonkeyPatch.context() as mp:
         fixed_order_dot.install(mp)
-        launch_scoped_patching.install(mp)
+        interpreter_speed.install(mp)
         yield
 
 
