@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.quantize import native
+from eagle3.formats import codecs
+from eagle3.quantize import native, scale_search
 from eagle3.quantize.calibrate import gptq as solvers
 from eagle3.quantize.calibrate import grids, smooth, solve
 from eagle3.quantize.calibrate.methods import CalibConfig, act_qdq
@@ -210,3 +211,29 @@ def test_an_mlp_too_few_tokens_reach_keeps_its_data_free_values(method: str) -> 
     many = torch.randn(640, 64, generator=torch.Generator().manual_seed(25))
     r2 = solve_mlp(w, {"gate", "up", "down"}, many, many, "mxfp4", q, q, cfg)
     assert not r2.fallback and r2.err < r2.err_rtn
+
+
+def test_the_grids_mse_scales_are_the_data_free_searchs() -> None:
+    """``scales="mse"``: MXFP4's exponents are, per block, the best of the even rule's and its two
+    neighbours by the grid's own decode (weighted error; the even one on ties), and W4A8's round to
+    nearest on its grid is exactly the data-free ``--method mse`` (scale_search) output."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(24, 256, generator=g) * torch.exp(torch.randn(24, 256, generator=g))  # outliers in blocks
+    imp = torch.rand(256, generator=g) + 0.05
+    got = grids.mxfp4_grid(w, "mse", imp).exponents
+    even = grids.mxfp4_grid(w, "max").exponents
+    cols = slice(0, 256)
+
+    def block_err(e: torch.Tensor) -> torch.Tensor:
+        grid = grids.MXFP4Grid(e)
+        return ((grid.qdq(w, cols)[0] - w).square() * imp).reshape(24, 8, 32).sum(-1)
+
+    errs = torch.stack([block_err(even + d) for d in (0, -1, 1)])
+    best = errs.amin(0)
+    assert (got != even).any()  # the search moved some blocks
+    assert torch.allclose(block_err(got), best, rtol=1e-5, atol=0)
+    assert torch.equal(got[errs[0] == best], even[errs[0] == best])  # even wins ties
+    s1 = codecs.fp8_per_tensor_scale(w.abs().amax(), torch.float32)
+    codes, s2 = scale_search.int4_per_channel(w, None, s1)
+    grid = grids.w4a8_grid(w, "mse")
+    assert torch.equal(grid.s2, s2) and torch.equal(grid.codes(w, cols), codes)
