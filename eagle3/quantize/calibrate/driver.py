@@ -20,7 +20,10 @@ recipe's activation quantization to advance that stream, exactly as the runtime 
 Memory: one decoder layer's weights as the runtime holds them (packed), the hidden states of the
 calibration tokens (one or two ``T x H`` streams and the layer's ``x``), and one MLP's Hessians and
 factors at a time (for a Kimi-K2.5 expert: ``7168^2`` fp32 = 205 MB for gate/up, 17 MB for down,
-plus a transient float64 factorisation of ~0.4-0.8 GB). None of it depends on the number of layers.
+plus a transient float64 factorisation of ~0.4-0.8 GB). None of it depends on the number of layers,
+and nothing of an MLP outlives its solve but its packed export tensors (held until the layer's file is
+written); the allocator's free pages are handed back after every MLP and layer (:mod:`.heap`), so
+what one layer freed does not stay resident under the next one's peak.
 Each layer prints a progress line with its time.
 """
 
@@ -48,6 +51,7 @@ from eagle3.quantize.calibrate.store import TensorStore
 from eagle3.quantize.recipes import Recipe, Scope
 from eagle3.quantize.sources import find_modules, inspect_source, open_rows
 from eagle3.runtime.kernels.base import ActQuant, Int4Weight, LinearWeight, MXFP4Weight
+from eagle3.runtime.kernels.torch_ref.packed import release_scratch
 from eagle3.runtime.layers.moe import MoE
 
 # observe(layer index, MLP inputs [T, H] the experts were fitted to, router top-k ids [T, k] or None)
@@ -221,6 +225,10 @@ class Calibrator:
             rep.expert_tokens = [int(g.numel()) for g in groups]
         if self.observe is not None:
             self.observe(i, x if xq is None else xq, ids)
+        # The runtime's decode buffers grow to the largest tile decoded so far (the first MoE layer's
+        # expert tiles: ~64 MB at full width) and would stay through every later layer's solves.
+        release_scratch()
+        release_freed()
         results: dict[int | str, dict[str, dict[str, torch.Tensor]]] = {}  # gptaq: packed tensors by MLP
         t1 = time.perf_counter()
         num, num_rtn, den = 0.0, 0.0, 0
@@ -259,6 +267,7 @@ class Calibrator:
         if hq_attn is not None and xq is not None:
             self._load_quantized(layer, sites, results)
             hq_next = hq_attn + self.model.mlp(layer.mlp, xq)
+        release_scratch()
         rep.seconds = time.perf_counter() - t0
         rep.cpu_seconds = time.process_time() - c0
         rep.peak_rss_mb = peak_rss_mb()

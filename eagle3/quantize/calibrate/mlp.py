@@ -9,8 +9,7 @@ from ``silu(gate) * up`` of those tokens.
 An MLP reached by fewer than ``min_tokens_per_input * H`` tokens keeps its data-free values
 (:data:`.methods.MIN_TOKENS_PER_INPUT` says why): the driver leaves it out of the store, so the
 quantizer writes the recipe's data-free default for it; its reported error (and, for ``gptaq``, the
-quantized stream after it) use round to nearest on the format's default grid: for W4A8 exactly the
-values of that default (``--method mse``; the grid takes its scales from the same search).
+quantized stream after it) use round to nearest on the format's default grid, a close stand-in.
 
 The result carries, besides the export tensors, the relative output error of the MLP on its
 calibration tokens with the data-free values and with the method's (served numerics: weights on
