@@ -1,13 +1,12 @@
 """Handing freed memory back to the OS between the calibration pass's solves.
 
 The pass frees hundreds of MB after every MLP (its fp32 source values, Hessians, factors) and
-allocates the same shapes again for the next one. glibc keeps freed blocks below its (adaptive)
-mmap threshold inside its heaps, and pages of free chunks stay resident until something trims
-them; where the next MLP's blocks land then depends on the holes the previous layers left, so
-the resident peak drifted upwards with the number of layers run (2.32 GiB after 2 layers, 2.38
-after 4, docs/calibration.md). :func:`release_freed` after each MLP and each layer returns every
-free page (``malloc_trim(0)`` also releases whole free pages inside a heap, not only its top), so
-each layer starts from the same resident set and the peak is that of one layer's work.
+allocates the same shapes again for the next one. glibc keeps freed blocks below its mmap threshold
+inside its heaps, and the pages of free chunks stay resident until something trims them, so where
+the next MLP's blocks land, and the resident peak, depended on the layers run before.
+:func:`release_freed` after each MLP and each layer returns every free page (``malloc_trim(0)``
+also releases whole free pages inside a heap, not only at its top); ``eagle3 quantize --calibrate``
+also lowers the mmap threshold (``eagle3.cli.convert``), so large tensors are unmapped when freed.
 """
 
 from __future__ import annotations
