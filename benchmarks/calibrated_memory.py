@@ -71,15 +71,20 @@ def main() -> None:
                      "moe_layer_s": [x["seconds"] for x in moe], "moe_layer_cpu_s": [x["cpu_seconds"] for x in moe]})
         print(json.dumps(rows[-1]), flush=True)
     print("| slice | MLPs calibrated | quantize wall s | peak RSS (process tree) GiB | calibration pass peak RSS MiB "
-          "| per MoE layer s (CPU s) |")
-    print("|---|---|---|---|---|---|")
+          "| the pass's peak RSS after each layer, MiB | per MoE layer s (CPU s) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         per = ", ".join(f"{w:.0f} ({c:.0f})" for w, c in zip(r["moe_layer_s"], r["moe_layer_cpu_s"], strict=True))
+        layers = ", ".join(f"{m:.0f}" for m in r["layer_peak_rss_mb"])
         print(f"| {r['layers']} layers x {r['experts']} experts | {r['calibrated']} | {r['wall_s']:.0f} | "
-              f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['calibration_peak_rss_mb']:.0f} | {per} |")
+              f"{r['peak_rss_bytes'] / 2**30:.3f} | {r['calibration_peak_rss_mb']:.0f} | {layers} | {per} |")
     if len(rows) >= 2:
-        ratio = rows[-1]["peak_rss_bytes"] / max(rows[0]["peak_rss_bytes"], 1)
-        print(f"peak RSS {rows[-1]['layers']} layers / {rows[0]['layers']} layers: {ratio:.3f}x")
+        lo, hi = rows[0], rows[-1]
+        tree = hi["peak_rss_bytes"] / max(lo["peak_rss_bytes"], 1)
+        cal = hi["calibration_peak_rss_mb"] / max(lo["calibration_peak_rss_mb"], 1e-9)
+        print(f"peak RSS, {hi['layers']} layers / {lo['layers']} layers: process tree {tree:.4f}x "
+              f"({hi['peak_rss_bytes'] / 2**20:.0f} / {lo['peak_rss_bytes'] / 2**20:.0f} MiB), calibration pass "
+              f"{cal:.4f}x ({hi['calibration_peak_rss_mb']:.0f} / {lo['calibration_peak_rss_mb']:.0f} MiB)")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -77,6 +77,21 @@ def _retain_freed_memory() -> None:
         pass
 
 
+def _map_large_blocks() -> None:
+    """glibc only, for a calibrated run: every block of 1 MiB or more gets its own mapping, handed
+    back to the OS when freed. The calibration pass allocates and frees MB-sized tensors of many
+    sizes around long-lived ones (a layer's packed results until its file is written); in the heap,
+    the holes they leave keep their pages while later blocks extend it, so the resident peak moved
+    with the layers run before. Its solver time dwarfs the page faults this costs."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: glibc no longer raises it after a free)
+    except (OSError, AttributeError):  # not glibc: nothing to set
+        pass
+
+
 @app.command()
 def quantize(
     src: Annotated[str, typer.Argument(help="Target or draft: checkpoint directory or Hub repo id.")],
@@ -133,6 +148,8 @@ def quantize(
     measure = _measurement(target, eval_, eval_prompts, eval_tokens, eval_k, eval_fewshot, device, progress)
     if calibration is None:  # a calibrated run's time is the solver's; its peak memory should not wander
         _retain_freed_memory()  # with what the heap keeps (up to the 1 GiB trim threshold)
+    else:
+        _map_large_blocks()
     result = pipeline.quantize(src, out, recipe, scope, workers=workers, engine=engine, overwrite=overwrite,
                                resume=resume, verify=verify, trust_remote_code=trust_remote_code,
                                progress=not quiet and not json_out and sys.stderr.isatty(),

@@ -210,3 +210,24 @@ def test_an_mlp_too_few_tokens_reach_keeps_its_data_free_values(method: str) -> 
     many = torch.randn(640, 64, generator=torch.Generator().manual_seed(25))
     r2 = solve_mlp(w, {"gate", "up", "down"}, many, many, "mxfp4", q, q, cfg)
     assert not r2.fallback and r2.err < r2.err_rtn
+
+
+def test_the_mxfp4_grids_mse_exponents_are_the_best_of_three_by_its_own_decode() -> None:
+    """``scales="mse"`` (the data-free search's exponents): per block the best of the even rule's
+    exponent and its two neighbours by the grid's own decode, weighted error, the even one on ties."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(24, 256, generator=g) * torch.exp(torch.randn(24, 256, generator=g))  # outliers in blocks
+    imp = torch.rand(256, generator=g) + 0.05
+    got = grids.mxfp4_grid(w, "mse", imp).exponents
+    even = grids.mxfp4_grid(w, "max").exponents
+    cols = slice(0, 256)
+
+    def block_err(e: torch.Tensor) -> torch.Tensor:
+        grid = grids.MXFP4Grid(e)
+        return ((grid.qdq(w, cols)[0] - w).square() * imp).reshape(24, 8, 32).sum(-1)
+
+    errs = torch.stack([block_err(even + d) for d in (0, -1, 1)])
+    best = errs.amin(0)
+    assert (got != even).any()  # the search moved some blocks
+    assert torch.allclose(block_err(got), best, rtol=1e-5, atol=0)
+    assert torch.equal(got[errs[0] == best], even[errs[0] == best])  # even wins ties

@@ -20,7 +20,10 @@ recipe's activation quantization to advance that stream, exactly as the runtime 
 Memory: one decoder layer's weights as the runtime holds them (packed), the hidden states of the
 calibration tokens (one or two ``T x H`` streams and the layer's ``x``), and one MLP's Hessians and
 factors at a time (for a Kimi-K2.5 expert: ``7168^2`` fp32 = 205 MB for gate/up, 17 MB for down,
-plus a transient float64 factorisation of ~0.4-0.8 GB). None of it depends on the number of layers.
+plus a transient float64 factorisation of ~0.4-0.8 GB). None of it depends on the number of layers,
+and nothing of an MLP outlives its solve but its packed export tensors (held until the layer's file is
+written); the allocator's free pages are handed back after every MLP and layer (:mod:`.heap`), so
+what one layer freed does not stay resident under the next one's peak.
 Each layer prints a progress line with its time.
 """
 
@@ -40,13 +43,15 @@ import torch
 from eagle3.errors import UsageError
 from eagle3.formats import keys
 from eagle3.quantize.calibrate.capture import SourceLayers, TokenStream, routed_tokens
+from eagle3.quantize.calibrate.heap import release_freed
 from eagle3.quantize.calibrate.methods import CalibConfig, act_qdq
-from eagle3.quantize.calibrate.mlp import ROLES, MLPResult, solve_mlp
+from eagle3.quantize.calibrate.mlp import ROLES, solve_mlp
 from eagle3.quantize.calibrate.prompts import CalibrationSet
 from eagle3.quantize.calibrate.store import TensorStore
 from eagle3.quantize.recipes import Recipe, Scope
 from eagle3.quantize.sources import find_modules, inspect_source, open_rows
 from eagle3.runtime.kernels.base import ActQuant, Int4Weight, LinearWeight, MXFP4Weight
+from eagle3.runtime.kernels.torch_ref.packed import release_scratch
 from eagle3.runtime.layers.moe import MoE
 
 # observe(layer index, MLP inputs [T, H] the experts were fitted to, router top-k ids [T, k] or None)
@@ -192,6 +197,7 @@ class Calibrator:
             hq = h.clone() if cfg.needs_quantized_inputs else None
             for i in range(self.model.num_layers):
                 rep, h, hq = self._layer(i, h, hq)
+                release_freed()  # the layer's weights and MLP inputs (heap.py: why)
                 res.layers.append(rep)
                 self.echo(_progress_line(rep, self.model.num_layers))
         res.seconds = time.perf_counter() - t_start
@@ -219,7 +225,11 @@ class Calibrator:
             rep.expert_tokens = [int(g.numel()) for g in groups]
         if self.observe is not None:
             self.observe(i, x if xq is None else xq, ids)
-        results: dict[int | str, MLPResult] = {}
+        # The runtime's decode buffers grow to the largest tile decoded so far (the first MoE layer's
+        # expert tiles: ~64 MB at full width) and would stay through every later layer's solves.
+        release_scratch()
+        release_freed()
+        results: dict[int | str, dict[str, dict[str, torch.Tensor]]] = {}  # gptaq: packed tensors by MLP
         t1 = time.perf_counter()
         num, num_rtn, den = 0.0, 0.0, 0
         for s in sites:
@@ -233,7 +243,8 @@ class Calibrator:
             if not r.fallback:  # an MLP kept data-free gets the quantizer's data-free default instead
                 for role, t in r.tensors.items():
                     self.store.put(s.names[role], t)
-            results[s.expert if s.kind == "expert" else s.kind] = r
+            if xq is not None:  # gptaq reloads the layer with these (packed) tensors; nothing else is kept
+                results[s.expert if s.kind == "expert" else s.kind] = r.tensors
             rep.mlps += 1
             rep.fallback += int(r.fallback)
             rep.calibrated += int(not r.fallback)
@@ -243,6 +254,10 @@ class Calibrator:
                 num += r.err * r.tokens
                 num_rtn += r.err_rtn * r.tokens
                 den += r.tokens
+            # Nothing of this MLP outlives it but its packed tensors (a Kimi-K2.5 expert's fp32 values
+            # are 176 MB, its layer has 384): free them before the next MLP's solve.
+            del w, xs, xqs, r
+            release_freed()
         self.store.flush(f"layer-{i:04d}")  # nothing when every MLP of the layer was kept data-free
         rep.solve_seconds = time.perf_counter() - t1
         if den:
@@ -252,19 +267,22 @@ class Calibrator:
         if hq_attn is not None and xq is not None:
             self._load_quantized(layer, sites, results)
             hq_next = hq_attn + self.model.mlp(layer.mlp, xq)
+        release_scratch()
         rep.seconds = time.perf_counter() - t0
         rep.cpu_seconds = time.process_time() - c0
         rep.peak_rss_mb = peak_rss_mb()
         del layer
         return rep, h_next, hq_next
 
-    def _weight(self, s: _MLPSite, role: str, r: MLPResult | None) -> tuple[LinearWeight, ActQuant]:
+    def _weight(self, s: _MLPSite, role: str, tensors: dict[str, dict[str, torch.Tensor]] | None
+                ) -> tuple[LinearWeight, ActQuant]:
         name = s.names[role]
-        if r is not None and role in r.tensors:
-            return canonical(r.tensors[role], self.fmt, self.modules[name].shape[1]), _act_quant(self.act_fmt)
+        if tensors is not None and role in tensors:
+            return canonical(tensors[role], self.fmt, self.modules[name].shape[1]), _act_quant(self.act_fmt)
         return self.model.reader.linear(name)
 
-    def _load_quantized(self, layer: torch.nn.Module, sites: list[_MLPSite], results: dict[int | str, MLPResult]) -> None:
+    def _load_quantized(self, layer: torch.nn.Module, sites: list[_MLPSite],
+                        results: dict[int | str, dict[str, dict[str, torch.Tensor]]]) -> None:
         """Reload the layer's MLP weights with their quantized values (the served model's layer)."""
         mlp = layer.mlp
         dt, dev = self.model.dtype, torch.device("cpu")

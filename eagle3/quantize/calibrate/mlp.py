@@ -91,6 +91,7 @@ def solve_mlp(w: dict[str, torch.Tensor], scope: set[str], x: torch.Tensor, xq: 
     err_rtn = _rel_err(mlp_output(xe, rtn_values, act_in, act_mid), y_ref) if n else float("nan")
     if n < cfg.min_tokens_per_input * hidden:
         return MLPResult(rtn_tensors, rtn_values, n, True, err_rtn=err_rtn, err=err_rtn)
+    del rtn_tensors, rtn_values  # not needed past the error: at Kimi-K2.5's width 176 MB in the solver's peak
     w = dict(w)
     alpha = None
     if cfg.smooth and {"up", "down"} <= scope:

@@ -73,6 +73,12 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     return buf[:numel]
 
 
+def release_scratch() -> None:
+    """Drop the calling thread's reused buffers (the next call makes them again): for a caller that
+    runs one layer at a time and needs the memory in between (the calibration pass)."""
+    _SCRATCH.__dict__.pop("bufs", None)
+
+
 def _scratch_ok(x: torch.Tensor) -> bool:
     """Decode into the reused scratch (CPU, no autograd through the ``out=`` GEMMs); elsewhere the
     per-call tensors (the CUDA caching allocator reuses blocks by itself)."""
