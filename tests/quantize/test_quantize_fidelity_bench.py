@@ -3,23 +3,20 @@ the numbers it reads from ``serve --validate --reference`` reports, its table, `
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_module import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("quantize_fidelity", ROOT / "benchmarks" / "quantize_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["quantize_fidelity"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load_benchmark("quantize_fidelity")
 
 
 def test_commands_are_the_cli_a_user_types(bench, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

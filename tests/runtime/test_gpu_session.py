@@ -4,7 +4,6 @@ benchmark JSON, the validation report) into issue 39's targets. Nothing is timed
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_module import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gs():
-    spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "benchmarks" / "gpu_session.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_session"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_session")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,9 +47,7 @@ def test_dry_run_prints_the_plan_under_eight_minutes() -> None:
 
 def test_stage_arguments_parse(gs, tmp_path: Path) -> None:
     """The benchmark stages' arguments are ones kernels_gpu.py accepts."""
-    spec = importlib.util.spec_from_file_location("kernels_gpu", ROOT / "benchmarks" / "kernels_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("kernels_gpu")
     for s in gs.stages(tmp_path)[1:3]:
         a = bench.parse_args(s.cmd[2:])
     assert a.skip_kernels and a.e2e_graphs == "on" and a.spec_shapes == [(1, 3, 4), "auto", (2, 5, 16)]

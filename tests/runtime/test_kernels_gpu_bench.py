@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_module import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("kernels_gpu", ROOT / "benchmarks" / "kernels_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kernels_gpu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("kernels_gpu")
 
 
 def test_help_has_an_example() -> None:

@@ -3,23 +3,19 @@ process-tree peak-RSS sampler, the cold read and the chart. No model is loaded; 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_module import load_benchmark
+
 GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("runtime_memory", ROOT / "benchmarks" / "runtime_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["runtime_memory"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("runtime_memory")
 
 
 def test_arguments(bench, tmp_path):

@@ -4,7 +4,6 @@ imported (the benchmark drives it in its own environment); no model is loaded.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,20 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_module import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load("acceptance_peer")
+    return load_benchmark("acceptance_peer")
 
 
 @dataclass
@@ -38,7 +31,7 @@ class _Metric:  # the fields of vllm.v1.metrics.reader.Counter / Vector
 
 
 def test_vllm_metric_snapshot_to_counters() -> None:
-    drv = _load("acceptance_peer_vllm")
+    drv = load_benchmark("acceptance_peer_vllm")
     snap = [_Metric("vllm:spec_decode_num_drafts", value=10), _Metric("vllm:spec_decode_num_draft_tokens", value=30),
             _Metric("vllm:spec_decode_num_accepted_tokens", value=17),
             _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[8, 6, 3]),

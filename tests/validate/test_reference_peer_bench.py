@@ -4,7 +4,6 @@ reason, the comparison of two engines' references, the table and figure from rep
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +11,14 @@ from pathlib import Path
 import pytest
 
 from eagle3.validate import reference as refmod
+from tests.bench_module import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("reference_peer", ROOT / "benchmarks" / "reference_peer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reference_peer"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("reference_peer")
 
 
 def test_commands_are_the_cli_a_user_types(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,23 +4,20 @@ is loaded and vLLM is never imported."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_module import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("runtime_peer", ROOT / "benchmarks" / "runtime_peer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["runtime_peer"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("runtime_peer")
 
 
 def _run(seconds: float, outputs: list[list[int]], drafts: int = 0, accepted: int = 0, per_pos=None, hist=None):
