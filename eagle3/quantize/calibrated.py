@@ -88,10 +88,12 @@ def load_set(src_dir: Path, calibration: Calibration) -> CalibrationSet:
 
 
 def run_pass(src_dir: Path, rec: Recipe, scope: Scope, method: str, calibration: Calibration, calib: CalibrationSet,
-             state: Path, echo: Callable[[str], None] | None
+             state: Path, echo: Callable[[str], None] | None,
+             data_free: Callable[[str], methods.InputStats] | None = None,
              ) -> tuple[dict[str, Any], Callable[[str], methods.InputStats]]:
     """The calibration pass into ``state``/calibration (reused when a finished one is there: --resume);
-    returns its report section and the quantizer's ``input_stats`` reading the store."""
+    returns its report section and the quantizer's ``input_stats`` reading the store (a module the pass
+    did not solve gets ``data_free(module)``: what the format's data-free default uses, if anything)."""
     from eagle3.checkpoint import read_json, write_json
     from eagle3.quantize.calibrate import Calibrator, TensorStore
 
@@ -106,7 +108,7 @@ def run_pass(src_dir: Path, rec: Recipe, scope: Scope, method: str, calibration:
                             echo=echo or (lambda _line: None)).run()
         section = summary(result, calib)
         write_json(done, section)
-    return section, _store_reader(root, method)
+    return section, _store_reader(root, method, data_free)
 
 
 def _stderr(line: str) -> None:
@@ -144,7 +146,8 @@ def _num(v: float) -> float | None:
     return None if v != v else round(float(v), 6)  # NaN (no MLP in scope) -> null in JSON
 
 
-def _store_reader(root: Path, method: str) -> Callable[[str], methods.InputStats]:
+def _store_reader(root: Path, method: str, data_free: Callable[[str], methods.InputStats] | None
+                  ) -> Callable[[str], methods.InputStats]:
     from eagle3.quantize.calibrate import TensorStore
 
     store = TensorStore(root)
@@ -152,7 +155,7 @@ def _store_reader(root: Path, method: str) -> Callable[[str], methods.InputStats
 
     def input_stats(module: str) -> methods.InputStats:
         if module not in store:
-            return methods.NO_STATS
+            return data_free(module) if data_free is not None else methods.NO_STATS
         with lock:
             tensors = store.get(module)
         return methods.InputStats(solved=tensors, source=f"{module} ({method} calibration)")

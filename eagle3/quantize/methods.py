@@ -26,7 +26,9 @@ Methods here (data-free):
   (:mod:`eagle3.quantize.scale_search`): INT4 per channel (``fp8_int4``, ``int4`` per_channel) picks
   each row's step among clip ratios of its max by the (importance-weighted) squared error, then
   refines it by least squares; MXFP4 picks each block's exponent among Quark's ``even`` exponent
-  and its two neighbours by the block's squared error.
+  and its two neighbours by the block's squared error. W4A8's routed experts' ``down_proj`` is then
+  rounded within that step with error feedback for a data-free model of its inputs
+  (:mod:`eagle3.quantize.expert_inputs`, through ``InputStats.moments``).
 
 Calibrated methods (``gptq``, ``gptaq``, ``smooth``, ``smooth+gptq``, ``smooth+gptaq``;
 :class:`Calibrated`, solved by :mod:`eagle3.quantize.calibrate` before the file-to-file pass): the
@@ -38,7 +40,7 @@ data-free default through :meth:`Calibrated.rows`. :func:`register` adds a metho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +57,9 @@ class InputStats:
     up to scale), e.g. ``E[x_k^2]`` over calibration tokens. No data-free method sets it: the RMSNorm
     weight feeding a Linear was measured no better than none (docs/recipes.md, "Importance").
     ``hessian`` [K, K] fp32: ``E[x x^T]`` over calibration tokens (calibrated methods only).
+    ``moments``: :class:`eagle3.quantize.expert_inputs.InputMoments`, ``E[x]`` and ``E[x^2]`` per input
+    channel of a data-free model (a routed expert's ``down_proj``, from its own gate / up projections):
+    ``mse`` then rounds W4A8's INT4 codes with error feedback for them.
     ``solved``: the weight's whole export tensors, already chosen by a calibrated method's pass over
     the model (error feedback needs a layer's inputs, which exist only while the source runs layer by
     layer, so the calibrated numbers are solved before the file-to-file pass and handed in here; the
@@ -64,6 +69,7 @@ class InputStats:
     importance: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
     solved: dict[str, torch.Tensor] | None = None
+    moments: Any = None  # eagle3.quantize.expert_inputs.InputMoments: E[x], E[x^2] of a data-free model
     source: str = "none"
 
 
@@ -149,7 +155,8 @@ class ScaleSearch:
     name = "mse"
     description = ("data-free scale search: INT4 per-channel steps by clip ratio + least squares, MXFP4 block "
                    "exponents among the even rule's and its neighbours, by the importance-weighted squared error "
-                   "against the source; round to nearest within them")
+                   "against the source; round to nearest within them (W4A8's routed-expert down_proj: with error "
+                   "feedback for its modelled mean input)")
 
     def supports(self, spec: WeightSpec) -> bool:
         return spec.format in ("fp8_int4", "mxfp4") or (spec.format == "int4" and spec.qscheme == "per_channel")
@@ -164,6 +171,10 @@ class ScaleSearch:
             return {keys.WEIGHT: w, keys.SCALE: s}
         s1 = ctx.s1 if ctx.spec.format == "fp8_int4" else None
         codes, scale = scale_search.int4_per_channel(x, imp, s1)
+        if ctx.inputs.moments is not None and s1 is not None:  # a routed expert's down_proj
+            from eagle3.quantize import expert_inputs
+
+            codes = expert_inputs.round_with_mean_feedback(x, ctx.inputs.moments, s1, scale)
         return {keys.WEIGHT: codecs.quark_int4_pack(codes, True),
                 (keys.SCALE_2 if s1 is not None else keys.SCALE): scale}
 

@@ -25,13 +25,14 @@ from eagle3.quantize.recipes import WeightSpec
 from eagle3.quantize.sources import RowSource
 
 CHUNK_ELEMENTS = 1 << 19  # 2 MB of fp32 per chunk: the measured sweet spot between per-op overhead and cache
+FEEDBACK_CHUNK_ELEMENTS = 1 << 22  # 16 MB: a method with error feedback along the rows (expert_inputs)
 
 
-def chunk_rows(n: int, k: int, align: int = 1) -> int:
-    """Rows per chunk: about CHUNK_ELEMENTS elements, a multiple of 8 (INT4 packs output channels
+def chunk_rows(n: int, k: int, align: int = 1, elements: int = CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: about ``elements`` elements, a multiple of 8 (INT4 packs output channels
     8 per word in the per-group layout) and of ``align`` (FP8 source blocks)."""
     step = 8 * align // _gcd(8, align)
-    rows = max(step, (CHUNK_ELEMENTS // max(k, 1)) // step * step)
+    rows = max(step, (elements // max(k, 1)) // step * step)
     return min(rows, max(n, 1))
 
 
@@ -82,7 +83,9 @@ class NativeEngine:
         verification pass measures the error there, while the source chunk is still at hand.
         ``inputs``: what is known about the weight's inputs, for the methods that use it."""
         n, k = src.shape
-        rows = chunk_rows(n, k, src.row_align)
+        # Error feedback steps column by column, a few ops per column and chunk: larger chunks for it
+        # (still under glibc's largest mmap threshold, 32 MB, so the buffers are reused, not faulted in).
+        rows = chunk_rows(n, k, src.row_align, FEEDBACK_CHUNK_ELEMENTS if inputs.moments is not None else CHUNK_ELEMENTS)
         s1: torch.Tensor | None = None
         if spec.format == "fp8_int4" or (spec.format == "fp8" and spec.qscheme == "per_tensor"):
             # The FP8 stage's per-tensor scale needs the whole weight's amax: one pass for it, then

@@ -71,6 +71,7 @@ from eagle3.checkpoint.files import INDEX_FILE
 from eagle3.errors import Eagle3Error, OutputError, UsageError
 from eagle3.formats import check
 from eagle3.quantize.calibrated import Calibration
+from eagle3.quantize.expert_inputs import ExpertInputs
 from eagle3.quantize.progress import Progress
 from eagle3.quantize.recipes import Recipe, Scope, WeightSpec, load_recipe
 from eagle3.quantize.sources import (
@@ -556,6 +557,10 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
         check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     calib_set = calibrated.load_set(src_dir, calibration) if calibration is not None else None
+    # W4A8's data-free values of routed experts' down_proj use a model of their inputs (expert_inputs)
+    experts = ExpertInputs(reader, source) if rec.weight.format == "fp8_int4" else None
+    if input_stats is None and meth.name == "mse":
+        input_stats = experts
     tmp = partial_path(dst)
     plan = make_plan(src_dir, reader, source, rec, sc, tmp, engine, verify, allow_nonfinite, meth.name)
     quark_cfg = None
@@ -587,7 +592,8 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             calib_section = None
             if calib_set is not None and (todo or (state / calibrated.SUMMARY).is_file()):  # resumed: its summary
                 calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calibration, calib_set, state,
-                                                                 echo)
+                                                                 echo,
+                                                                 experts)
             results = dict(done)
             results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})
