@@ -22,7 +22,7 @@ plus ``(mu_j / D_j) s / (1 + sum_remaining mu_l^2 / D_l)``. Rounding column afte
 value is exactly GPTQ's result for this ``H`` (GPTQ's update *is* that conditional optimum), in
 ``O(N K)`` instead of GPTQ's ``O(N K^2)`` and without its ``K x K`` factorisations. Columns go in
 GPTQ's activation order (largest ``H[j, j]`` first) on W4A8's grid with the scales the scale
-search chose.
+search chose (:func:`eagle3.quantize.scale_search.int4_mean_feedback`).
 
 What it buys and what was tried beside it (the full ``E[a a^T]`` to second order in the rows'
 cross-covariances; a first-order one): docs/recipes.md.
@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from eagle3.checkpoint import CheckpointReader
-from eagle3.formats import codecs, keys
+from eagle3.formats import keys
+from eagle3.quantize.methods import NO_STATS, InputStats
 from eagle3.quantize.native import chunk_rows
 from eagle3.quantize.sources import SourceInfo, find_modules, open_rows
 
 DOWN, GATE, UP = "down_proj", "gate_proj", "up_proj"
 QUADRATURE_NODES = 64  # probabilists' Gauss-Hermite; the integrands are smooth and polynomially bounded
-DAMP = 0.01  # added to the diagonal, as a fraction of its mean (GPTQ's and Quark's default)
 
 
 @dataclass(frozen=True)
@@ -83,44 +83,6 @@ def moments_from_dots(var_p: torch.Tensor, var_q: torch.Tensor, cov: torch.Tenso
     return InputMoments(mean.float(), square.float())
 
 
-def round_with_mean_feedback(w: torch.Tensor, moments: InputMoments, s1: torch.Tensor, s2: torch.Tensor,
-                             damp: float = DAMP) -> torch.Tensor:
-    """INT4 codes (int8 [N, K]) of rows ``w`` on W4A8's grid ``(q * s2[n]) * s1`` (the scales fixed,
-    as :class:`eagle3.quantize.calibrate.grids.W4A8Grid` decodes them), GPTQ for ``H = diag(E[x^2] -
-    E[x]^2) + E[x] E[x]^T`` (module docstring)."""
-    n, k = w.shape
-    mu = moments.mean.double()
-    var = (moments.square.double() - mu * mu).clamp(min=0)
-    h_diag = var + mu * mu
-    mean_diag = float(h_diag.mean())
-    var += damp * mean_diag if mean_diag > 0 else 1.0
-    order = torch.argsort(h_diag, descending=True, stable=True)
-    remaining = (mu * mu / var)[order].flip(0).cumsum(0).flip(0)  # sum of mu^2 / D over columns not yet rounded
-    gain = ((mu / var)[order] / (1 + remaining)).float().tolist()  # how much of the running shift a column takes
-    mus = mu[order].float().tolist()
-    # The column steps in NumPy: a handful of ops on N values each, K times per row chunk, where
-    # torch's per-op dispatch (several microseconds) would cost 3-4x the arithmetic.
-    s1f = np.float32(s1.float().item())
-    s2f = s2.float().numpy()
-    step = s2f * s1f  # the grid step of each row, as W4A8Grid rounds with it
-    wt = w.float().t().contiguous().numpy()  # [K, N]: a column of w is a contiguous row here
-    codes = np.empty((k, n), dtype=np.int8)
-    shift = np.zeros(n, dtype=np.float32)  # per row: sum of mu_j * (w_j - value_j) over the rounded columns
-    c, v = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.float32)  # no allocation per column
-    for i, j in enumerate(order.tolist()):
-        np.multiply(shift, np.float32(gain[i]), out=v)
-        np.add(wt[j], v, out=v)
-        np.divide(v, step, out=c)
-        np.clip(np.rint(c, out=c), codecs.INT4_MIN, codecs.INT4_MAX, out=c)
-        codes[j] = c
-        np.multiply(c, s2f, out=v)
-        np.multiply(v, s1f, out=v)  # the decoded value, in the codec's product order
-        np.subtract(wt[j], v, out=v)
-        np.multiply(v, np.float32(mus[i]), out=v)
-        np.add(shift, v, out=shift)
-    return torch.from_numpy(codes.T.copy())
-
-
 class ExpertInputs:
     """``input_stats`` of the data-free default (``quantize(..., input_stats=)``): a routed expert's
     ``down_proj`` gets the :func:`swiglu_moments` of its inputs, from the source's ``gate_proj`` /
@@ -131,9 +93,7 @@ class ExpertInputs:
         self.reader = reader
         self.modules = find_modules(reader, source)
 
-    def __call__(self, name: str):  # -> methods.InputStats (imported here: methods imports nothing of this)
-        from eagle3.quantize.methods import NO_STATS, InputStats
-
+    def __call__(self, name: str) -> InputStats:
         if keys.expert_index(name) is None or not name.endswith(DOWN):
             return NO_STATS
         base = name[: -len(DOWN)]

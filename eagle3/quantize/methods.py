@@ -172,9 +172,8 @@ class ScaleSearch:
         s1 = ctx.s1 if ctx.spec.format == "fp8_int4" else None
         codes, scale = scale_search.int4_per_channel(x, imp, s1)
         if ctx.inputs.moments is not None and s1 is not None:  # a routed expert's down_proj
-            from eagle3.quantize import expert_inputs
-
-            codes = expert_inputs.round_with_mean_feedback(x, ctx.inputs.moments, s1, scale)
+            mo = ctx.inputs.moments
+            codes = scale_search.int4_mean_feedback(x, mo.mean, mo.square, s1, scale)
         return {keys.WEIGHT: codecs.quark_int4_pack(codes, True),
                 (keys.SCALE_2 if s1 is not None else keys.SCALE): scale}
 

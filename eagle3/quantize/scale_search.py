@@ -23,6 +23,10 @@ search picks the product, keeps the FP8 stage's scale as round to nearest takes 
 amax / 448) and stores ``weight_scale_2 = step / weight_scale``; the codes are rounded against the
 source directly (once), not through the FP8 stage's values (twice).
 
+With a data-free model of a weight's inputs (a routed expert's ``down_proj``:
+:mod:`eagle3.quantize.expert_inputs`), :func:`int4_mean_feedback` then rounds within the chosen steps
+with error feedback for the inputs' mean (GPTQ for a diagonal-plus-rank-one Hessian, in ``O(N K)``).
+
 MXFP4: each block of 32 has a power-of-two scale; Quark's ``even`` rule already rounds the block's
 max up before taking its exponent, so besides it only its two neighbours are sensible. The search
 keeps, per block, the one of the three with the smallest (weighted) squared error, the ``even``
@@ -31,6 +35,7 @@ exponent on ties.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from eagle3.formats import codecs
@@ -44,6 +49,7 @@ COARSE_RATIOS = [CLIP_HI / COARSE_STEP ** i for i in range(N_COARSE)]
 SCREEN_COLUMNS = 512
 BLOCK_ELEMENTS = 1 << 16
 _TINY = torch.finfo(torch.float32).tiny
+FEEDBACK_DAMP = 0.01  # int4_mean_feedback: added to H's diagonal, as a fraction of its mean (GPTQ's default)
 
 
 def int4_per_channel(x: torch.Tensor, importance: torch.Tensor | None = None,
@@ -168,3 +174,44 @@ def mxfp4_exponents(x: torch.Tensor, importance: torch.Tensor | None = None) -> 
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, (even + d).clamp_(-126, 127), best)
     return best
+
+
+def int4_mean_feedback(w: torch.Tensor, mean: torch.Tensor, square: torch.Tensor, s1: torch.Tensor,
+                       s2: torch.Tensor, damp: float = FEEDBACK_DAMP) -> torch.Tensor:
+    """INT4 codes (int8 [N, K]) of rows ``w`` on W4A8's grid ``(q * s2[n]) * s1`` (the scales fixed,
+    as :class:`eagle3.quantize.calibrate.grids.W4A8Grid` decodes them), GPTQ for ``H = diag(E[x^2] -
+    E[x]^2) + E[x] E[x]^T`` for the inputs' per-channel ``mean`` and ``square`` (fp32 [K]): each column,
+    in GPTQ's activation order, rounded from its source value shifted to cancel the running ``sum mu_j
+    (w_j - value_j)`` of the columns already rounded; why this is GPTQ's result for that ``H``, and
+    where the moments come from: :mod:`eagle3.quantize.expert_inputs`."""
+    n, k = w.shape
+    mu = mean.double()
+    var = (square.double() - mu * mu).clamp(min=0)
+    h_diag = var + mu * mu
+    mean_diag = float(h_diag.mean())
+    var += damp * mean_diag if mean_diag > 0 else 1.0
+    order = torch.argsort(h_diag, descending=True, stable=True)
+    remaining = (mu * mu / var)[order].flip(0).cumsum(0).flip(0)  # sum of mu^2 / D over columns not yet rounded
+    gain = ((mu / var)[order] / (1 + remaining)).float().tolist()  # how much of the running shift a column takes
+    mus = mu[order].float().tolist()
+    # The column steps in NumPy: a handful of ops on N values each, K times per row chunk, where
+    # torch's per-op dispatch (several microseconds) would cost 3-4x the arithmetic.
+    s1f = np.float32(s1.float().item())
+    s2f = s2.float().numpy()
+    step = s2f * s1f  # the grid step of each row, as W4A8Grid rounds with it
+    wt = w.float().t().contiguous().numpy()  # [K, N]: a column of w is a contiguous row here
+    codes = np.empty((k, n), dtype=np.int8)
+    shift = np.zeros(n, dtype=np.float32)  # per row: sum of mu_j * (w_j - value_j) over the rounded columns
+    c, v = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.float32)  # no allocation per column
+    for i, j in enumerate(order.tolist()):
+        np.multiply(shift, np.float32(gain[i]), out=v)
+        np.add(wt[j], v, out=v)
+        np.divide(v, step, out=c)
+        np.clip(np.rint(c, out=c), codecs.INT4_MIN, codecs.INT4_MAX, out=c)
+        codes[j] = c
+        np.multiply(c, s2f, out=v)
+        np.multiply(v, s1f, out=v)  # the decoded value, in the codec's product order
+        np.subtract(wt[j], v, out=v)
+        np.multiply(v, np.float32(mus[i]), out=v)
+        np.add(shift, v, out=shift)
+    return torch.from_numpy(codes.T.copy())

@@ -10,9 +10,9 @@ import torch
 from eagle3.formats import codecs
 from eagle3.quantize import methods
 from eagle3.quantize.calibrate import gptq, grids
-from eagle3.quantize.expert_inputs import round_with_mean_feedback, swiglu_moments
+from eagle3.quantize.expert_inputs import swiglu_moments
 from eagle3.quantize.recipes import load_recipe
-from eagle3.quantize.scale_search import int4_per_channel
+from eagle3.quantize.scale_search import int4_mean_feedback, int4_per_channel
 
 
 def _expert_inputs(gate: torch.Tensor, up: torch.Tensor, n: int, seed: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_closed_form_feedback_is_gptq_for_its_hessian() -> None:
     h = torch.outer(mo.mean, mo.mean)
     h.diagonal().copy_(mo.square)  # E[a a^T] with the off-diagonal covariances dropped
     ref = gptq.gptq(down, gptq.factor(h, act_order=True), grids.W4A8Grid(s1, s2)).codes
-    codes = round_with_mean_feedback(down, mo, s1, s2)
+    codes = int4_mean_feedback(down, mo.mean, mo.square, s1, s2)
     assert codes.dtype == torch.int8 and codes.shape == down.shape
     # the same sequence of roundings; float rounding of the two formulas may flip a tie
     assert float((codes != ref).float().mean()) < 1e-3
