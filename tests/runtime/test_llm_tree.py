@@ -241,17 +241,18 @@ def test_tree_engine_with_a_small_token_budget(pair: Path, plain: list[list[int]
     assert llm.stats.num_drafts > 0
 
 
-def test_bench_cli_runs_trees(pair: Path, tmp_path: Path) -> None:
+def test_bench_cli_runs_trees(pair: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
-    import subprocess
-    import sys
 
+    from tests.cli_run import run_cli
+
+    # in-process (the CLI's own entry point; its server runs on a thread): a subprocess spent
+    # seconds importing before a bench of two short prompts
     report = tmp_path / "bench.json"
-    p = subprocess.run([sys.executable, "-m", "eagle3", "bench", str(pair / TARGET), "--draft", str(pair / DRAFT),
-                        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "7", "--input-len", "16",
-                        "--output-len", "8", "--num-prompts", "2", "--dtype", "float32", "--report", str(report)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    code, out, err = run_cli(["bench", str(pair / TARGET), "--draft", str(pair / DRAFT), "--speculative-eagle-topk",
+                              "2", "--speculative-num-draft-tokens", "7", "--input-len", "16", "--output-len", "8",
+                              "--num-prompts", "2", "--dtype", "float32", "--report", str(report)], capsys)
+    assert code == 0, out + err
     got = json.loads(report.read_text())
     assert got["speculative_eagle_topk"] == 2 and got["speculative_num_draft_tokens"] == 7
 
