@@ -6,8 +6,6 @@ a run that always drafted gets (the draft saw every committed token meanwhile); 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +150,16 @@ def test_static_k_does_not_build_a_policy(pair: Path) -> None:
     (["--num-speculative-tokens", "2", "--max-speculative-tokens", "4"], "goes with --num-speculative-tokens auto"),
 ])
 @pytest.mark.parametrize("command", ["serve", "bench"])
-def test_cli_flag_errors(pair: Path, command: str, args: list[str], message: str) -> None:
+def test_cli_flag_errors(pair: Path, command: str, args: list[str], message: str,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.cli_run import run_cli
+
+    # in-process (the CLI's own entry point): a subprocess spent ~2 s importing before the check
     args = [a.replace("{d}", str(pair / DRAFT)) for a in args]
-    p = subprocess.run([sys.executable, "-m", "eagle3", command, str(pair / TARGET), *args],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], p.stderr
+    code, _, err = run_cli([command, str(pair / TARGET), *args], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
 
 
 @pytest.mark.parametrize("command, args, message", [
@@ -166,14 +167,17 @@ def test_cli_flag_errors(pair: Path, command: str, args: list[str], message: str
     ("bench", ["--base-url", "http://127.0.0.1:9", "--draft", "{d}", "--num-speculative-tokens", "auto"],
      "--draft, --num-speculative-tokens go with TARGET"),
 ])
-def test_cli_flags_are_checked_on_every_path(pair: Path, command: str, args: list[str], message: str) -> None:
+def test_cli_flags_are_checked_on_every_path(pair: Path, command: str, args: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     # serve --plan --dry-run returns before serving; bench --base-url serves nothing: neither may
     # accept a bad or meaningless engine flag silently
+    from tests.cli_run import run_cli
+
     args = [a.replace("{d}", str(pair / DRAFT)).replace("{t}", str(pair / TARGET)) for a in args]
-    p = subprocess.run([sys.executable, "-m", "eagle3", command, *args], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], p.stderr
+    code, _, err = run_cli([command, *args], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
 
 
 def test_metrics_expose_the_chosen_k_histogram(pair: Path) -> None:
