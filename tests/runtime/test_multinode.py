@@ -404,3 +404,8 @@ def test_group_generations_count_per_rendezvous_address(monkeypatch: pytest.Monk
     assert generation(("127.0.0.1", 1111), nnodes=1) == 0  # an earlier single-node group
     assert generation(("10.0.0.1", 29500)) == 0  # the first group at node 0's address
     assert generation(("10.0.0.1", 29500)) == 1  # serve --validate's baseline group: node 1 rejoins as 1
+    # A single-node group on a free port of its own is a fresh store, not counted: a later multi-node
+    # group that the OS gives the same port starts at 0, as its other nodes do.
+    monkeypatch.setattr(worker, "free_port", lambda: 29501)
+    assert worker.TPWorkers(2, "t", {}, torch.device("cpu")).generation == 0
+    assert generation(("127.0.0.1", 29501)) == 0

@@ -250,8 +250,12 @@ class TPWorkers:
         self.store: Any = None
         self.beat: Heartbeat | None = None
         self.channel = StepChannel()
-        self.generation = _GENERATIONS.get(self.layout.addr, 0)
-        _GENERATIONS[self.layout.addr] = self.generation + 1
+        # A group on a port of its own (no address given) is generation 0 of a fresh store and is not
+        # counted: counted, a later multi-node group that the OS happens to give the same port would
+        # join as generation 1 while the other nodes, new processes, wait at 0 (and hang until timeout).
+        self.generation = _GENERATIONS.get(self.layout.addr, 0) if addr is not None else 0
+        if addr is not None:
+            _GENERATIONS[self.layout.addr] = self.generation + 1
         self.procs: list[Any] = _spawn(range(1, self.layout.per_node), 1, self.layout, target, load_kw, device,
                                        self.generation)
 
