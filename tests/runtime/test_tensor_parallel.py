@@ -41,10 +41,11 @@ LOGITS_ATOL = 1e-4
 # W4A8's routed experts quantize their input to fp8 per token, a step function: where TP=2's
 # rounding moves an activation across an e4m3 rounding boundary its code moves by one step (6-12% of
 # the value), and that token's outputs and every later token that attends to its cache move by far
-# more than rounding. Measured: max |diff| 0.031 (prompt 1, AVX-512 kernels) and 0.573 (prompt 3 from
-# step 7, AVX2-only kernels), the other prompts 4e-6. Tokens then agree up to the first near tie at
-# this tolerance; speculative TP=2 still equals plain TP=2 bit for bit.
-ACT_QUANT_LOGITS_ATOL = 1.0
+# more than rounding (measured: 0.031 on AVX-512 kernels, 0.573 and, with other weights, 1.03 under
+# the AVX2 settings of .ci/run): no tolerance bounds that. Experts are split whole across ranks, so
+# the activation quantization itself is the same computation at any TP size; TP=2 vs TP=1 of such a
+# format is compared with it off (activation_quant="none": the same decoded weights, continuous math,
+# LOGITS_ATOL), and the served TP=2 engine with it on still gives speculative == plain bit for bit.
 ACT_QUANTIZED = {"w4a8"}
 
 
@@ -142,8 +143,8 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def _llm(target: Path, draft: Path | None = None, tp: int = 1) -> LLM:
-    return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp)
+def _llm(target: Path, draft: Path | None = None, tp: int = 1, **kw: str) -> LLM:
+    return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp, **kw)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4", "fp8"])
@@ -155,10 +156,11 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
     # them (tests/runtime/test_llm_tiny.py); one more TP=2 engine each here was a worker spawn each.
     drafts = {"int4": [tiny_dir / d for d in ("kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla")],
               "w4a8": [tiny_dir / "kimi-k2.5-eagle3"]}.get(fmt, [])
-    tol = ACT_QUANT_LOGITS_ATOL if fmt in ACT_QUANTIZED else LOGITS_ATOL
-    one = _llm(target)
+    exact = {"activation_quant": "none"} if fmt in ACT_QUANTIZED else {}
+    tol = LOGITS_ATOL
+    one = _llm(target, **exact)
     ref = _tokens(one)
-    plain = _llm(target, tp=2)
+    plain = _llm(target, tp=2, **exact)
     try:
         assert plain.tensor_parallel_size == 2
         tp2 = _tokens(plain)
@@ -178,6 +180,12 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
         assert m.layers[1].mlp.expert_range == (0, m.spec.n_routed_experts // 2)
     finally:
         plain.close()
+    if exact:  # the served engine, activations quantized, for the speculative comparison below
+        plain = _llm(target, tp=2)
+        try:
+            tp2 = _tokens(plain)
+        finally:
+            plain.close()
     if fmt == "int4":
         drafts.append(request.getfixturevalue("shared_head_draft"))  # the draft gets a whole lm_head on rank 0
     for draft in drafts:
