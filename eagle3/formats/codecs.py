@@ -36,7 +36,8 @@ from eagle3.errors import ShapeError
 
 INT4_MIN, INT4_MAX = -8, 7
 # Quark's symmetric INT4 divides amax by (qmax - qmin) / 2 = 7.5, not by 7: the code -8 is usable.
-_INT4_HALF_RANGE = 7.5
+INT4_HALF_RANGE = 7.5
+MXFP4_BLOCK = 32  # OCP MX: one E8M0 scale per 32 elements
 # Quark's observers replace a zero scale by float32 eps (2**-23, exact in bf16 and fp16 too).
 _F32_EPS = torch.finfo(torch.float32).eps
 FP8_E4M3_MAX = 448.0
@@ -188,7 +189,7 @@ def ct_int4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tenso
     if k % group_size:
         raise ShapeError(f"input dim {k} is not divisible by the group size {group_size}")
     wg = w.reshape(n, k // group_size, group_size)
-    scale = wg.abs().amax(-1, keepdim=True) / _INT4_HALF_RANGE
+    scale = wg.abs().amax(-1, keepdim=True) / INT4_HALF_RANGE
     scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
     q = torch.round(torch.clamp(wg / scale, INT4_MIN, INT4_MAX)).to(torch.int8).reshape(n, k)
     return ct_int4_pack(q), scale.reshape(n, -1)
@@ -288,7 +289,7 @@ def quark_int4_zero_point_like(scale: torch.Tensor) -> torch.Tensor:
 def _quark_int4_scale(amax: torch.Tensor) -> torch.Tensor:
     # PerChannel/PerGroupMinMaxObserver keep min/max in the *input* dtype, so for a bf16 weight the
     # scale is bf16(amax / 7.5) even when scale_type="float32" asks for fp32 storage.
-    return torch.clamp(amax / _INT4_HALF_RANGE, min=_F32_EPS)
+    return torch.clamp(amax / INT4_HALF_RANGE, min=_F32_EPS)
 
 
 def _quark_int4_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -670,7 +671,7 @@ def _mxfp4_exponent_of_abs_bits(bits: torch.Tensor) -> torch.Tensor:
     return (field + 1).bitwise_right_shift_(8).add_(field).sub_(129).clamp_(-127, 127)
 
 
-def mxfp4_quantize(w: torch.Tensor, group_size: int = 32,
+def mxfp4_quantize(w: torch.Tensor, group_size: int = MXFP4_BLOCK,
                    exponents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MXFP4 along the last dim as Quark ``OCP_MXFP4Spec`` (``PerBlockMXObserver``, "even"
     scales): returns (uint8 packed [..., K/2], uint8 E8M0 scales [..., K/32]).
@@ -733,7 +734,7 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                     group_size: int = 32) -> torch.Tensor:
+                     group_size: int = MXFP4_BLOCK) -> torch.Tensor:
     """uint8 packed [..., K/2] + uint8 E8M0 [..., K/32] -> dense [..., K] (fp32 product, cast)."""
     if packed.dtype != torch.uint8:
         raise ShapeError(f"packed FP4 tensor must be uint8, got {packed.dtype}")

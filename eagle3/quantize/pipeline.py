@@ -557,8 +557,10 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
         check.require_valid(src_dir)
     check_side_files(src_dir, trust_remote_code)  # refused before anything is written, not at the end
     calib_set = calibrated.load_set(src_dir, calibration) if calibration is not None else None
-    # W4A8's data-free values of routed experts' down_proj use a model of their inputs (expert_inputs)
-    experts = ExpertInputs(reader, source) if rec.weight.format == "fp8_int4" else None
+    # W4A8's data-free values of routed experts' down_proj use a model of their inputs (expert_inputs):
+    # mse's, and a calibrated run's for the experts it leaves data-free
+    uses_model = rec.weight.format == "fp8_int4" and (meth.name == "mse" or calibration is not None)
+    experts = ExpertInputs(reader, source) if uses_model else None
     if input_stats is None and meth.name == "mse":
         input_stats = experts
     tmp = partial_path(dst)
@@ -592,8 +594,7 @@ def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], recipe: s
             calib_section = None
             if calib_set is not None and (todo or (state / calibrated.SUMMARY).is_file()):  # resumed: its summary
                 calib_section, input_stats = calibrated.run_pass(src_dir, rec, sc, meth.name, calibration, calib_set, state,
-                                                                 echo,
-                                                                 experts)
+                                                                 echo, experts)
             results = dict(done)
             results.update(_run_jobs(todo, workers, state, progress, input_stats))
             digests.update({r.file: r.sha256 for r in results.values() if r.sha256 and r.tensors})

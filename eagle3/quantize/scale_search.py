@@ -40,7 +40,7 @@ import torch
 
 from eagle3.formats import codecs
 
-INT4_HALF_RANGE = 7.5  # round to nearest's step is amax / 7.5 (Quark's symmetric INT4)
+INT4_HALF_RANGE = codecs.INT4_HALF_RANGE  # round to nearest's step is amax / 7.5 (Quark's symmetric INT4)
 CLIP_LO, CLIP_HI = 0.2, 7.5 / 7.0
 N_COARSE = 9  # screened first, geometric from CLIP_HI down to CLIP_LO (steps of ~23%)
 FINE = (-2 / 3, -1 / 3, 1 / 3, 2 / 3)  # then around the best one, in coarse steps: ~7% apart
@@ -147,7 +147,7 @@ def _screen(x: torch.Tensor, w: torch.Tensor | None, base: torch.Tensor) -> torc
     return best
 
 
-MX_BLOCK = 32
+MX_BLOCK = codecs.MXFP4_BLOCK
 
 
 def mxfp4_exponents(x: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:

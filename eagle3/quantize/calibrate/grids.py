@@ -33,8 +33,8 @@ from eagle3.errors import ShapeError, UsageError
 from eagle3.formats import codecs, keys
 from eagle3.quantize import scale_search
 
-INT4_HALF_RANGE = 7.5  # Quark's symmetric INT4 divides amax by 7.5 (the code -8 is usable)
-MX_BLOCK = 32
+INT4_HALF_RANGE = codecs.INT4_HALF_RANGE  # Quark's symmetric INT4 divides amax by 7.5 (the code -8 is usable)
+MX_BLOCK = codecs.MXFP4_BLOCK
 # Clip ratios of the INT4 per-channel step search: amax * r / 7.5, r from 1 down to 0.5.
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))
 SCALE_MODES = ("max", "mse")
