@@ -1,4 +1,4 @@
-"""Two repeats the Triton interpreter makes per operation, done once (tests only: speed; what the
+"""Three repeats the Triton interpreter makes per operation, done once (tests only: speed; what the
 kernels compute is unchanged).
 
 Language patching once per launch. The interpreter (triton 3.9, ``triton/runtime/interpreter.py``)
@@ -14,6 +14,17 @@ a launch skips the repeat; the launch's own patching and restoring are unchanged
 Numpy dtypes looked up, not rebuilt. ``_get_np_dtype`` builds its 18-entry table of numpy dtypes on
 every call (once per interpreted operation: 213,048 calls, 6 % of the same test's time); here the
 table is built once per element dtype.
+
+Block types and tensor shapes derived once per shape. Every interpreted operation builds its
+result's ``tl.block_type`` (unwrapping and validating the shape, formatting its name) and a
+``tl.tensor`` whose shape is a ``tl.tuple`` of fresh ``constexpr`` objects with a tuple type of
+their own (429,249 block types and 573,402 tensors in test_triton_graphs.py, whose block types'
+shapes are ``tl.tuple``s of ints). Here what depends only on the shape (and, for the name, on the
+element type's name, which is its ``str``) is computed at the shape's first use and reused (98 % of
+the block types there); every block type and tensor still gets a ``tl.tuple`` of its own
+(``tl.tuple._setitem`` changes one in place), the ints, ``constexpr`` objects and tuple type in it
+are shared (nothing changes those after construction). A shape that is not all plain ints goes the
+original way, and so does every first use, so a bad shape raises as before.
 """
 
 from __future__ import annotations
@@ -24,9 +35,10 @@ import pytest
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both (undone by ``monkeypatch``)."""
+    """All three (undone by ``monkeypatch``)."""
     _patch_once_per_launch(monkeypatch)
     _cache_np_dtypes(monkeypatch)
+    _cache_shapes(monkeypatch)
 
 
 def _cache_np_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +92,56 @@ def _patch_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ti, "_patch_lang", patch_once)
     monkeypatch.setattr(ti.GridExecutor, "__call__", scoped_launch)
+
+
+def _plain_shape(shape: Any, tl_tuple: type) -> tuple[int, ...] | None:
+    """``shape`` (a list or ``tl.tuple``: what ``block_type`` accepts; a block type's own shape is a
+    ``tl.tuple`` of ints) as a tuple when all its dims are plain ints: the cacheable case."""
+    kind = type(shape)
+    if kind is tl_tuple:
+        shape = shape.values
+    elif kind is not list:
+        return None
+    for d in shape:
+        if type(d) is not int:
+            return None
+    return tuple(shape)
+
+
+def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.language import core
+
+    block_init, tensor_init, tl_tuple = core.block_type.__init__, core.tensor.__init__, core.tuple
+    blocks: dict[tuple[str, tuple[int, ...]], tuple[list[int], Any, int, str]] = {}
+    shapes: dict[tuple[int, ...], tuple[list[Any], Any, Any]] = {}
+
+    def cached_block_init(self: Any, element_ty: Any, shape: Any) -> None:
+        dims = _plain_shape(shape, tl_tuple)
+        # the name is '<shape, str(element_ty)>' and every dtype's (and pointer type's) str is its name
+        key = None if dims is None else (element_ty.name, dims)
+        hit = None if key is None else blocks.get(key)
+        if hit is None:
+            block_init(self, element_ty, shape)  # validates: a bad shape raises as before
+            if key is not None:
+                blocks[key] = (list(self.shape.values), self.shape.type, self.numel, self.name)
+            return
+        values, tuple_type, self.numel, self.name = hit
+        self.element_ty = element_ty
+        self.shape = tl_tuple(values, tuple_type)  # a list of its own
+
+    def cached_tensor_init(self: Any, handle: Any, ty: Any) -> None:
+        dims = _plain_shape(ty.shape, tl_tuple) if ty.is_block() else ()
+        hit = None if dims is None else shapes.get(dims)
+        if hit is None:
+            tensor_init(self, handle, ty)
+            if dims is not None:
+                shapes[dims] = (list(self.shape.values), self.shape.type, self.numel)
+            return
+        values, tuple_type, numel = hit
+        self.handle, self.type, self.dtype, self.numel = handle, ty, ty.scalar, numel
+        self.shape = tl_tuple(values, tuple_type)
+
+    cached_block_init.__wrapped__ = block_init  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    cached_tensor_init.__wrapped__ = tensor_init  # type: ignore[attr-defined]
+    monkeypatch.setattr(core.block_type, "__init__", cached_block_init)
+    monkeypatch.setattr(core.tensor, "__init__", cached_tensor_init)
