@@ -42,11 +42,11 @@ from eagle3.runtime.interfaces import default_aux_layer_ids  # noqa: E402
 from eagle3.runtime.loader import draft_spec, load_target  # noqa: E402
 from eagle3.runtime.tokenizer import load_tokenizer  # noqa: E402
 from eagle3.train.acceptance import gsm8k_prompts  # noqa: E402
-from eagle3.train.draft_module import KVChain, TrainableDraft, load_trainable  # noqa: E402
+from eagle3.train.draft_module import TrainableDraft, load_trainable  # noqa: E402
 from eagle3.train.teacher import Teacher, TeacherStates  # noqa: E402
 from eagle3.train.teacher_cache import CachedExample  # noqa: E402
 from eagle3.train.trainer import make_batch  # noqa: E402
-from eagle3.train.ttt import VocabMap, chain_rows  # noqa: E402
+from eagle3.train.ttt import VocabMap, chain_rows, chain_steps  # noqa: E402
 
 BATCH = 8  # sequences per teacher forward
 
@@ -59,16 +59,10 @@ def step_agreement(model: TrainableDraft, vocab: VocabMap | None, teacher: Teach
     """Per draft step: the draft's top-1 and the target's at each continuation position (the chains
     of ``ttt_loss``, one sequence)."""
     b = make_batch([ex], [prompt_len], steps)
-    ids, t = b.input_ids, b.input_ids.shape[1]
     query, nq = chain_rows(b.first, b.lengths)
     target_top1 = teacher.logits(b.label_hidden[:, : query.shape[1] + steps - 1]).argmax(-1)[0]
-    chain = KVChain(query=query)
-    nxt = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1)  # the token after each row
-    post, hidden = model.step(nxt, model.combine_aux(b.aux), torch.arange(t)[None], chain)
     out = []
-    for i in range(steps):
-        if i:
-            post, hidden = model.step(torch.gather(ids, 1, (query + 1 + i).clamp(max=t - 1)), hidden, query + i, chain)
+    for i, post in enumerate(chain_steps(model, b.input_ids, b.aux, query, steps)):
         draft = model.compute_logits(post).argmax(-1)[0]
         if vocab is not None:
             draft = vocab.used[draft]

@@ -27,7 +27,7 @@ a label is read, which is what keeps a few-shot prompt of thousands of tokens af
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,11 +116,26 @@ def chain_rows(first: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor
     return torch.minimum(first[:, None] + j[None], (lengths - 1).clamp(min=0)[:, None]), n
 
 
+def chain_steps(model: TrainableDraft, ids: torch.Tensor, aux: torch.Tensor, query: torch.Tensor,
+                steps: int) -> Iterator[torch.Tensor]:
+    """The draft's post-norm output ``[B, Tq, H]`` at each unrolled step over the chains ``query``
+    (:func:`chain_rows`), every step fed the text's own next token (teacher forcing)."""
+    b, t = ids.shape
+    positions = torch.arange(t, device=ids.device)[None, :].expand(b, t)
+    chain = KVChain(query=query)
+    post, hidden = model.step(_shift(ids, 1), model.combine_aux(aux), positions, chain)
+    for i in range(steps):
+        if i:
+            tok = torch.gather(ids, 1, (query + 1 + i).clamp(max=t - 1))
+            post, hidden = model.step(tok, hidden, query + i, chain)
+        yield post
+
+
 def ttt_loss(model: TrainableDraft, teacher: Teacher, batch: Batch, steps: int, decay: float = 0.8,
              vocab: VocabMap | None = None) -> TTTResult:
     dev = model.fc.weight.device
     ids = batch.input_ids.to(dev)
-    b, t = ids.shape
+    b = ids.shape[0]
     lengths, first = batch.lengths.to(dev), batch.first.to(dev)
     query, nq = chain_rows(first, lengths)
     tq = query.shape[1]
@@ -137,15 +152,9 @@ def ttt_loss(model: TrainableDraft, teacher: Teacher, batch: Batch, steps: int, 
             probs = torch.cat([probs, probs.new_zeros(b, pad, probs.shape[-1])], dim=1)
             in_vocab = torch.cat([in_vocab, in_vocab.new_zeros(b, pad)], dim=1)
     j = torch.arange(tq, device=dev)
-    positions = torch.arange(t, device=dev)[None, :].expand(b, t)
-    chain = KVChain(query=query)
-    post, hidden = model.step(_shift(ids, 1), model.combine_aux(batch.aux.to(dev)), positions, chain)
     total = torch.zeros((), device=dev)
     step_loss, step_acc = [], []
-    for i in range(steps):
-        if i:
-            tok = torch.gather(ids, 1, (query + 1 + i).clamp(max=t - 1))
-            post, hidden = model.step(tok, hidden, query + i, chain)
+    for i, post in enumerate(chain_steps(model, ids, batch.aux.to(dev), query, steps)):
         # chain j of row b (start a_b + j) at step i: label row a_b + 1 + i + j <= L - 1
         mask = (j[None] < nq[:, None]) & (first[:, None] + 1 + i + j[None] <= lengths[:, None] - 1)
         mask = mask & in_vocab[:, i: i + tq]
