@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e ".[all]"
 	touch $(STAMP)
 
+# The suite starts a few hundred Python processes (CLI runs, servers, tensor-parallel ranks), each
+# importing eagle3. Where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) none of them caches
+# its bytecode, so each compiled eagle3's modules again: compiled once here (under 1 s), the suite took
+# 11 % less CPU (1111 -> 983 s, `-p tests.cpu_report`). Python still reads bytecode with that variable set.
 test: venv
+	$(PY) -m compileall -q eagle3 tests > /dev/null
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv

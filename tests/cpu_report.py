@@ -19,6 +19,7 @@ least wall time it can take on dedicated cores.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -141,6 +142,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     total = {k: sum(r[k] for r in _ROWS.values()) for k in ("wall", "cpu", "wait")}
     n = getattr(config.option, "numprocesses", None)  # xdist's -n (0 or absent: one process)
     cores = n if isinstance(n, int) and n > 0 else 1
+    if out := os.environ.get("CPU_REPORT_JSON"):  # every test's row, for grouping by file
+        with open(out, "w") as f:
+            json.dump(_ROWS, f, indent=0)
     tr.section("cpu report")
     tr.write_line(f"{len(_ROWS)} tests: wall {total['wall']:.0f} s, CPU {total['cpu']:.0f} s, run-queue wait "
                   f"{total['wait']:.0f} s; on {cores} dedicated core(s) at least {total['cpu'] / cores:.0f} s")
