@@ -9,6 +9,7 @@ shared by every test of the session; copy a sub-directory first if a test must c
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything alive now (torch's, transformers' and triton's module objects, the collected
+    items) lives as long as the worker: frozen, the cyclic garbage collector's full passes stop
+    rescanning it. Those passes were a third less CPU (2.8 -> 1.9 s over an interpreted Triton
+    file and test_reference.py, -n 0)."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
