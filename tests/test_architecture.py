@@ -69,9 +69,19 @@ def _owning_module(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+# Built once per package tree: four tests read the real one, and parsing eagle3/ takes about a second.
+_GRAPHS: dict[tuple[Path, Path], dict[str, set[str]]] = {}
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the eagle3 modules it imports anywhere in its body (functions and `if
-    TYPE_CHECKING:` blocks included)."""
+    TYPE_CHECKING:` blocks included). A copy: callers may change it."""
+    if (ROOT, PKG) not in _GRAPHS:
+        _GRAPHS[(ROOT, PKG)] = _build_import_graph()
+    return {m: set(t) for m, t in _GRAPHS[(ROOT, PKG)].items()}
+
+
+def _build_import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
