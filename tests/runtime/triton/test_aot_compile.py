@@ -23,8 +23,11 @@ from eagle3.runtime.kernels.triton import aot_check, compiled_code  # noqa: E402
 TARGETS = ("cuda:90", "hip:gfx942")
 
 
+Aot = tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]  # the run, its --json report, its cache
+
+
 @pytest.fixture(scope="module")
-def aot(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def aot(tmp_path_factory: pytest.TempPathFactory) -> Aot:
     tmp = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # hermetic: compile for real, leave no cache behind
@@ -32,11 +35,11 @@ def aot(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
     out = tmp / "aot.json"
     proc = subprocess.run([sys.executable, "-m", "eagle3.runtime.kernels.triton.aot_check", "--bf16-only",
                            "--json", str(out), *TARGETS], env=env, capture_output=True, text=True, timeout=600)
-    return proc, json.loads(out.read_text()) if out.is_file() else {}
+    return proc, json.loads(out.read_text()) if out.is_file() else {}, tmp / "cache"
 
 
-def test_kernels_compile_for_hopper_and_mi300(aot: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
-    proc, report = aot
+def test_kernels_compile_for_hopper_and_mi300(aot: Aot) -> None:
+    proc, report, _ = aot
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = [(t, label) for t in TARGETS for label, *_ in aot_check._cases()
                 if aot_check.production(label) and aot_check.applies(label, aot_check.parse_target(t))]
@@ -50,14 +53,29 @@ def test_kernels_compile_for_hopper_and_mi300(aot: tuple[subprocess.CompletedPro
         assert r["registers"] > 0 and sum(r["loads"].values()) > 0, r  # every kernel reads global memory
 
 
-def test_no_production_kernel_spills(aot: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+def test_no_production_kernel_spills(aot: Aot) -> None:
     """No register spills beyond the KNOWN_SPILLS list, which only shrinks: a listed kernel that
     stops spilling must leave it (which also shows the spill reader sees spills at all)."""
-    _, report = aot
+    _, report, _ = aot
     spilling = [f"{r['target']} {r['kernel']}" for r in report["kernels"] if r["spills"] and not r["known_spill"]]
     assert spilling == [], f"spill registers (see aot_check --table): {spilling}"
     assert report["stale_known_spills"] == [], "no longer spill: remove from aot_check.KNOWN_SPILLS"
 
+
+def test_batched_disassembly_reads_what_cuobjdump_reads(aot: Aot) -> None:
+    """The sm_90a rows come from one nvdisasm run over all the kernels' code, split back by offset
+    (compiled_code.nvidia_resources_many): ``cuobjdump -sass`` of one cubin on its own must give its
+    row's counts. MLA's serial kernel: mid-batch (its code starts at an offset), with spills,
+    wgmma and async copies, so every counter is non-zero."""
+    _, report, cache = aot
+    cubins = list(cache.glob("*/_mla_serial_kernel.cubin"))
+    assert len(cubins) == 1, cubins  # the [cuda] serial case is the only one compiled to a cubin
+    tool = compiled_code.nvidia_tool("cuobjdump")
+    alone = compiled_code.parse_sass(subprocess.run([tool, "-sass", str(cubins[0])], capture_output=True, text=True,
+                                                    check=True).stdout)
+    row = next(r for r in report["kernels"] if r["target"] == "cuda:90" and r["kernel"].startswith("mla serial"))
+    assert alone["spill_store_bytes"] > 0 and alone["async_loads"] > 0 and alone["mma"]
+    assert {k: row[k] for k in alone} == alone
 
 SASS = """
 	code for sm_90a

@@ -45,6 +45,7 @@ KNOWN_SPILLS: dict[str, tuple[str, ...]] = {
     "mla serial bf16 64 heads x 1 token [cuda], 512+64": ("cuda:90",),
     "mla split bf16 32 heads x 1 token [hip], 512+64 fp8e4nv cache": ("hip:gfx942",),
 }
+Case = tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]  # label, kernel, pointers, constexprs, floats
 DOC_BEGIN, DOC_END = "<!-- aot-table begin (aot_check --update-doc) -->", "<!-- aot-table end -->"
 
 
@@ -195,7 +196,6 @@ def _gemm_cases(linear: Any) -> list[tuple[str, Any, dict[str, str], dict[str, A
     split-K of each weight shape (``gemm_tiles``), and the split-K sum of each epilogue."""
     import triton.language as tl
 
-    Case = tuple[str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]
     sums: list[dict[str, Any]] = []
 
     def case(label: str, fmt: int, w: str, s: str, n: int, k: int, group: int = 0, **kw: Any) -> list[Case]:
@@ -272,7 +272,7 @@ class Row:
     kernel: str  # the case's label
     warps: int
     production: bool  # False for the fp32-compute variants (tests only: their limits only warn)
-    seconds: float
+    seconds: float  # the compile's wall time (reading the code, batched per target, not included)
     resources: Any = None  # compiled_code.Resources, None when the compile failed
     error: str | None = None
     problems: tuple[str, ...] = ()  # over the shared-memory limit, spills
@@ -378,39 +378,63 @@ def launch_spec(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: t
     return Launch(sig, consts, attrs, options)
 
 
-def compile_row(target: Any, label: str, fn: Any, ptrs: dict[str, str], consts: dict[str, Any],
-                floats: tuple[str, ...]) -> Row:
-    """Compile one case for one target (as :func:`launch_spec` says the JIT would) and read its
-    resources from the code."""
+def _compile(target: Any, label: str, fn: Any, ptrs: dict[str, str], consts: dict[str, Any],
+             floats: tuple[str, ...]) -> tuple[Row, Any]:
+    """Compile one case for one target as :func:`launch_spec` says the JIT would: its row and the
+    compiled kernel (None when the compile failed: the row has the error)."""
     import triton
     from triton.compiler import ASTSource, make_backend
 
-    from eagle3.runtime.kernels.triton import compiled_code
-
     spec = launch_spec(fn, ptrs, consts, floats, type(make_backend(target)))
-    warps = spec.options["num_warps"]
-    name = f"{target.backend}:{target.arch}"
-    row = Row(name, label, warps, production(label), 0.0)
+    row = Row(f"{target.backend}:{target.arch}", label, spec.options["num_warps"], production(label), 0.0)
     t0 = time.time()
+    kernel = None
     try:
-        k = triton.compile(ASTSource(fn, spec.signature, constexprs=spec.constexprs, attrs=spec.attrs),
-                           target=target, options=spec.options)
-        row.resources = compiled_code.resources(k, target.backend, str(target.arch))
-    except compiled_code.ToolError:
-        raise  # a missing disassembler is the installation's fault, not the kernel's
+        kernel = triton.compile(ASTSource(fn, spec.signature, constexprs=spec.constexprs, attrs=spec.attrs),
+                                target=target, options=spec.options)
     except Exception as exc:  # report every kernel, then fail
         row.error = f"{type(exc).__name__}: {str(exc)[:300]}"
     row.seconds = time.time() - t0
-    if row.resources is not None:
-        res, limit, problems = row.resources, SHARED_LIMIT.get(name), []
-        if limit is not None and res.shared_bytes > limit:
-            problems.append(f"over the {limit} B shared-memory limit")
-        if res.spills:
-            row.known_spill = name in KNOWN_SPILLS.get(label, ())
-            if not row.known_spill:
-                problems.append("spills registers")
-        row.problems = tuple(problems)
-    return row
+    return row, kernel
+
+
+def _judge(row: Row) -> None:
+    """The row's problems: over the target's shared memory / LDS, spills not in KNOWN_SPILLS."""
+    res, limit, problems = row.resources, SHARED_LIMIT.get(row.target), []
+    if limit is not None and res.shared_bytes > limit:
+        problems.append(f"over the {limit} B shared-memory limit")
+    if res.spills:
+        row.known_spill = row.target in KNOWN_SPILLS.get(row.kernel, ())
+        if not row.known_spill:
+            problems.append("spills registers")
+    row.problems = tuple(problems)
+
+
+def compile_rows(target: Any, cases: list[Case]) -> list[Row]:
+    """Compile each case for one target, then read what each compiled kernel uses from its code
+    (:func:`compiled_code.resources_many`: NVIDIA's cubins go through one disassembler run, whose
+    start-up would otherwise cost more than a small kernel's compile)."""
+    from eagle3.runtime.kernels.triton import compiled_code
+
+    compiled = [_compile(target, *case) for case in cases]
+    done = [(row, kernel) for row, kernel in compiled if kernel is not None]
+    backend, arch = target.backend, str(target.arch)
+    try:
+        found = compiled_code.resources_many([k for _, k in done], backend, arch)
+    except compiled_code.ToolError:
+        raise  # a missing or failing disassembler is the installation's fault, not a kernel's
+    except Exception:  # code a reader cannot parse: read each kernel on its own to name which
+        found = None
+    for i, (row, kernel) in enumerate(done):
+        try:
+            row.resources = found[i] if found is not None else compiled_code.resources(kernel, backend, arch)
+        except compiled_code.ToolError:
+            raise
+        except Exception as exc:  # report every kernel, then fail
+            row.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        _judge(row)
+    return [row for row, _ in compiled]
 
 
 def _kib(n: int) -> str:
@@ -546,13 +570,11 @@ def main(argv: list[str]) -> int:
     labels = [c[0] for c in cases]
     try:
         for target in targets:
-            for label, fn, ptrs, consts, floats in cases:
-                if (args.bf16_only and not production(label)) or not applies(label, target):
-                    continue
-                if args.only is not None and args.only not in label:
-                    continue
-                rows.append(compile_row(target, label, fn, ptrs, consts, floats))
-                print(line(rows[-1]), flush=True)
+            mine = [c for c in cases if (production(c[0]) or not args.bf16_only) and applies(c[0], target)
+                    and (args.only is None or args.only in c[0])]
+            for row in compile_rows(target, mine):
+                rows.append(row)
+                print(line(row), flush=True)
     except ToolError as err:
         print(f"aot_check: {err}", file=sys.stderr)
         return 2

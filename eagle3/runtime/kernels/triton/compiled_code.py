@@ -2,7 +2,8 @@
 shared memory / LDS, and the widths of its global loads (``aot_check --table``; docs/kernels.md).
 
 NVIDIA (a cubin for sm_90a): ``cuobjdump -res-usage`` gives the registers per thread, the stack
-frame and shared memory; ``cuobjdump -sass`` the instructions, from which the spill stores / loads
+frame and shared memory, ``cuobjdump -lelf`` the architecture; ``nvdisasm`` the instructions (of
+many cubins in one run: :func:`nvidia_resources_many`), from which the spill stores / loads
 (``STL`` / ``LDL``, in bytes by their width), the global loads by width (``LDG.E.128`` 16 B per
 thread, ``.64``, plain ``LDG.E`` 4 B, ``.U16`` / ``.U8`` narrower), the asynchronous global ->
 shared copies (``LDGSTS``, the bulk tensor copy ``UTMALDG``) and the matrix instructions
@@ -22,7 +23,9 @@ Counts are of instructions in the code (static), not of executions: a load in a 
 
 from __future__ import annotations
 
+import bisect
 import re
+import struct
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -149,19 +152,86 @@ def parse_res_usage(text: str) -> dict[str, int]:
     return {"registers": reg, "stack": stack, "shared_bytes": shared, "local": local}
 
 
-def nvidia_resources(cubin: bytes) -> Resources:
-    """Resources of one cubin, read with the triton wheel's ``cuobjdump``."""
-    tool = str(nvidia_tool("cuobjdump"))
+_LELF = re.compile(r"\.(sm_\w+)\.cubin\s*$", re.M)  # cuobjdump -lelf: "ELF file 1: name.sm_90a.cubin"
+_SASS_OFFSET = re.compile(r"^\s*/\*([0-9a-f]+)\*/")
+
+
+def cubin_text(cubin: bytes) -> bytes:
+    """The machine code of a cubin: its ``.text.<function>`` sections (a kernel and any function it
+    calls), in file order, read from the ELF64 section headers."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        raise ToolError("cubin: not a little-endian ELF64 file")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]  # the section-name string table's file offset
+
+    def name(h: tuple[int, ...]) -> bytes:
+        return cubin[names + h[0]:cubin.index(b"\0", names + h[0])]
+    return b"".join(cubin[h[4]:h[4] + h[5]] for h in headers if name(h).startswith(b".text."))
+
+
+def split_sass(sass: str, spans: list[tuple[int, int]]) -> list[str]:
+    """The lines of one ``nvdisasm --binary`` run over concatenated code, back to their pieces: a
+    line belongs to the (offset, size) span its ``/*offset*/`` falls in (lines outside any span,
+    labels and headers, are dropped)."""
+    starts = [s for s, _ in spans]
+    out: list[list[str]] = [[] for _ in spans]
+    for line in sass.splitlines():
+        m = _SASS_OFFSET.match(line)
+        if m is None:
+            continue
+        off = int(m.group(1), 16)
+        i = bisect.bisect_right(starts, off) - 1
+        if i >= 0 and off < spans[i][0] + spans[i][1]:
+            out[i].append(line)
+    return ["\n".join(lines) for lines in out]
+
+
+def nvidia_resources_many(cubins: list[bytes]) -> list[Resources]:
+    """Resources of each cubin, read with the triton wheel's ``cuobjdump`` (registers, stack and
+    shared memory: ``-res-usage``; the architecture: ``-lelf``) and ``nvdisasm``. nvdisasm's start-up
+    costs about 0.3-0.5 s of CPU, far more than disassembling a kernel, so the code of all the
+    cubins of one architecture is disassembled in one ``nvdisasm --binary`` run (raw instructions,
+    concatenated) and split back by offset: the instructions, hence every count, are those
+    ``cuobjdump -sass`` prints for each cubin on its own."""
+    cuobjdump, nvdisasm = str(nvidia_tool("cuobjdump")), str(nvidia_tool("nvdisasm"))
+    usage, archs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        text = _run([tool, "-res-usage", "-sass", str(path)])  # one call: both reports
-    res, sass = parse_res_usage(text), parse_sass(text)
-    return Resources(arch=sass["arch"], registers=res["registers"], shared_bytes=res["shared_bytes"],
-                     static_shared_bytes=res["shared_bytes"],
-                     scratch_bytes=max(res["stack"], res["local"]), loads=sass["loads"], stores=sass["stores"],
-                     async_loads=sass["async_loads"], mma=sass["mma"], spill_store_bytes=sass["spill_store_bytes"],
-                     spill_load_bytes=sass["spill_load_bytes"])
+        for i, cubin in enumerate(cubins):
+            path = Path(tmp) / f"kernel{i}.cubin"
+            path.write_bytes(cubin)
+            usage.append(parse_res_usage(_run([cuobjdump, "-res-usage", str(path)])))
+            m = _LELF.search(_run([cuobjdump, "-lelf", str(path)]))
+            if m is None:
+                raise ToolError(f"cuobjdump -lelf: no sm_ architecture for kernel {i}")
+            archs.append(m.group(1))
+        sass = [""] * len(cubins)
+        for arch in dict.fromkeys(archs):
+            mine = [i for i, a in enumerate(archs) if a == arch]
+            texts = [cubin_text(cubins[i]) for i in mine]
+            starts = [sum(len(t) for t in texts[:j]) for j in range(len(texts))]
+            raw = Path(tmp) / f"{arch}.bin"
+            raw.write_bytes(b"".join(texts))
+            # -novliw: as cuobjdump -sass runs it
+            text = _run([nvdisasm, "--binary", "SM" + arch[3:], "-novliw", str(raw)])
+            parts = split_sass(text, [(s, len(t)) for s, t in zip(starts, texts, strict=True)])
+            for i, part in zip(mine, parts, strict=True):
+                sass[i] = part
+    out = []
+    for res, arch, text in zip(usage, archs, sass, strict=True):
+        counts = parse_sass(text)
+        out.append(Resources(arch=arch, registers=res["registers"], shared_bytes=res["shared_bytes"],
+                             static_shared_bytes=res["shared_bytes"], scratch_bytes=max(res["stack"], res["local"]),
+                             loads=counts["loads"], stores=counts["stores"], async_loads=counts["async_loads"],
+                             mma=counts["mma"], spill_store_bytes=counts["spill_store_bytes"],
+                             spill_load_bytes=counts["spill_load_bytes"]))
+    return out
+
+
+def nvidia_resources(cubin: bytes) -> Resources:
+    """Resources of one cubin (:func:`nvidia_resources_many` of one)."""
+    return nvidia_resources_many([cubin])[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,10 +278,19 @@ def resources(kernel: Any, backend: str, arch: str) -> Resources:
     """Resources of a ``triton.compile`` result for ``backend`` ("cuda" / "hip"). Shared memory is
     what triton launches the kernel with: on NVIDIA that is dynamic shared memory, which the cubin does
     not state (its own figure is the static part: 1 KiB on sm90 for every kernel, the reserve)."""
-    res = nvidia_resources(kernel.asm["cubin"]) if backend == "cuda" else amd_resources(kernel.asm["amdgcn"], arch)
-    res.shared_bytes = int(kernel.metadata.shared)
-    return res
+    return resources_many([kernel], backend, arch)[0]
 
 
-__all__ = ["WIDTHS", "Resources", "ToolError", "amd_resources", "nvidia_resources", "parse_res_usage", "parse_sass",
-           "resources"]
+def resources_many(kernels: list[Any], backend: str, arch: str) -> list[Resources]:
+    """:func:`resources` of several kernels of one target; NVIDIA's disassembled in one run."""
+    if backend == "cuda":
+        out = nvidia_resources_many([k.asm["cubin"] for k in kernels])
+    else:
+        out = [amd_resources(k.asm["amdgcn"], arch) for k in kernels]
+    for res, k in zip(out, kernels, strict=True):
+        res.shared_bytes = int(k.metadata.shared)
+    return out
+
+
+__all__ = ["WIDTHS", "Resources", "ToolError", "amd_resources", "cubin_text", "nvidia_resources",
+           "nvidia_resources_many", "parse_res_usage", "parse_sass", "resources", "resources_many", "split_sass"]
