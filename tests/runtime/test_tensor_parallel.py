@@ -318,13 +318,28 @@ def test_each_rank_reads_only_its_shard(fmt: str, tiny_dir: Path, request: pytes
     assert all(b < 0.65 * whole for b in per_rank), (per_rank, whole)
 
 
+def test_ranks_on_one_cpu_share_its_cores() -> None:
+    """Each of a node's CPU ranks gets its share of the process's threads (OpenMP threads beyond the
+    cores spin at every barrier: TP=2 with two threads a rank on 2 cores cost 18x the CPU a token)."""
+    from eagle3.runtime.engine.worker import rank_threads
+
+    torch.set_num_threads(4)
+    try:
+        assert [rank_threads(torch.device("cpu"), n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
+        assert rank_threads(torch.device("cuda", 1), 8) == 4  # a GPU rank's host threads stay
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_health_says_when_a_worker_died(tiny_dir: Path) -> None:
     import httpx
 
     from eagle3.serve import launcher
 
+    torch.set_num_threads(2)  # this process's own count: the driver (rank 0) takes half while it runs
     llm = _llm(tiny_dir / "kimi-k2.5", tp=2)
     try:
+        assert torch.get_num_threads() == 1
         app = launcher.build_app(llm, "tiny")
         with launcher.ServerThread(app) as url:
             assert httpx.get(url + "/health").status_code == 200
@@ -339,6 +354,9 @@ def test_health_says_when_a_worker_died(tiny_dir: Path) -> None:
             assert r.status_code == 500 and "rank 1" in r.json()["error"]["message"], r.text
     finally:
         llm.close()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    assert threads == 2  # the process's own count again
 
 
 def _children(pid: int) -> list[int]:
