@@ -225,26 +225,31 @@ def test_dead_worker_fails_requests_cleanly(tiny_dir: Path) -> None:
 
 
 _DRIVER = """
-import os, sys, time
+import os, signal, sys, time
 import torch
 from eagle3.runtime.engine.llm import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", tokenizer=None, num_blocks=8, tensor_parallel_size=2)
-    print(" ".join(str(p.pid) for p in llm._workers.procs), flush=True)
+    sigterm = "default" if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else "handled"
+    print(sigterm, " ".join(str(p.pid) for p in llm._workers.procs), flush=True)
     time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
-def test_workers_exit_with_the_driver(how: int, tiny_dir: Path, tmp_path: Path) -> None:
-    """No orphans: a driver killed outright (SIGKILL) or stopped (SIGTERM) takes its workers along."""
+def test_workers_exit_with_the_driver(tiny_dir: Path, tmp_path: Path) -> None:
+    """No orphans: a driver killed outright takes its workers along. Killed outright (SIGKILL) is the
+    case that runs no code of the driver's; a SIGTERM ends it the same way while nothing in it handles
+    SIGTERM (checked: a handler would need its own case here, one driver process each)."""
+    how = signal.SIGKILL
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     p = subprocess.Popen([sys.executable, str(script), str(tiny_dir / "kimi-k2.5")], stdout=subprocess.PIPE,
                          text=True, env=env)
     try:
-        pids = [int(x) for x in p.stdout.readline().split()]
+        sigterm, *words = p.stdout.readline().split()
+        assert sigterm == "default"  # SIGTERM kills the driver as SIGKILL does
+        pids = [int(x) for x in words]
         assert pids
         p.send_signal(how)
         p.wait(30)
