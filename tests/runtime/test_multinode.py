@@ -284,8 +284,10 @@ def test_bad_node_flags_are_one_line(flags: list[str], named: str, tiny_dir: Pat
 
 
 def test_bench_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
+    # TP=2, one rank a node: bench builds its LLM as serve does (launcher.build_llm), so node 0's
+    # spawned local rank is the serving tests' (TP=4 above, TP=2 in test_tensor_parallel.py)
     report, port = tmp_path / "bench.json", free_port()
-    flags = ["--tensor-parallel-size", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dtype",
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dtype",
              "float32", "--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--input-len", "8", "--output-len", "4",
              "--num-prompts", "2"]
     bench = [sys.executable, "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), *flags]
@@ -296,7 +298,7 @@ def test_bench_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
         assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]
         assert _gone(node0.pid) and _gone(node1.pid)
     rep = json.loads(report.read_text())
-    assert rep["tensor_parallel_size"] == 4
+    assert rep["tensor_parallel_size"] == 2
     assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
 
 

@@ -434,9 +434,9 @@ def test_shard_reads_decode_to_the_slices_of_the_whole(fmt: str, tiny_dir: Path,
 
 
 # `eagle3 bench --tensor-parallel-size` runs in tests/runtime/test_multinode.py, over two nodes
-# (bench's node 0 spawns its local rank as here, node 1 joins: test_bench_across_two_nodes) and
-# under torchrun (test_bench_under_torchrun); a single-node TP=2 bench here started the same
-# launcher.build_llm as test_serve_validate_tp2_cli above, in one more CLI process and worker.
+# (test_bench_across_two_nodes) and under torchrun (test_bench_under_torchrun); a single-node TP=2
+# bench here started the same launcher.build_llm (which spawns node 0's local ranks) as
+# test_serve_validate_tp2_cli above, in one more CLI process and worker.
 
 
 def test_a_size_that_does_not_split_is_refused_in_one_line(tiny_dir: Path) -> None:
