@@ -202,8 +202,8 @@ def rank_threads(device: torch.device, local_ranks: int) -> int:
     (this process's thread count: all of them, or OMP_NUM_THREADS), a GPU rank keeps the count.
 
     Why: each CPU rank at the full count oversubscribes the cores, and OpenMP's threads spin at every
-    op's barrier while the other ranks' threads hold the cores: TP=2 on 2 cores took 92 CPU-s and
-    198 s for 100 tiny decode steps, against 5 CPU-s and 6 s at one thread a rank."""
+    op's barrier while the other ranks' threads hold the cores: TP=2 on a busy 2-core machine took
+    92 CPU-s and 198 s for 100 tiny decode steps, against 5.6 CPU-s and 6 s at one thread a rank."""
     n = max(1, torch.get_num_threads())
     return max(1, n // local_ranks) if device.type == "cpu" else n
 
