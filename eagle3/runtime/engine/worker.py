@@ -197,13 +197,25 @@ def _meta_to(meta: Any, device: torch.device) -> Any:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
+def rank_threads(device: torch.device, local_ranks: int) -> int:
+    """Intra-op threads for each of a node's ``local_ranks`` ranks: CPU ranks share the node's cores
+    (this process's thread count: all of them, or OMP_NUM_THREADS), a GPU rank keeps the count.
+
+    Why: each CPU rank at the full count oversubscribes the cores, and OpenMP's threads spin at every
+    op's barrier while the other ranks' threads hold the cores: TP=2 on a busy 2-core machine took
+    92 CPU-s and 198 s for 100 tiny decode steps, against 5.6 CPU-s and 6 s at one thread a rank."""
+    n = max(1, torch.get_num_threads())
+    return max(1, n // local_ranks) if device.type == "cpu" else n
+
+
 def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw: dict[str, Any],
            device: torch.device, generation: int) -> list[Any]:
-    """Start ``ranks`` as spawned processes of this one (local ranks from ``first_local``)."""
+    """Start ``ranks`` as spawned processes of this one (local ranks from ``first_local``; the node's
+    ``layout.per_node`` ranks share its cores: :func:`rank_threads`)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    threads = max(1, torch.get_num_threads())
+    threads = rank_threads(device, layout.per_node)
     procs = []
     for i, rank in enumerate(ranks):
         kw = dict(load_kw, device=str(device))
@@ -253,6 +265,7 @@ class TPWorkers:
         # A group on a port of its own (no address given) is generation 0 of a fresh store and is not
         # counted: counted, a later multi-node group that the OS happens to give the same port would
         # join as generation 1 while the other nodes, new processes, wait at 0 (and hang until timeout).
+        self._threads: int | None = None  # the driver's own thread count while it runs as rank 0
         self.generation = _GENERATIONS.get(self.layout.addr, 0) if addr is not None else 0
         if addr is not None:
             _GENERATIONS[self.layout.addr] = self.generation + 1
@@ -267,6 +280,9 @@ class TPWorkers:
         dev = rank_device(device, 0)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # (the current device is per thread)
+        # The driver is one of this node's ranks: its share of the cores until close() (rank_threads).
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(rank_threads(dev, self.layout.per_node))
         self._rdv_error: BaseException | None = None
 
         def run() -> None:
@@ -390,6 +406,9 @@ class TPWorkers:
             leave_group()
             self.store = None
             self.beat = None
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)  # this process's own count again
+                self._threads = None
 
 
     def _wait_exited(self, timeout: float = 10.0) -> None:
