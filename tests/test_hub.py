@@ -2,8 +2,9 @@
 huggingface_hub client: cache and --local-dir downloads, patterns, remote-code gating, dry run,
 revisions, resume, offline mode, free-disk refusal and one-line errors.
 
-The CLI runs in a subprocess because huggingface_hub reads HF_ENDPOINT / HF_HOME / HF_HUB_OFFLINE
-once, at import; only the free-disk test runs in-process (it has to patch ``shutil.disk_usage``)."""
+The CLI runs in a subprocess where the test is about HF_ENDPOINT / HF_HOME / HF_HUB_OFFLINE, which
+huggingface_hub reads once, at import; the others run in-process (the free-disk test has to patch
+``shutil.disk_usage``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from eagle3 import hub as hubmod
 from eagle3.cli import app
 from eagle3.errors import DownloadError, UsageError
 from eagle3.testing.fakehub import FakeHub
+from tests.cli_run import run_cli
 
 KIMI = "moonshotai/Kimi-K2.5"
 DRAFT = "lightseekorg/kimi-k2.5-eagle3"
@@ -200,8 +202,11 @@ def test_hub_unreachable(hub: FakeHub, cached: dict, cli, monkeypatch: pytest.Mo
     assert "cannot reach the Hub" in msg and dead in msg and KIMI in msg
 
 
-def test_missing_repo_exits_2_with_one_line(hub: FakeHub, tmp_path: Path) -> None:
-    err = one_error(run(hub, tmp_path, "download", "nobody/no-such-model"))
+def test_missing_repo_exits_2_with_one_line(hub: FakeHub, cli, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    # In-process through the console-script entry point (the `cli` fixture's endpoint and cache):
+    # the error path reads no import-time setting, so a Python process of its own would add only imports.
+    code, _, err = run_cli(["download", "nobody/no-such-model", "--cache-dir", str(cli.cache)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("error: nobody/no-such-model: repository not found on " + hub.url)
 
 

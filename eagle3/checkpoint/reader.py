@@ -79,12 +79,12 @@ class CheckpointReader:
         self._listing = None
         self._infos = {}
         for fname, entries in headers.items():
-            checked, _, _ = _check_entries(self.path / fname, {k: v for k, v in entries.items() if k != "__metadata__"})
+            file = self.path / fname  # once per shard: a Path join per tensor cost more than the checks
+            checked, _, _ = _check_entries(file, {k: v for k, v in entries.items() if k != "__metadata__"})
             for name, (tag, shape, begin, end) in checked.items():
                 if name in self._infos:
-                    raise CheckpointError(f"{self.path / fname}: tensor {name!r} is also in "
-                                          f"{self._infos[name].file.name}")
-                self._infos[name] = TensorInfo(name, tag, shape, self.path / fname, -1, end - begin)
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in {self._infos[name].file.name}")
+                self._infos[name] = TensorInfo(name, tag, shape, file, -1, end - begin)
         return self
 
     def _files_from_index(self, d: Path) -> list[Path]:

@@ -13,7 +13,9 @@ order of ``eagle3 --help``): :mod:`.download`, :mod:`.inspect` (inspect, verify)
 
 from __future__ import annotations
 
+import functools
 import sys
+from typing import Any
 
 import typer
 
@@ -29,12 +31,22 @@ use_help_layout(app)  # every command's help: whole option names at any width (c
 __all__ = ["app", "main"]
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command tree, built once per process. ``app(...)`` rebuilds it from every command's
+    signature and annotations on each call (~0.1 CPU-s, most of an in-process ``inspect``'s time);
+    callers that run the CLI more than once in a process (the Python API's users, the test suite)
+    paid that per run. Unexpected exceptions keep Python's own traceback (``app(...)`` would have
+    installed Typer's rich one)."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: one-line errors and exit code 2 for user errors.
 
     Typer/click (standalone mode) already print usage errors such as unknown flags with exit 2."""
     try:
-        app(args=argv)
+        _command()(args=argv)
     except Eagle3Error as e:
         if _state["debug"]:
             raise

@@ -12,8 +12,10 @@ and checks the promise every command makes about bad input (eagle3/errors.py):
 
 Everything a case creates lives under one directory (``root``), so a byte-level snapshot of
 ``root`` before and after the run covers the source, its parent, and any output path the command
-could have written. Cases that can hang (FIFOs) run in a subprocess with a timeout; every other
-case runs ``eagle3.cli.main`` in-process, which keeps the corpus fast.
+could have written. Every case runs ``eagle3.cli.main`` in-process, which keeps the corpus fast (a
+Python process per run would cost more than the run); cases that can hang (FIFOs) run it in a thread
+with a timeout, after which the FIFOs' write ends are opened and closed: a command blocked opening or
+reading one then sees end-of-file and returns, and the case fails as a hang.
 
 ``python -m tests.robustness.corpus [ID-SUBSTRING ...]`` runs the corpus (or the matching cases)
 outside pytest and prints a Markdown report of the failures, grouped by the issue item each case
@@ -30,8 +32,8 @@ import os
 import shutil
 import stat
 import struct
-import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -138,7 +140,7 @@ class Case:
     breaks: Callable[[Ctx], None]
     item: str  # the issue-10 item (fix) this case exercises: groups the failure report
     forbid: tuple[str, ...] = ()  # substrings of a misleading message (issue item 14)
-    hang: bool = False  # may hang: run in a subprocess with a timeout
+    hang: bool = False  # may hang (FIFOs): run with a timeout (run_guarded)
     non_root: bool = False  # permission cases: root reads and writes everything
 
 
@@ -852,15 +854,25 @@ def run_in_process(argv: list[str]) -> Outcome:
     return Outcome(0, err.getvalue())
 
 
-def run_subprocess(argv: list[str], timeout: float = HANG_TIMEOUT_S) -> Outcome:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    try:
-        p = subprocess.run([sys.executable, "-m", "eagle3.cli", *argv], capture_output=True, text=True,
-                           timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return Outcome("timeout", f"no exit within {timeout:.0f} s (hung; killed)")
-    return Outcome(p.returncode, p.stderr)
+def _fifos(root: Path) -> list[Path]:
+    return [Path(d, n) for d, _, names in os.walk(root) for n in names
+            if stat.S_ISFIFO(os.lstat(os.path.join(d, n)).st_mode)]
+
+
+def run_guarded(argv: list[str], root: Path, timeout: float = HANG_TIMEOUT_S) -> Outcome:
+    """:func:`run_in_process` in a thread; past ``timeout`` it is a hang: the FIFOs under ``root`` get
+    a writer that closes at once, which ends a blocked ``open`` or ``read`` with end-of-file."""
+    done: list[Outcome] = []
+    worker = threading.Thread(target=lambda: done.append(run_in_process(argv)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        for f in _fifos(root):
+            with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout)
+        return Outcome("timeout", f"no exit within {timeout:.0f} s (hung on a FIFO; unblocked)")
+    return done[0]
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -923,7 +935,7 @@ def check(c: Case, command: str, ctx: Ctx) -> tuple[Outcome, list[str]]:
     outs = [ctx.out, ctx.out.with_name(ctx.out.name + ".partial"), ctx.out.with_name(ctx.out.name + ".lock")]
     existed = [os.path.lexists(p) for p in outs]
     argv = ctx.argv(command)
-    res = run_subprocess(argv) if c.hang else run_in_process(argv)
+    res = run_guarded(argv, ctx.root) if c.hang else run_in_process(argv)
     problems: list[str] = []
     if res.code != 2:
         problems.append(f"exit code {res.code}, expected 2")
