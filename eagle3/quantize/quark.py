@@ -13,17 +13,14 @@ Quark only for what Quark is the reference of: the numbers. The sequence per wei
 promotion of ``scale_type="float"`` to fp32 scales, with the export defaults (``reorder`` packing,
 transposed per-group scales, packed zero points) instead of 0.13's file-to-file deviations.
 
-Importing all of ``quark.torch`` takes 20-40 s and needs a C++ compiler; this module imports only the
-primitives' submodules (~3 s), lazily, with ``QUARK_DISABLE_COMPILE=1`` (torch.compile of fake-quant ops costs 14-42 s and changes no bit).
+Importing ``quark.torch`` takes 20-40 s and needs a C++ compiler; this module imports it lazily,
+with ``QUARK_DISABLE_COMPILE=1`` (torch.compile of fake-quant ops costs 14-42 s and changes no bit).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import sys
-import threading
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
@@ -35,49 +32,12 @@ from eagle3.formats import keys
 from eagle3.quantize.recipes import ActivationSpec, Recipe, WeightSpec
 from eagle3.quantize.sources import RowSource
 
-_PACKAGE_LOCK = threading.Lock()
-
-
-def _defer_quark_torch_init() -> None:
-    """Make ``quark.torch``'s submodules importable without running ``quark/torch/__init__.py`` first.
-
-    Why: that ``__init__`` imports Quark's whole model-level API, whose MoE support parses every
-    ``modeling_*.py`` of transformers and imports the models it finds: ~17 CPU-s of the ~20 s an
-    ``--engine quark`` run spent before its first weight, none of it needed for the per-tensor
-    primitives below. The package module is registered bare, and the first lookup of one of its own
-    names (``from quark.torch import ModelQuantizer``) runs the real ``__init__`` then, so other
-    users of ``quark.torch`` in the same process see the whole package."""
-    with _PACKAGE_LOCK:
-        if "quark.torch" in sys.modules:
-            return
-        spec = importlib.util.find_spec("quark.torch")
-        if spec is None or spec.loader is None:
-            return  # not installed: the imports below raise the ImportError that names it
-        package = importlib.util.module_from_spec(spec)
-        loader = spec.loader
-
-        def complete(name: str) -> Any:
-            if name.startswith("__"):  # dunder probes (pickle, inspect) must not import the world
-                raise AttributeError(name)
-            submodule = sys.modules.get(f"{spec.name}.{name}")
-            if submodule is not None:  # `import quark.torch.x.y as z` while x is still importing
-                return submodule
-            with _PACKAGE_LOCK:
-                if package.__dict__.pop("__getattr__", None) is not None:
-                    loader.exec_module(package)
-            return getattr(package, name)
-
-        package.__getattr__ = complete  # type: ignore[attr-defined]
-        sys.modules["quark.torch"] = package
-        sys.modules["quark"].torch = package  # type: ignore[attr-defined]
-
 
 @lru_cache(maxsize=1)
 def quark_api() -> SimpleNamespace:
     """Import the pieces of ``quark.torch`` eagle3 uses (once per process)."""
     os.environ.setdefault("QUARK_DISABLE_COMPILE", "1")
     try:
-        _defer_quark_torch_init()
         import quark.torch.kernel as kernel
         from quark.torch.quantization.config import config as C
         from quark.torch.quantization.config.type import ScaleType
