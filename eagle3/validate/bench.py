@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3.errors import UsageError
-from eagle3.validate.endpoint import api_root, headers, is_loopback
+from eagle3.validate.endpoint import api_root, client_options, headers
 
 PERCENTILES = (50, 90, 99)
 _TIMEOUT_S = 6 * 3600.0
@@ -125,9 +125,9 @@ async def client(url: str, concurrency: int) -> AsyncIterator[Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    # Loopback servers must not go through an HTTP(S)_PROXY from the environment.
+    # Loopback servers must not go through an HTTP(S)_PROXY from the environment (client_options).
     async with httpx.AsyncClient(timeout=httpx.Timeout(_TIMEOUT_S, connect=30.0), limits=limits,
-                                 trust_env=not is_loopback(url)) as http:
+                                 **client_options(url)) as http:
         yield http
 
 

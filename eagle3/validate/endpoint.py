@@ -4,6 +4,8 @@ loopback (proxies are then bypassed), and the model it serves. Shared by :mod:`.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -21,6 +23,24 @@ def api_root(base_url: str) -> str:
     return url
 
 
+@functools.cache
+def tls(trust_env: bool) -> Any:
+    """httpx's default certificate verification (certifi's CA bundle, or ``SSL_CERT_FILE`` /
+    ``SSL_CERT_DIR`` with ``trust_env``) as one ``ssl.SSLContext`` per process. A client or one-off
+    request left to build its own reads the bundle again (~50 ms of CPU), and one validation makes
+    several (the model probe, a metrics scrape before and after each pass, the passes' clients)."""
+    import httpx
+
+    return httpx.create_ssl_context(trust_env=trust_env)
+
+
+def client_options(url: str) -> dict[str, Any]:
+    """httpx options for talking to ``url``'s server: proxies from the environment bypassed on
+    loopback, the process's one verification context."""
+    trust_env = not is_loopback(url)
+    return {"trust_env": trust_env, "verify": tls(trust_env)}
+
+
 def headers(api_key: str | None) -> dict[str, str]:
     h = {"Content-Type": "application/json"}
     if api_key:
@@ -34,7 +54,7 @@ def served_model(base_url: str, api_key: str | None = None) -> str | None:
 
     try:
         r = httpx.get(api_root(base_url) + "/v1/models", headers=headers(api_key), timeout=30.0,
-                      trust_env=not is_loopback(base_url))
+                      **client_options(base_url))
         data = r.json().get("data") or []
         return str(data[0]["id"]) if r.status_code == 200 and data else None
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):

@@ -184,11 +184,11 @@ def scrape(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> 
     """``GET <root>/metrics`` as text, or None when the server has no such endpoint."""
     import httpx
 
-    from eagle3.validate.endpoint import api_root, headers, is_loopback
+    from eagle3.validate.endpoint import api_root, client_options, headers
 
     try:
         r = httpx.get(api_root(base_url) + "/metrics", headers=headers(api_key), timeout=timeout,
-                      trust_env=not is_loopback(base_url))
+                      **client_options(base_url))
     except httpx.HTTPError:
         return None
     return r.text if r.status_code == 200 else None

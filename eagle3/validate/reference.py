@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eagle3.errors import UsageError
-from eagle3.validate.endpoint import api_root, headers, is_loopback
+from eagle3.validate.endpoint import api_root, client_options, headers
 
 FORMAT = "eagle3.reference"
 VERSION = 1
@@ -241,7 +241,7 @@ class Client:
 
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         return httpx.AsyncClient(timeout=httpx.Timeout(_TIMEOUT_S, connect=30.0), limits=limits,
-                                 trust_env=not is_loopback(self.base_url))
+                                 **client_options(self.base_url))
 
     async def _post(self, client: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         r = await client.post(api_root(self.base_url) + path, json=body, headers=headers(self.api_key))

@@ -72,3 +72,25 @@ def test_eagle3_server_counters_match_the_engine(spec_server: Any) -> None:
 
 def test_scrape_without_metrics_endpoint() -> None:
     assert mc.scrape("http://127.0.0.1:9") is None
+
+
+def test_clients_share_one_verification_context_and_bypass_proxies_on_loopback(monkeypatch: pytest.MonkeyPatch,
+                                                                                  tmp_path: Any) -> None:
+    """Every client and one-off request of a validation uses the process's one SSL context (not a
+    fresh read of the CA bundle each), and a loopback server is reached without the environment's
+    proxies; a remote server's context honours SSL_CERT_FILE as httpx's own default does."""
+    import ssl
+
+    from eagle3.validate.endpoint import client_options, tls
+
+    local, remote = client_options("http://127.0.0.1:8000/v1"), client_options("https://api.example.com/v1")
+    assert local["trust_env"] is False and remote["trust_env"] is True
+    assert isinstance(remote["verify"], ssl.SSLContext) and client_options("https://other.example/v1") == remote
+    assert local["verify"] is tls(False) and remote["verify"] is tls(True)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
+    tls.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError):  # the variable is read, as httpx's own default reads it
+            tls(True)
+    finally:
+        tls.cache_clear()
