@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from eagle3.runtime.sampling import SamplingBatch
+from eagle3.validate.endpoint import client_options
 from tests.serve.fakes import toy_llm
 from tests.serve.servers import serve_cli, serve_llm
 from tests.serve.test_load import _wait_idle
@@ -32,7 +33,7 @@ GOOD_TOKENS = 48
 
 
 def _client(url: str, timeout: float = 120) -> httpx.Client:
-    return httpx.Client(base_url=url, trust_env=False, timeout=timeout)
+    return httpx.Client(base_url=url, timeout=timeout, **client_options(url))  # the process's one SSL context
 
 
 def _assert_openai_400(r: httpx.Response, param: str) -> None:

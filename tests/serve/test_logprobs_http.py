@@ -24,6 +24,7 @@ import torch
 from eagle3.runtime.engine.llm import LLM
 from eagle3.testing import tiny, trained
 from eagle3.testing.numerics import forced_logits
+from eagle3.validate.endpoint import client_options
 from tests.runtime.model_kit import single_thread
 from tests.serve.servers import serve_llm
 
@@ -55,7 +56,7 @@ def reference(trained_pair: Path) -> Any:
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(url + path, json={"model": "m", **body}, timeout=120, trust_env=False)
+    r = httpx.post(url + path, json={"model": "m", **body}, timeout=120, **client_options(url))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -201,7 +202,7 @@ def test_chat_logprobs(servers: dict[str, tuple[str, LLM]]) -> None:
 def test_bad_logprob_requests_are_400_naming_the_field(servers: dict[str, tuple[str, LLM]], path: str,
                                                        body: dict[str, Any], param: str) -> None:
     url, _ = servers["plain"]
-    r = httpx.post(url + path, json=body, timeout=60, trust_env=False)
+    r = httpx.post(url + path, json=body, timeout=60, **client_options(url))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error", err
