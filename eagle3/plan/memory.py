@@ -251,12 +251,50 @@ def project_config(cfg: dict[str, Any], recipe: str, scope: str | None = None,
     return compat.export_config(cfg, qc)
 
 
+# Models loaded from local files, by what they were loaded from (see load_model): the real Kimi-K2.5
+# inventory is 208k tensors (~0.8 s to build, ~2 s with a recipe's projection, and its per-rank and
+# total bytes ~0.6 s each, memoised on the Model), and plans are swept over GPU types and counts.
+_LOADED: dict[tuple[Any, ...], Model] = {}
+_LOADED_MAX = 4
+
+
+def _local_key(f: Path, path: str | Path, recipe: str | None, scope: str | None,
+               name: str | None) -> tuple[Any, ...]:
+    """What a local model is a function of: its config file and the shards beside it (their headers
+    are read when present), by path, size and modification time, the projection asked for and the
+    name the report gives it."""
+    def stamp(p: Path) -> tuple[str, int, int]:
+        st = p.stat()
+        return str(p.resolve()), st.st_size, st.st_mtime_ns
+
+    shards = tuple(stamp(p) for p in sorted(f.parent.glob("*.safetensors")))
+    return stamp(f), shards, recipe, scope, name or str(path)
+
+
 def load_model(path: str | Path, flag: str = "TARGET", recipe: str | None = None,
                scope: str | None = None, reader: Any | None = None, name: str | None = None) -> Model:
     """A checkpoint's config and tensors. ``reader``: a header-only
     :class:`~eagle3.checkpoint.CheckpointReader` of a remote repo (``eagle3.hub.header_view``),
-    whose small files sit in ``path``; ``name`` is what the report calls it (the repo id)."""
+    whose small files sit in ``path``; ``name`` is what the report calls it (the repo id).
+
+    A local model is loaded once per process while its files are unchanged (the same :class:`Model`
+    again: plans never change it), so that plans of one checkpoint on several GPU types or counts
+    share its inventory and its memoised per-rank bytes."""
     f = _config_file(path, flag)
+    if reader is not None:
+        return _load_model(f, path, recipe, scope, reader, name)
+    key = _local_key(f, path, recipe, scope, name)
+    m = _LOADED.pop(key, None)
+    if m is None:
+        m = _load_model(f, path, recipe, scope, None, name)
+    _LOADED[key] = m  # most recently used last
+    while len(_LOADED) > _LOADED_MAX:
+        del _LOADED[next(iter(_LOADED))]
+    return m
+
+
+def _load_model(f: Path, path: str | Path, recipe: str | None, scope: str | None, reader: Any | None,
+                name: str | None) -> Model:
     cfg = load_config(f)
     path = name or path
     if recipe is not None:

@@ -119,10 +119,17 @@ def test_plan_cli_json_and_report(tiny_dir: Path, tmp_path: Path, capsys: pytest
     assert len(j["per_rank"]) == 2 and j["schema_version"] == 1
 
 
-def test_plan_cli_text_on_the_real_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg_only = tmp_path / "kimi"
-    cfg_only.mkdir()
-    shutil.copy(KIMI / "config.json", cfg_only / "config.json")  # no weights beside it
+@pytest.fixture(scope="module")
+def cfg_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real config alone in a directory (no weights beside it), shared by the CLI tests below:
+    one path, so the process loads its 208k-tensor inventory once for all of their plans."""
+    out = tmp_path_factory.mktemp("kimi-config") / "kimi"
+    out.mkdir()
+    shutil.copy(KIMI / "config.json", out / "config.json")
+    return out
+
+
+def test_plan_cli_text_on_the_real_config(cfg_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _main(capsys, "plan", str(cfg_only), "--gpus", "8", "--gpu", "mi355x")
     assert code == 0
     assert "(config; Linears: bf16 x659, ct-int4 g32 x69120)" in out
@@ -130,12 +137,9 @@ def test_plan_cli_text_on_the_real_config(tmp_path: Path, capsys: pytest.Capture
     assert "routed experts" in out and "expert parallel" in out and "fits        yes" in out
 
 
-def test_serve_dry_run_plan_prints_the_same_projection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_dry_run_plan_prints_the_same_projection(cfg_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`eagle3 serve --dry-run --plan` is `eagle3 plan` for the serve command's target, draft and
     --tensor-parallel-size GPUs, from the config alone (no weights beside it); nothing is loaded."""
-    cfg_only = tmp_path / "kimi"
-    cfg_only.mkdir()
-    shutil.copy(KIMI / "config.json", cfg_only / "config.json")
     code, served, _ = _main(capsys, "serve", str(cfg_only), "--dry-run", "--plan", "--tensor-parallel-size", "8",
                             "--gpu", "h200", "--max-model-len", "131072")
     assert code == 0
@@ -184,6 +188,20 @@ def _specs(tensors: list[sizing.TensorSpec]) -> dict[str, tuple[str, tuple[int, 
 def test_config_sizing_equals_headers_on_tiny(tiny_dir: Path, name: str) -> None:
     cfg = json.loads((tiny_dir / name / "config.json").read_text())
     assert _specs(sizing.config_tensors(cfg)) == _specs(sizing.header_tensors(tiny_dir / name) or [])
+
+
+def test_a_local_model_is_loaded_again_when_its_config_changes(tiny_dir: Path, tmp_path: Path) -> None:
+    """load_model hands back the same Model for unchanged files (plans share its inventory) and a
+    new one once the config is rewritten or a projection / name differs."""
+    d = tmp_path / "t"
+    shutil.copytree(tiny_dir / "kimi-k2.5-eagle3", d)
+    m = P.load_model(d)
+    assert P.load_model(d) is m and P.load_model(d, name="other") is not m
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_attention_heads"] *= 2
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    again = P.load_model(d)
+    assert again is not m and again.config["num_attention_heads"] == cfg["num_attention_heads"]
 
 
 @pytest.mark.parametrize(("recipe", "scope"), [("w4a8", None), ("mxfp4", None), ("mxfp4", "experts")])

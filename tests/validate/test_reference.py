@@ -237,7 +237,11 @@ def test_quantized_trained_targets_against_their_source(trained_pair: Path, tmp_
         assert (e.value.code or 0) == 0, argv
     targets["w4a8-doubled"] = tmp_path / "w4a8-doubled"
     assert _double_one_layers_scales(targets["w4a8"], targets["w4a8-doubled"]) > 0
-    flags = ["--validate", "gsm8k", "--limit", "3", "--num-fewshot", "2", "--max-tokens", "24", "--no-baseline"]
+    # 1-shot prompts (one exemplar fewer in every prompt, prefilled in every run and again to teacher-force):
+    # the 72 compared positions are the same count, and they order the targets as clearly (measured,
+    # KLD / top-1: w4a8 0.001 / 0.99, mxfp4 0.015 / 0.93, w4a8 doubled 0.087 / 0.83; 2-shot: 0.0007 / 1.0,
+    # 0.018 / 0.90, 0.119 / 0.86)
+    flags = ["--validate", "gsm8k", "--limit", "3", "--num-fewshot", "1", "--max-tokens", "24", "--no-baseline"]
     ref = tmp_path / "ref.jsonl.gz"
     with pytest.raises(SystemExit) as e:
         main(["serve", str(source), *flags, "--record-reference", str(ref)])
@@ -258,7 +262,7 @@ def test_quantized_trained_targets_against_their_source(trained_pair: Path, tmp_
     top1 = {n: g[1]["reference"]["top1_agreement"] for n, g in got.items()}
     assert 0.0 < kld["w4a8"] < kld["mxfp4"] < kld["w4a8-doubled"]
     assert top1["w4a8"] >= top1["mxfp4"] > top1["w4a8-doubled"]
-    assert got["w4a8"][0] == 0  # inside the default thresholds (measured: KLD 0.002, top-1 0.97)
+    assert got["w4a8"][0] == 0  # inside the default thresholds (measured: KLD 0.001, top-1 0.99)
     code, r = got["w4a8-doubled"]
     assert code == 1 and any(f.startswith("mean per-token KLD vs the source") and "--max-kld 0.04" in f
                              for f in r["failures"])

@@ -2,7 +2,9 @@
 the bf16 target and for its W4A8 quantization (made with ``eagle3 convert`` / ``eagle3 quantize``).
 
 Prompts are the default 5-shot ones (~1,600 tokens each with the tiny tokenizer, as lm-eval's
-gsm8k): eight of them prefill at once through the per-sequence attention schedule.
+gsm8k): two of them prefill at once through the per-sequence attention schedule (two already take
+the batched path of several long sequences in one forward; each further one adds ~2 s of CPU to
+the speculative and the baseline run alike).
 """
 
 from __future__ import annotations
@@ -46,18 +48,18 @@ def test_serve_validate_gsm8k(which: str, targets: dict[str, Path], tiny_dir: Pa
     # through the same path, which 1-shot prompts (a quarter of the tokens) make as well
     shots = [] if which == "bf16" else ["--num-fewshot", "1"]
     code = _cli(["serve", str(targets[which]), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
-                 "--validate", "gsm8k", "--limit", "4", "--max-tokens", "16", *shots,
-                 "--concurrency", "4", "--dataset", str(lmeval.gsm8k_dir()), "--report", str(report)])
+                 "--validate", "gsm8k", "--limit", "2", "--max-tokens", "16", *shots,
+                 "--concurrency", "2", "--dataset", str(lmeval.gsm8k_dir()), "--report", str(report)])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err
     r = json.loads(report.read_text())
-    assert r["passed"] and r["n_samples"] == 4 and r["num_fewshot"] == (5 if which == "bf16" else 1)  # 5: lm-eval's
-    assert r["lossless"]["passed"] and r["lossless"]["num_compared"] == 4
+    assert r["passed"] and r["n_samples"] == 2 and r["num_fewshot"] == (5 if which == "bf16" else 1)  # 5: lm-eval's
+    assert r["lossless"]["passed"] and r["lossless"]["num_compared"] == 2
     assert r["server"]["engine"] == "eagle3" and r["server"]["num_speculative_tokens"] == 3
     spec = r["speculative"]
     assert spec["source"] == "eagle3" and spec["num_drafts"] > 0
     assert sum(spec["accepted_histogram"]) == spec["num_drafts"]
-    assert r["throughput"]["failed"] == 0 and r["baseline"]["throughput"]["completed"] == 4
+    assert r["throughput"]["failed"] == 0 and r["baseline"]["throughput"]["completed"] == 2
     assert r["speedup"]["tpot"] is not None
     assert Path(r["figure"]).read_bytes()[:4] == b"\x89PNG"
     assert "result: PASS" in out.out and "lossless" in out.out
