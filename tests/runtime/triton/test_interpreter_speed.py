@@ -48,3 +48,54 @@ def test_cached_shapes_equal_the_interpreters() -> None:
                 init = init.__wrapped__
             mp.setattr(cls, "__init__", init)
         assert _fields() == cached
+
+
+def _original(cls: type, name: str) -> Any:
+    fn = getattr(cls, name)
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def test_skipped_overflow_checks_asserted_nothing() -> None:
+    """Under the interpreter the original overflow check lets an int32 wrap through (its
+    ``device_assert`` needs ``debug``), so skipping it gives the same bits; with ``debug`` on the
+    shim still runs it and the wrap raises."""
+    import dataclasses
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the interpreter's overflow check (a compiled kernel's is the compiler's)")
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter as ti
+    from triton.runtime.errors import InterpreterError
+
+    @triton.jit
+    def wrap(x_ptr, out_ptr):  # type: ignore[no-untyped-def]
+        i = tl.arange(0, 4)
+        x = tl.load(x_ptr + i)
+        tl.store(out_ptr + i, x * x)
+        tl.store(out_ptr + 4 + i, x + x)
+        tl.store(out_ptr + 8 + i, -x - x)
+
+    x = torch.tensor([2**20, 3, 2**30, -5], dtype=torch.int32)
+    want = torch.cat([x.long() * x.long(), 2 * x.long(), -2 * x.long()]).to(torch.int32)  # wrapped mod 2**32
+
+    def run() -> torch.Tensor:
+        out = torch.zeros(12, dtype=torch.int32)
+        wrap[(1,)](x, out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._skip_unasserted_overflow_checks(mp)  # the session's, if not installed
+        assert torch.equal(run(), want)
+        mp.setattr(ti.interpreter_builder, "options", dataclasses.replace(ti.interpreter_builder.options, debug=True))
+        with pytest.raises(InterpreterError, match="int32 overflow detected for operation mul"):
+            run()
+        mp.setattr(ti.interpreter_builder, "options", dataclasses.replace(ti.interpreter_builder.options, debug=False))
+        mp.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl",
+                   _original(TritonSemantic, "binary_op_sanitize_overflow_impl"))
+        assert torch.equal(run(), want)
