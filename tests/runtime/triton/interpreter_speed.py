@@ -52,6 +52,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     _cache_np_dtypes(monkeypatch)
     _cache_shapes(monkeypatch)
     _skip_unasserted_overflow_checks(monkeypatch)
+    _cache_builtin_names(monkeypatch)
 
 
 def _skip_unasserted_overflow_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,3 +173,25 @@ def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     cached_tensor_init.__wrapped__ = tensor_init  # type: ignore[attr-defined]
     monkeypatch.setattr(core.block_type, "__init__", cached_block_init)
     monkeypatch.setattr(core.tensor, "__init__", cached_tensor_init)
+
+
+def _cache_builtin_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    from triton.runtime import interpreter as ti
+
+    is_builtin, patch_builtin = ti.tl.core.is_builtin, ti._patch_builtin
+    pkgs = (ti.tl, ti.tl.core, ti.tl.tensor, ti.tl.math, ti.tl.core.tensor_descriptor_base)
+    names = {id(p): (p, [n for n, m in inspect.getmembers(p) if is_builtin(m)]) for p in pkgs}
+
+    def patch_named(pkg: Any, builder: Any, scope: Any) -> None:
+        known = names.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            return patch_builtin(pkg, builder, scope)
+        for name in known[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):  # (one a leaked scope left patched is not, as before)
+                ti._patch_attr(pkg, name, member, builder, scope)
+        return None
+
+    monkeypatch.setattr(ti, "_patch_builtin", patch_named)
