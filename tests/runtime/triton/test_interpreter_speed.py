@@ -99,3 +99,23 @@ def test_skipped_overflow_checks_asserted_nothing() -> None:
         mp.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl",
                    _original(TritonSemantic, "binary_op_sanitize_overflow_impl"))
         assert torch.equal(run(), want)
+
+
+def test_builtin_names_read_once_patch_what_getmembers_finds() -> None:
+    """Each language module's and class's patching through the cached names sets the same
+    attributes, in the same order, to wrappers of the same builtins as the original's."""
+    from triton.runtime import interpreter as ti
+
+    def patched(patch: Any, pkg: Any) -> list[tuple[Any, str, Any, Any]]:
+        scope = ti._LangPatchScope()
+        patch(pkg, ti.interpreter_builder, scope)
+        out = [(obj, name, original, getattr(obj, name).__defaults__) for obj, name, original in scope._changes]
+        scope.restore()
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._cache_builtin_names(mp)
+        cached, original = ti._patch_builtin, _original(ti, "_patch_builtin")
+        for pkg in (ti.tl, ti.tl.core, ti.tl.tensor, ti.tl.math, ti.tl.core.tensor_descriptor_base):
+            want = patched(original, pkg)
+            assert len(want) > 5 and patched(cached, pkg) == want
