@@ -116,6 +116,11 @@ def test_builtin_names_read_once_patch_what_getmembers_finds() -> None:
     with pytest.MonkeyPatch.context() as mp:
         interpreter_speed._cache_builtin_names(mp)
         cached, original = ti._patch_builtin, _original(ti, "_patch_builtin")
+        found = 0
         for pkg in (ti.tl, ti.tl.core, ti.tl.tensor, ti.tl.math, ti.tl.core.tensor_descriptor_base):
             want = patched(original, pkg)
-            assert len(want) > 5 and patched(cached, pkg) == want
+            assert patched(cached, pkg) == want
+            found += len(want)
+        # (after a launch's device function call core's builtins stay wrapped: the interpreter never
+        # restores that scope, so the original finds few there then, and so do the cached names)
+        assert found > 150
