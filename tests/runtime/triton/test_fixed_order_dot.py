@@ -47,3 +47,13 @@ def test_non_finite_operands_and_batches_take_the_full_product() -> None:
     x[:, 1] = 0
     y = np.random.default_rng(2).standard_normal((2, 6, 3)).astype(np.float32)
     assert np.array_equal(fixed_order_product(x, y, np.dtype(np.float32)), _pairwise(x, y))
+
+
+def test_int8_products_at_their_extremes() -> None:
+    """The integer path's sums at the largest int8 products over a long K: still the exact ones."""
+    a = np.full((3, 4099), -128, np.int8)
+    b = np.full((4099, 2), -128, np.int8)
+    b[::2, 1] = 127
+    got = fixed_order_product(a, b, np.dtype(np.int32))
+    assert got.dtype == np.int32 and np.array_equal(got, _pairwise(a.astype(np.int32), b.astype(np.int32)))
+    assert got[0, 0] == 4099 * 128 * 128
