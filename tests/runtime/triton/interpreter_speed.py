@@ -33,20 +33,21 @@ redoes the operation in int64, compares it with the type's bounds and hands the 
 the interpreter's options are a frozen ``InterpreterOptions()`` whose ``debug`` is False: the check
 computes int64 copies of the kernel's index arithmetic and throws them away (an int32 product that
 wraps is stored wrapped, no error; test_interpreter_speed.py shows it). That was about 14 % of an
-interpreted generation's CPU (the tiny fp32 Kimi-K2.5 target, one prompt, two tokens: 2.2 s -> 1.9 s;
-31,507 checks in test_triton_graphs.py, whose index arithmetic is mostly int32). Here the check returns at once while ``debug`` is off, as ``device_assert``
-would have; with ``debug`` on it runs as before. (Its two ``assert``s on the operand types go with
-it: the callers pass operands that the type checks before made equal integer types.)
+interpreted generation's CPU (the tiny fp32 Kimi-K2.5 target, one prompt, two tokens: 2.2 s ->
+1.9 s; 31,507 checks in test_triton_graphs.py, whose index arithmetic is mostly int32). Here the
+check returns at once while ``debug`` is off, as ``device_assert`` would have; with ``debug`` on it
+runs as before. (Its two ``assert``s on the operand types go with it: the callers pass operands
+that the type checks before made equal integer types.)
 
 Builtin names read once. ``_patch_lang`` finds the builtins it wraps by listing ``triton.language``,
 ``triton.language.core``, ``tl.tensor``, ``tl.math`` and ``tensor_descriptor_base`` with
 ``inspect.getmembers`` (about 540 members) at every launch: 0.35 ms of patching and restoring a
-GEMM launch, 0.15 ms without.
-Here the names of their builtins are read once, at install (no launch has patched them yet), and
-each patching wraps what is still a builtin under those names, in the same (sorted) order: what
-``getmembers`` would have found, as no builtin is added to these modules later (a member that a
-device function's scope, which the interpreter never restores, left wrapped is no builtin any
-more, and is skipped in both ways). Any other module or class goes the original way.
+GEMM launch, 0.15 ms without. Here the names of their builtins are read once, at install, and each
+patching wraps what is still a builtin under those names, in the same (sorted) order: what
+``getmembers`` would find, as these modules gain no builtin later. A member wrapped at install
+stays wrapped: the scopes of device-function calls, which the interpreter never restores, leave
+``core``'s functions wrapped for good (every later patching skips them, both ways). Any other
+module or class goes the original way.
 """
 
 from __future__ import annotations
