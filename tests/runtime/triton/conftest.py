@@ -4,8 +4,10 @@ test module skips itself cleanly when triton is not installed.
 
 Under the interpreter ``tl.dot`` is replaced by a product whose bits do not depend on the CPU's
 BLAS kernels (``fixed_order_dot.py`` says why): the bitwise batch-invariance tests then hold or
-fail because of the kernels, on every x86-64 CPU alike. The interpreter also patches the language
-once per launch and looks its numpy dtypes up (``interpreter_speed.py``: speed)."""
+fail because of the kernels, on every x86-64 CPU alike (it skips the zero rows and columns of padded
+tiles, with the same bits). The interpreter also patches the language once per launch, looks its
+numpy dtypes, shapes and builtin names up instead of rebuilding them, and skips the int32 overflow
+checks whose assert it never makes (``interpreter_speed.py``: speed)."""
 
 from __future__ import annotations
 

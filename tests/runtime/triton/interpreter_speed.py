@@ -1,5 +1,5 @@
-"""Three repeats the Triton interpreter makes per operation, done once (tests only: speed; what the
-kernels compute is unchanged).
+"""Four repeats the Triton interpreter makes per operation or launch, done once, and one check it
+computes and never asserts, skipped (tests only: speed; what the kernels compute is unchanged).
 
 Language patching once per launch. The interpreter (triton 3.9, ``triton/runtime/interpreter.py``)
 swaps ``triton.language``'s builtins for interpreted ones (``_patch_lang``) when a kernel launch
@@ -25,6 +25,29 @@ the block types there); every block type and tensor still gets a ``tl.tuple`` of
 (``tl.tuple._setitem`` changes one in place), the ints, ``constexpr`` objects and tuple type in it
 are shared (nothing changes those after construction). A shape that is not all plain ints goes the
 original way, and so does every first use, so a bad shape raises as before.
+
+Integer overflow checks that assert nothing, skipped. Every ``+``, ``-`` and ``*`` of int32 (or
+narrower) tensors in a kernel calls ``binary_op_sanitize_overflow_impl`` (``semantic.py``), which
+redoes the operation in int64, compares it with the type's bounds and hands the comparison to
+``device_assert``. That returns without asserting unless the builder's ``options.debug`` is set, and
+the interpreter's options are a frozen ``InterpreterOptions()`` whose ``debug`` is False: the check
+computes int64 copies of the kernel's index arithmetic and throws them away (an int32 product that
+wraps is stored wrapped, no error; test_interpreter_speed.py shows it). That was about 14 % of an
+interpreted generation's CPU (the tiny fp32 Kimi-K2.5 target, one prompt, two tokens: 2.2 s ->
+1.9 s; 31,507 checks in test_triton_graphs.py, whose index arithmetic is mostly int32). Here the
+check returns at once while ``debug`` is off, as ``device_assert`` would have; with ``debug`` on it
+runs as before. (Its two ``assert``s on the operand types go with it: the callers pass operands
+that the type checks before made equal integer types.)
+
+Builtin names read once. ``_patch_lang`` finds the builtins it wraps by listing ``triton.language``,
+``triton.language.core``, ``tl.tensor``, ``tl.math`` and ``tensor_descriptor_base`` with
+``inspect.getmembers`` (about 540 members) at every launch: 0.35 ms of patching and restoring a
+GEMM launch, 0.15 ms without. Here the names of their builtins are read once, at install, and each
+patching wraps what is still a builtin under those names, in the same (sorted) order: what
+``getmembers`` would find, as these modules gain no builtin later. A member wrapped at install
+stays wrapped: the scopes of device-function calls, which the interpreter never restores, leave
+``core``'s functions wrapped for good (every later patching skips them, both ways). Any other
+module or class goes the original way.
 """
 
 from __future__ import annotations
@@ -35,10 +58,26 @@ import pytest
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All three (undone by ``monkeypatch``)."""
+    """All five (undone by ``monkeypatch``)."""
     _patch_once_per_launch(monkeypatch)
     _cache_np_dtypes(monkeypatch)
     _cache_shapes(monkeypatch)
+    _skip_unasserted_overflow_checks(monkeypatch)
+    _cache_builtin_names(monkeypatch)
+
+
+def _skip_unasserted_overflow_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.language.semantic import TritonSemantic
+
+    check = TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def check_if_asserted(self: Any, lhs: Any, rhs: Any, binary_op: Any) -> None:
+        if not self.builder.options.debug:
+            return None  # device_assert would drop the check's result
+        return check(self, lhs, rhs, binary_op)
+
+    check_if_asserted.__wrapped__ = check  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    monkeypatch.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl", check_if_asserted)
 
 
 def _cache_np_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,3 +184,26 @@ def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     cached_tensor_init.__wrapped__ = tensor_init  # type: ignore[attr-defined]
     monkeypatch.setattr(core.block_type, "__init__", cached_block_init)
     monkeypatch.setattr(core.tensor, "__init__", cached_tensor_init)
+
+
+def _cache_builtin_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    from triton.runtime import interpreter as ti
+
+    is_builtin, patch_builtin = ti.tl.core.is_builtin, ti._patch_builtin
+    pkgs = (ti.tl, ti.tl.core, ti.tl.tensor, ti.tl.math, ti.tl.core.tensor_descriptor_base)
+    names = {id(p): (p, [n for n, m in inspect.getmembers(p) if is_builtin(m)]) for p in pkgs}
+
+    def patch_named(pkg: Any, builder: Any, scope: Any) -> None:
+        known = names.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            return patch_builtin(pkg, builder, scope)
+        for name in known[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):  # (one a leaked scope left patched is not, as before)
+                ti._patch_attr(pkg, name, member, builder, scope)
+        return None
+
+    patch_named.__wrapped__ = patch_builtin  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    monkeypatch.setattr(ti, "_patch_builtin", patch_named)

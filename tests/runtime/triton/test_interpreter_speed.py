@@ -48,3 +48,79 @@ def test_cached_shapes_equal_the_interpreters() -> None:
                 init = init.__wrapped__
             mp.setattr(cls, "__init__", init)
         assert _fields() == cached
+
+
+def _original(cls: type, name: str) -> Any:
+    fn = getattr(cls, name)
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def test_skipped_overflow_checks_asserted_nothing() -> None:
+    """Under the interpreter the original overflow check lets an int32 wrap through (its
+    ``device_assert`` needs ``debug``), so skipping it gives the same bits; with ``debug`` on the
+    shim still runs it and the wrap raises."""
+    import dataclasses
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the interpreter's overflow check (a compiled kernel's is the compiler's)")
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter as ti
+    from triton.runtime.errors import InterpreterError
+
+    @triton.jit
+    def wrap(x_ptr, out_ptr):  # type: ignore[no-untyped-def]
+        i = tl.arange(0, 4)
+        x = tl.load(x_ptr + i)
+        tl.store(out_ptr + i, x * x)
+        tl.store(out_ptr + 4 + i, x + x)
+        tl.store(out_ptr + 8 + i, -x - x)
+
+    x = torch.tensor([2**20, 3, 2**30, -5], dtype=torch.int32)
+    want = torch.cat([x.long() * x.long(), 2 * x.long(), -2 * x.long()]).to(torch.int32)  # wrapped mod 2**32
+
+    def run() -> torch.Tensor:
+        out = torch.zeros(12, dtype=torch.int32)
+        wrap[(1,)](x, out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._skip_unasserted_overflow_checks(mp)  # the session's, if not installed
+        assert torch.equal(run(), want)
+        mp.setattr(ti.interpreter_builder, "options", dataclasses.replace(ti.interpreter_builder.options, debug=True))
+        with pytest.raises(InterpreterError, match="int32 overflow detected for operation mul"):
+            run()
+        mp.setattr(ti.interpreter_builder, "options", dataclasses.replace(ti.interpreter_builder.options, debug=False))
+        mp.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl",
+                   _original(TritonSemantic, "binary_op_sanitize_overflow_impl"))
+        assert torch.equal(run(), want)
+
+
+def test_builtin_names_read_once_patch_what_getmembers_finds() -> None:
+    """Each language module's and class's patching through the cached names sets the same
+    attributes, in the same order, to wrappers of the same builtins as the original's."""
+    from triton.runtime import interpreter as ti
+
+    def patched(patch: Any, pkg: Any) -> list[tuple[Any, str, Any, Any]]:
+        scope = ti._LangPatchScope()
+        patch(pkg, ti.interpreter_builder, scope)
+        out = [(obj, name, original, getattr(obj, name).__defaults__) for obj, name, original in scope._changes]
+        scope.restore()
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._cache_builtin_names(mp)
+        cached, original = ti._patch_builtin, _original(ti, "_patch_builtin")
+        found = 0
+        for pkg in (ti.tl, ti.tl.core, ti.tl.tensor, ti.tl.math, ti.tl.core.tensor_descriptor_base):
+            want = patched(original, pkg)
+            assert patched(cached, pkg) == want
+            found += len(want)
+        # (after a launch's device function call core's builtins stay wrapped: the interpreter never
+        # restores that scope, so the original finds few there then, and so do the cached names)
+        assert found > 150
