@@ -268,14 +268,17 @@ class AsyncEngine:
                 self.error = err
                 self._fail_all(err)
                 continue
-            for out in outputs:
-                self._dispatch(out.request_id, out)
+            # Counters first, then the outputs: a client that scrapes /metrics as soon as its last
+            # token arrives (a benchmark's before/after delta) must see the step that produced it.
+            # Dispatched first, a short request's final verify could be missing from the scrape.
             if self.metrics is not None:
                 try:
                     self.metrics.engine_steps.inc()
                     self.metrics.observe_engine(self.llm)
                 except Exception:  # metrics must never stop the engine thread
                     logger.exception("updating the metrics failed")
+            for out in outputs:
+                self._dispatch(out.request_id, out)
 
     def _dispatch(self, rid: str, item: Any) -> None:
         with self._lock:

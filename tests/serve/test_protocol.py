@@ -210,6 +210,31 @@ def test_metrics_count_requests_and_speculation(client: httpx.Client) -> None:
         assert name in text, name
 
 
+def test_metrics_include_a_response_s_last_step_when_it_arrives(client: httpx.Client, toy_server: tuple[str, Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that scrapes /metrics as soon as its response arrives (a benchmark's before/after
+    delta) sees every step that produced it: the engine thread updates the counters before it hands
+    a step's outputs over. Updating them slowly (a delay here) must not let a response overtake."""
+    import time
+
+    from eagle3.serve.metrics import ServerMetrics
+    from eagle3.validate.metrics_client import parse_spec_counters
+
+    observe = ServerMetrics.observe_engine
+
+    def slow(self: ServerMetrics, llm: Any) -> None:
+        time.sleep(0.2)
+        observe(self, llm)
+
+    llm = toy_server[1]
+    before, drafts = parse_spec_counters(client.get("/metrics").text), llm.stats.num_drafts
+    monkeypatch.setattr(ServerMetrics, "observe_engine", slow)
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    after = parse_spec_counters(client.get("/metrics").text)
+    assert llm.stats.num_drafts > drafts
+    assert after.num_drafts - before.num_drafts == llm.stats.num_drafts - drafts
+
+
 # -- errors ------------------------------------------------------------------------------------
 LONG = list(range(1, 5000))
 BAD: list[tuple[str, str, Any, int, str | None]] = [
