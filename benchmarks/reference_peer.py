@@ -509,12 +509,12 @@ def dry_run(args: argparse.Namespace, work: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="reference-peer-"))
-    if args.dry_run:
-        print("\n".join(dry_run(args, work)))
+    if args.dry_run:  # the commands only: no directory is made for them
+        print("\n".join(dry_run(args, args.work or Path(tempfile.gettempdir(), "reference-peer-XXXXXXXX"))))
         return 0
     if not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: no such file")
+    work = args.work or Path(tempfile.mkdtemp(prefix="reference-peer-"))  # made once the run can start
     work.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

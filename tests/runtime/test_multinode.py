@@ -302,12 +302,18 @@ def test_bench_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None:
     assert [(lv["completed"], lv["failed"]) for lv in rep["levels"]] == [(2, 0)]
 
 
+def _torchrun(tmp_path: Path) -> list[str]:
+    """torchrun with two ranks; its logs under the test's directory (by default it makes a
+    ``torchelastic_*`` directory in the system's temporary directory and leaves it there)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "--log-dir", str(tmp_path / "torchrun-logs")]
+
+
 def test_bench_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
     """torchrun starts every rank (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* from its environment):
     rank 0 benchmarks, rank 1 runs headless and ends with it."""
     report = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-            "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+    argv = [*_torchrun(tmp_path), "-m", "eagle3.cli", "bench", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
             "--dtype", "float32", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--report",
             str(report)]
     log = tmp_path / "torchrun.log"
@@ -326,8 +332,7 @@ def test_serve_validate_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
 
     data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-            "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
+    argv = [*_torchrun(tmp_path), "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft", str(tiny_dir / "kimi-k2.5-eagle3"),
             "--dtype", "float32", "--validate", "gsm8k", "--limit", "2", "--num-fewshot", "1", "--max-tokens", "8",
             "--concurrency", "2", "--dataset", str(data), "--report", str(report)]  # short: the claim is the groups
     log = tmp_path / "torchrun.log"

@@ -4,6 +4,7 @@ reason, the comparison of two engines' references, the table and figure from rep
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,9 @@ def test_help_and_dry_run(tmp_path: Path) -> None:
     cmds = p.stdout.splitlines()
     assert len(cmds) == 11 and cmds[0].startswith("eagle3 serve src --validate gsm8k")
     assert sum("--reference" in c and c.startswith("eagle3 serve") for c in cmds) == 6
+    scratch = tmp_path / "tmp"  # its temporary directory: a refused run leaves no work directory there
+    scratch.mkdir()
     p = subprocess.run([sys.executable, script, "src", "--vllm-python", str(tmp_path / "none")], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, env=dict(os.environ, TMPDIR=str(scratch)))
     assert p.returncode != 0 and "--vllm-python" in p.stderr and "no such file" in p.stderr
+    assert list(scratch.iterdir()) == []
