@@ -229,11 +229,6 @@ def nvidia_resources_many(cubins: list[bytes]) -> list[Resources]:
     return out
 
 
-def nvidia_resources(cubin: bytes) -> Resources:
-    """Resources of one cubin (:func:`nvidia_resources_many` of one)."""
-    return nvidia_resources_many([cubin])[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # AMD
 # ---------------------------------------------------------------------------------------------
@@ -292,5 +287,5 @@ def resources_many(kernels: list[Any], backend: str, arch: str) -> list[Resource
     return out
 
 
-__all__ = ["WIDTHS", "Resources", "ToolError", "amd_resources", "cubin_text", "nvidia_resources",
+__all__ = ["WIDTHS", "Resources", "ToolError", "amd_resources", "cubin_text",
            "nvidia_resources_many", "parse_res_usage", "parse_sass", "resources", "resources_many", "split_sass"]
