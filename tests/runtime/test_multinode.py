@@ -251,10 +251,11 @@ def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp
 
 
 def test_killing_node0_ends_node1(tiny_dir: Path, tmp_path: Path) -> None:
-    # TP=2, one rank a node: each of a node's ranks watches rank 0 on its own, so one shows it
+    # TP=2, one rank a node: each of a node's ranks watches rank 0 on its own, so one shows it (a node
+    # of one rank runs it in its own process: worker.run_node)
     with _two_nodes(tiny_dir, tmp_path, tp=2) as n:
         node0, node1, log1 = n.node0, n.node1, n.log1
-        assert len(_group(node1.pid)) >= 2  # the headless process and its rank
+        assert node1.poll() is None and _group(node1.pid)  # its rank joined: node 0 is ready
         os.killpg(node0.pid, signal.SIGKILL)
         assert _wait_exit(node1, log1) != 0  # its ranks lost rank 0
         assert _gone(node1.pid) and _gone(node0.pid)

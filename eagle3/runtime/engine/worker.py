@@ -2,8 +2,9 @@
 serving process of node 0: it holds rank 0's shard and runs the engine: scheduler, sampling, the
 draft); every other rank runs :func:`worker_main`. Each node's serving process spawns its own
 ranks with ``torch.multiprocessing`` (spawn): node 0's driver ranks 1..L-1 (:class:`TPWorkers`),
-another node's headless ``eagle3 serve --node-rank R`` all L of its ranks (:func:`run_node`);
-under torchrun every rank is a process torchrun started.
+another node's headless ``eagle3 serve --node-rank R`` all L of its ranks, or runs its one rank
+itself (:func:`run_node`); under torchrun every rank is a process torchrun started. Another node's
+rank stays for the next group when rank 0 says one follows (:func:`_rejoining`).
 
 Rank 0 keeps the step's outputs (aux hidden states, gathered logits) where the engine and the
 draft need them: nothing large crosses a process boundary, only the step's small inputs (token
@@ -80,17 +81,19 @@ class Layout:
 
 
 def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
-                local_rank: int, parent: int | None = None, generation: int = 0) -> int:
+                local_rank: int, parent: int | None = None, generation: int = 0, sigint: Any = signal.SIG_IGN) -> int:
     """A worker rank: join the group, load this rank's shard, then run rank 0's steps until its
-    ("exit",) or its loss. Returns the exit status (0, or :data:`EXIT_REJOIN`, or 1 on a failure)."""
-    # Ctrl-C reaches the whole process group; rank 0 decides what stops (it broadcasts "exit").
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ("exit",) or its loss. Returns the exit status (0, or :data:`EXIT_REJOIN`, or 1 on a failure).
+    ``sigint``: what Ctrl-C does to this process (ignored: it reaches the whole process group, and rank
+    0, or the process that spawned this one, decides what stops)."""
+    signal.signal(signal.SIGINT, sigint)
     torch.set_num_threads(num_threads)
     store = None
+    ended = threading.Event()  # this group is over on purpose: the store's end is not rank 0's loss
     try:
         device = rank_device(torch.device(load_kw.pop("device")), local_rank)
         store = init_rank(rank, layout.world, layout.addr, device, generation)
-        beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why), generation).start()
+        beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why, ended), generation).start()
         if parent is not None:
             _watch_parent(rank, parent)
         model = load_target(target, device=device, tp=TPGroup(rank, layout.world), **load_kw)
@@ -103,6 +106,10 @@ def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any],
         return 1
     try:
         code = _serve_steps(model, device, StepChannel())
+        # (before the report: rank 0 closes its store once every rank reported, and a rank that joins
+        # the next group in this process must not take that for rank 0's loss and exit meanwhile)
+        ended.set()
+        beat.stop()
         _quietly(lambda: store.set(_exited_key(rank), "1"))  # rank 0 waits for it before closing the store
         return code
     except Exception as err:  # noqa: BLE001 - a peer is gone, or this rank failed: the group is over
@@ -158,11 +165,13 @@ def _exited_key(rank: int) -> str:
     return f"eagle3/exited/{rank}"
 
 
-def _lost_driver(rank: int, why: str) -> None:
+def _lost_driver(rank: int, why: str, ended: threading.Event) -> None:
     """A worker whose rank 0 is gone ends: nothing it could do would be seen. (After a moment: rank 0
     that stops the group on purpose closes its store just after its ("exit",), which the main thread
-    then ends on.)"""
+    then takes, setting ``ended``: it leaves, or joins the next group, on its own.)"""
     time.sleep(2.0)
+    if ended.is_set():
+        return
     logger.error("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, why)
     os._exit(1)
 
@@ -186,8 +195,29 @@ def _quietly(fn: Any) -> None:
 
 
 def _spawned_worker(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
-                    local_rank: int, parent: int, generation: int) -> None:
+                    local_rank: int, parent: int, generation: int, rejoin: bool = False) -> None:
+    if rejoin:  # another node's rank: every group rank 0 forms at the address, in this one process
+        sys.exit(_rejoining(rank, layout, target, load_kw, num_threads, local_rank, parent))
     sys.exit(worker_main(rank, layout, target, load_kw, num_threads, local_rank, parent, generation))
+
+
+def _rejoining(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int, local_rank: int,
+               parent: int | None = None, sigint: Any = signal.SIG_IGN) -> int:
+    """Rank ``rank`` of every group that rank 0 forms at ``layout.addr``, in this process: again (its
+    shard loaded again) each time rank 0 ends a group saying another follows (serve --validate's
+    baseline run). Returns the exit status.
+
+    Why in this process: a fresh process per group paid the interpreter's start and ``import torch``
+    again (~2 CPU-s a rank) for nothing that the group's end leaves behind."""
+    generation = 0
+    while True:
+        code = worker_main(rank, layout, target, dict(load_kw), num_threads, local_rank,
+                           parent if generation == 0 else None, generation, sigint)  # (one parent watch)
+        if code != EXIT_REJOIN:
+            return code
+        generation += 1
+        if not _await_generation(layout.addr, generation):
+            return 0
 
 
 def _meta_to(meta: Any, device: torch.device) -> Any:
@@ -209,9 +239,10 @@ def rank_threads(device: torch.device, local_ranks: int) -> int:
 
 
 def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw: dict[str, Any],
-           device: torch.device, generation: int) -> list[Any]:
+           device: torch.device, generation: int, rejoin: bool = False) -> list[Any]:
     """Start ``ranks`` as spawned processes of this one (local ranks from ``first_local``; the node's
-    ``layout.per_node`` ranks share its cores: :func:`rank_threads`)."""
+    ``layout.per_node`` ranks share its cores: :func:`rank_threads`); ``rejoin``: each joins every
+    group at the address (:func:`_rejoining`)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -220,7 +251,8 @@ def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw:
     for i, rank in enumerate(ranks):
         kw = dict(load_kw, device=str(device))
         p = ctx.Process(target=_spawned_worker, args=(rank, layout, str(target), kw, threads, first_local + i,
-                                                      os.getpid(), generation), name=f"eagle3-tp-rank{rank}", daemon=True)
+                                                      os.getpid(), generation, rejoin),
+                        name=f"eagle3-tp-rank{rank}", daemon=True)
         p.start()
         procs.append(p)
     return procs
@@ -427,38 +459,33 @@ class TPWorkers:
 
 def run_node(layout: Layout, node_rank: int, target: str, load_kw: dict[str, Any], device: torch.device) -> int:
     """A node other than node 0 (``eagle3 serve --node-rank R``): run this node's ranks headless until
-    rank 0 ends them; again when rank 0 says another group follows. Returns the exit status."""
+    rank 0 ends them, each joining every group rank 0 forms (:func:`_rejoining`). Returns the exit
+    status.
+
+    A node of one rank runs it in this process, as under torchrun: a spawned one was one more
+    interpreter and ``import torch`` (~2 CPU-s, and its memory) beside this one, which only waited."""
     per = layout.per_node
     ranks = range(node_rank * per, (node_rank + 1) * per)
-    generation = 0
-    while True:
-        procs = _spawn(ranks, 0, layout, target, load_kw, device, generation)
-        logger.warning("eagle3: node %d: tensor-parallel ranks %d-%d joining %s:%d", node_rank, ranks[0],
-                       ranks[-1], *layout.addr)
-        try:
-            codes = _wait_all(procs)
-        except KeyboardInterrupt:
-            _stop(procs, grace=0)
-            return 130
-        if not all(c == EXIT_REJOIN for c in codes):
-            return 0 if all(c == 0 for c in codes) else 1
-        generation += 1
-        if not _await_generation(layout.addr, generation):
-            return 0
+    logger.warning("eagle3: node %d: tensor-parallel ranks %d-%d joining %s:%d", node_rank, ranks[0],
+                   ranks[-1], *layout.addr)
+    if per == 1:
+        # Ctrl-C ends this node at once, as it stopped its spawned ranks (the rank's own process ignores
+        # it: rank 0's Ctrl-C reaches its spawned ranks too)
+        return _rejoining(ranks[0], layout, target, dict(load_kw, device=str(device)), rank_threads(device, 1),
+                          0, sigint=signal.SIG_DFL)
+    procs = _spawn(ranks, 0, layout, target, load_kw, device, 0, rejoin=True)
+    try:
+        codes = _wait_all(procs)
+    except KeyboardInterrupt:
+        _stop(procs, grace=0)
+        return 130
+    return 0 if all(c == 0 for c in codes) else 1
 
 
 def run_torchrun_rank(rank: int, layout: Layout, target: str, load_kw: dict[str, Any]) -> int:
-    """A rank torchrun started (not rank 0): this process is the rank; again when rank 0 says another
-    group follows (serve --validate's baseline run). Returns the exit status."""
-    generation = 0
-    while True:
-        code = worker_main(rank, layout, target, dict(load_kw), max(1, torch.get_num_threads()), 0,
-                           generation=generation)
-        if code != EXIT_REJOIN:
-            return code
-        generation += 1
-        if not _await_generation(layout.addr, generation):
-            return 0
+    """A rank torchrun started (not rank 0): this process is the rank, of every group rank 0 forms
+    (serve --validate's baseline run: :func:`_rejoining`). Returns the exit status."""
+    return _rejoining(rank, layout, target, load_kw, max(1, torch.get_num_threads()), 0)
 
 
 def _await_generation(addr: tuple[str, int], generation: int, timeout: float = 600.0) -> bool:
@@ -477,7 +504,7 @@ def _await_generation(addr: tuple[str, int], generation: int, timeout: float = 6
 def _wait_all(procs: list[Any]) -> list[int]:
     """Wait for every process; once one fails, the others are stopped (a group cannot run without it)."""
     while any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0, EXIT_REJOIN) for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
             _stop(procs, grace=10)
             break
         time.sleep(0.2)
