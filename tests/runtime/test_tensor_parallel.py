@@ -336,34 +336,6 @@ def test_ranks_on_one_cpu_share_its_cores() -> None:
         torch.set_num_threads(1)
 
 
-def test_health_says_when_a_worker_died(tiny_dir: Path) -> None:
-    import httpx
-
-    from eagle3.serve import launcher
-
-    torch.set_num_threads(2)  # this process's own count: the driver (rank 0) takes half while it runs
-    llm = _llm(tiny_dir / "kimi-k2.5", tp=2)
-    try:
-        assert torch.get_num_threads() == 1
-        app = launcher.build_app(llm, "tiny")
-        with launcher.ServerThread(app) as url:
-            assert httpx.get(url + "/health").status_code == 200
-            assert httpx.get(url + "/v1/models").json()["data"][0]["tensor_parallel_size"] == 2
-            proc = llm._workers.procs[0]
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            r = httpx.get(url + "/health")
-            assert r.status_code == 503 and "rank 1" in r.text
-            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4},
-                           timeout=60)
-            assert r.status_code == 500 and "rank 1" in r.json()["error"]["message"], r.text
-    finally:
-        llm.close()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-    assert threads == 2  # the process's own count again
-
-
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -439,7 +411,8 @@ def test_shard_reads_decode_to_the_slices_of_the_whole(fmt: str, tiny_dir: Path,
 # test_serve_validate_tp2_cli above, in one more CLI process and worker.
 
 
-def test_a_size_that_does_not_split_is_refused_in_one_line(tiny_dir: Path) -> None:
+def test_a_size_that_does_not_split_is_refused_in_one_line_then_health_names_a_dead_worker(tiny_dir: Path) -> None:
+    """(One test: the TP=2 LLM of the health check is the proof that a refused group leaves none behind.)"""
     from eagle3.errors import Eagle3Error, UsageError
 
     with pytest.raises(UsageError, match="tensor_parallel_size must be"):
@@ -451,6 +424,9 @@ def test_a_size_that_does_not_split_is_refused_in_one_line(tiny_dir: Path) -> No
 
     assert not dist.is_initialized()  # the group is gone: the next LLM can form its own
     assert not [p for p in _children(os.getpid()) if _alive(p) and "spawn_main" in _cmdline(p)]  # workers stopped
+    # ... and does, at once: the refused group's rendezvous (its driver's load failed while its workers
+    # joined) held up the next group in this process until the collective timeout, then failed it
+    _health_says_when_a_worker_died(tiny_dir)
 
 
 def _cmdline(pid: int) -> str:
@@ -458,3 +434,32 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def _health_says_when_a_worker_died(tiny_dir: Path) -> None:
+    """/health and the API say which rank died (the TP=2 LLM after the refused one above)."""
+    import httpx
+
+    from eagle3.serve import launcher
+
+    torch.set_num_threads(2)  # this process's own count: the driver (rank 0) takes half while it runs
+    llm = _llm(tiny_dir / "kimi-k2.5", tp=2)
+    try:
+        assert torch.get_num_threads() == 1
+        app = launcher.build_app(llm, "tiny")
+        with launcher.ServerThread(app) as url:
+            assert httpx.get(url + "/health").status_code == 200
+            assert httpx.get(url + "/v1/models").json()["data"][0]["tensor_parallel_size"] == 2
+            proc = llm._workers.procs[0]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            r = httpx.get(url + "/health")
+            assert r.status_code == 503 and "rank 1" in r.text
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 500 and "rank 1" in r.json()["error"]["message"], r.text
+    finally:
+        llm.close()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    assert threads == 2  # the process's own count again

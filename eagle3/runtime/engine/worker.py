@@ -427,6 +427,7 @@ class TPWorkers:
         """Stop every rank (rank 0's ("exit",); the local ones by signal if they do not stop) and
         leave the process group. ``rejoin``: another group follows at the same address."""
         with self._lock:
+            self._finish_rendezvous()
             if self.store is not None and self.dead is None and not getattr(self, "_closed", False):
                 _quietly(lambda: self.channel.send(("exit", rejoin)))
                 self._wait_exited()
@@ -442,10 +443,24 @@ class TPWorkers:
                 torch.set_num_threads(self._threads)  # this process's own count again
                 self._threads = None
 
+    def _finish_rendezvous(self, timeout: float = 120.0) -> None:
+        """A group closed while rank 0 still joins it (the driver's own load failed meanwhile): let it
+        form first, if every rank is a live process of this one (one node), so that it can be left.
+
+        Why: the rendezvous thread, left waiting in ``init_process_group`` for ranks that were
+        stopped, held up the next group this process formed until the collective timeout (300 s),
+        which then failed: one LLM whose load failed (a size that does not split) made the next
+        tensor-parallel LLM in a notebook or test process fail. Ranks on other nodes may never come:
+        that case keeps its thread (until the timeout)."""
+        rdv = getattr(self, "_rdv", None)
+        deadline = time.monotonic() + timeout
+        while (rdv is not None and rdv.is_alive() and self.layout.nnodes == 1 and time.monotonic() < deadline
+               and all(p.is_alive() for p in self.procs)):
+            rdv.join(0.1)
 
     def _wait_exited(self, timeout: float = 10.0) -> None:
         """Wait (a while) until every rank has taken the ("exit",), so none mistakes the store's
-        end for rank 0's death."""
+        end for rank 0's death (not for ranks of this node that have ended already)."""
         deadline = time.monotonic() + timeout
         keys = [_exited_key(r) for r in range(1, self.world)]
         while time.monotonic() < deadline:
@@ -454,6 +469,8 @@ class TPWorkers:
                     return
             except Exception:  # noqa: BLE001
                 return
+            if self.layout.nnodes == 1 and not any(p.is_alive() for p in self.procs):
+                return  # (a rank that failed to load leaves without taking it)
             time.sleep(0.05)
 
 
