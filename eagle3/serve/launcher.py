@@ -229,8 +229,8 @@ def _served(path: Path, draft: Path | None, eopts: EngineConfig, work: Callable[
         if meta is not None:
             meta.update(engine_info(llm))  # auto: the k it chose over the run
     finally:
-        # its tensor-parallel workers, before the next run forms its own group (other nodes start their
-        # ranks again for it: rejoin)
+        # its tensor-parallel workers, before the next run forms its own group (rejoin: the ranks, of
+        # this node and the others, wait to join that one)
         close_llm(llm, rejoin=rejoin)
         del app, llm
         gc.collect()
@@ -333,7 +333,7 @@ def serve_and_validate(target: Path, draft: Path | None, eopts: EngineConfig, vo
 
         with_draft = draft is not None
         run = _served(target, draft if with_draft else None, eopts, work("speculative" if with_draft else "run"),
-                      meta=meta, rejoin=with_draft and baseline and eopts.nnodes > 1, **common)  # type: ignore[arg-type]
+                      meta=meta, rejoin=with_draft and baseline, **common)  # type: ignore[arg-type]
         base = (_served(target, None, eopts, work("baseline"), **common)  # type: ignore[arg-type]
                 if with_draft and baseline else None)
         sections = []

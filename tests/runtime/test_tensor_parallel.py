@@ -3,19 +3,22 @@
 TP=2 must give TP=1's logits within rounding and its greedy tokens up to the first near tie (fp32;
 the sums run in another order), and speculative TP=2 plain TP=2's tokens bit for bit, for the INT4
 source and quantized ones; a dead worker must fail the requests in flight with a clear error, not hang.
-Each TP=2 LLM spawns a worker process (~3-5 s here), so the tests reuse them across asserts. Only
+Each TP=2 LLM spawns a worker process (~3-5 s here), so the tests reuse them across asserts, and
+the next TP=2 LLM of the same checkpoint and settings reuses that process (``close(rejoin=True)``). Only
 one tensor-parallel LLM can live in a process at a time (one torch.distributed group), so each is
 closed before the next one starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,20 @@ def _llm(target: Path, draft: Path | None = None, tp: int = 1, **kw: str) -> LLM
     return LLM(target, draft, dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=tp, **kw)
 
 
+@contextlib.contextmanager
+def _tp2(target: Path, draft: Path | None = None, *, then_same: bool = False, **kw: str) -> Iterator[LLM]:
+    """A TP=2 LLM, closed at the end; ``then_same``: another TP=2 LLM of this checkpoint and settings
+    follows (another draft), whose group its worker process then joins instead of a new one starting
+    (LLM.close(rejoin=True); not after a failure)."""
+    llm = _llm(target, draft, tp=2, **kw)
+    try:
+        yield llm
+    except BaseException:
+        llm.close()
+        raise
+    llm.close(rejoin=then_same)
+
+
 @pytest.mark.parametrize("fmt", ["int4", "w4a8", "int4g", "mxfp4", "fp8"])
 def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, request: pytest.FixtureRequest) -> None:
     target = _source(fmt, tiny_dir, request)
@@ -160,8 +177,9 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
     tol = LOGITS_ATOL
     one = _llm(target, **exact)
     ref = _tokens(one)
-    plain = _llm(target, tp=2, **exact)
-    try:
+    if fmt == "int4":
+        drafts.append(request.getfixturevalue("shared_head_draft"))  # the draft gets a whole lm_head on rank 0
+    with _tp2(target, then_same=bool(drafts) and not exact, **exact) as plain:
         assert plain.tensor_parallel_size == 2
         tp2 = _tokens(plain)
         # TP=2 == TP=1 up to rounding (not bit for bit: another summation order): logits within tol
@@ -178,23 +196,13 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
         assert m.lm_head.out_features == m.vocab_size // 2
         assert m.layers[1].self_attn.spec.num_heads == m.spec.mla.num_heads // 2
         assert m.layers[1].mlp.expert_range == (0, m.spec.n_routed_experts // 2)
-    finally:
-        plain.close()
     if exact:  # the served engine, activations quantized, for the speculative comparison below
-        plain = _llm(target, tp=2)
-        try:
+        with _tp2(target, then_same=bool(drafts)) as plain:
             tp2 = _tokens(plain)
-        finally:
-            plain.close()
-    if fmt == "int4":
-        drafts.append(request.getfixturevalue("shared_head_draft"))  # the draft gets a whole lm_head on rank 0
-    for draft in drafts:
-        spec = _llm(target, draft, tp=2)
-        try:
+    for i, draft in enumerate(drafts):
+        with _tp2(target, draft, then_same=i < len(drafts) - 1) as spec:
             assert _tokens(spec) == tp2  # speculative == plain at one TP size: bitwise, batch invariance
             assert spec.stats.num_drafts > 0
-        finally:
-            spec.close()
 
 
 def test_dead_worker_fails_requests_cleanly(tiny_dir: Path) -> None:

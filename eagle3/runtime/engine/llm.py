@@ -254,7 +254,9 @@ class LLM(SpecShape):
 
     def close(self, rejoin: bool = False) -> None:
         """Stop the tensor-parallel workers (a no-op at tensor_parallel_size 1). Also at exit.
-        ``rejoin``: another LLM forms a group at the same address next (other nodes start again)."""
+        ``rejoin``: another LLM forms a group at the same address next (other nodes' ranks join it;
+        this node's wait for it and join it if it loads the same checkpoint with the same settings,
+        which spares their processes' start, else they are stopped then)."""
         if self._workers is not None:
             if rejoin and self._finalizer.alive:
                 self._finalizer.detach()

@@ -301,8 +301,17 @@ class TPWorkers:
         self.generation = _GENERATIONS.get(self.layout.addr, 0) if addr is not None else 0
         if addr is not None:
             _GENERATIONS[self.layout.addr] = self.generation + 1
-        self.procs: list[Any] = _spawn(range(1, self.layout.per_node), 1, self.layout, target, load_kw, device,
-                                       self.generation)
+        # The local ranks of the previous group, if it closed saying this one follows (rejoin) with
+        # the same ranks, checkpoint and load settings: they join this group at their address.
+        self._key = (world, nnodes, addr, str(target), repr(sorted(load_kw.items())), str(device))
+        parked = _take_parked(self._key)
+        if parked is not None:
+            self.layout = dataclasses.replace(self.layout, addr=parked.addr)
+            self.generation = parked.generation
+            self.procs: list[Any] = parked.procs
+        else:
+            self.procs = _spawn(range(1, self.layout.per_node), 1, self.layout, target, load_kw, device,
+                                self.generation, rejoin=True)
 
     def start_driver_rank(self, device: torch.device) -> torch.device:
         """Join the group in a background thread, so that the driver loads its shard while the workers
@@ -428,13 +437,18 @@ class TPWorkers:
         leave the process group. ``rejoin``: another group follows at the same address."""
         with self._lock:
             self._finish_rendezvous()
+            told = False
             if self.store is not None and self.dead is None and not getattr(self, "_closed", False):
                 _quietly(lambda: self.channel.send(("exit", rejoin)))
-                self._wait_exited()
+                told = self._wait_exited()
             self._closed = True
             if self.beat is not None:
                 self.beat.stop()
-            _stop(self.procs, grace=5.0 if self.dead is None else 0.5)  # a broken group's ranks wait to be stopped
+            if rejoin and told and self.procs and all(p.is_alive() for p in self.procs):
+                # they wait for the next group at this address (_rejoining): no new process, no import
+                _park(_Parked(self._key, self.procs, self.layout.addr, self.generation + 1))
+            else:
+                _stop(self.procs, grace=5.0 if self.dead is None else 0.5)  # a broken group's wait to be stopped
             self.procs = []
             leave_group()
             self.store = None
@@ -458,20 +472,54 @@ class TPWorkers:
                and all(p.is_alive() for p in self.procs)):
             rdv.join(0.1)
 
-    def _wait_exited(self, timeout: float = 10.0) -> None:
+    def _wait_exited(self, timeout: float = 10.0) -> bool:
         """Wait (a while) until every rank has taken the ("exit",), so none mistakes the store's
-        end for rank 0's death (not for ranks of this node that have ended already)."""
+        end for rank 0's death (not for ranks of this node that have ended already). Returns whether
+        every rank took it."""
         deadline = time.monotonic() + timeout
         keys = [_exited_key(r) for r in range(1, self.world)]
         while time.monotonic() < deadline:
             try:
                 if self.store.check(keys):
-                    return
+                    return True
             except Exception:  # noqa: BLE001
-                return
+                return False
             if self.layout.nnodes == 1 and not any(p.is_alive() for p in self.procs):
-                return  # (a rank that failed to load leaves without taking it)
+                return False  # (a rank that failed to load leaves without taking it)
             time.sleep(0.05)
+        return False
+
+
+@dataclasses.dataclass
+class _Parked:
+    """Local ranks of a group closed with ``rejoin``, waiting to join generation ``generation`` at
+    ``addr`` (:func:`_rejoining`); ``key``: the group they load for (TPWorkers._key)."""
+
+    key: tuple[Any, ...]
+    procs: list[Any]
+    addr: tuple[str, int]
+    generation: int
+
+
+_parked: _Parked | None = None  # (one group per process at a time: at most one set waits)
+
+
+def _park(parked: _Parked) -> None:
+    global _parked
+    _take_parked(None)
+    _parked = parked
+
+
+def _take_parked(key: tuple[Any, ...] | None) -> _Parked | None:
+    """The waiting ranks if they are ``key``'s, else None, after stopping any that wait (a group of
+    another checkpoint, size or settings follows: theirs would never form)."""
+    global _parked
+    parked, _parked = _parked, None
+    if parked is not None and parked.key == key and all(p.is_alive() for p in parked.procs):
+        return parked
+    if parked is not None:
+        _stop(parked.procs, grace=0)
+    return None
 
 
 def run_node(layout: Layout, node_rank: int, target: str, load_kw: dict[str, Any], device: torch.device) -> int:
