@@ -423,3 +423,9 @@ def test_group_generations_count_per_rendezvous_address(monkeypatch: pytest.Monk
     monkeypatch.setattr(worker, "free_port", lambda: 29501)
     assert worker.TPWorkers(2, "t", {}, torch.device("cpu")).generation == 0
     assert generation(("127.0.0.1", 29501)) == 0
+    # A rank spawned for a later group at an address joins that one first (then the ones after it).
+    joined: list[int] = []
+    monkeypatch.setattr(worker, "worker_main", lambda *a: joined.append(a[7]) or 0)
+    with pytest.raises(SystemExit):
+        worker._spawned_worker(1, worker.Layout(2, 2, ("10.0.0.1", 29500)), "t", {}, 1, 0, os.getpid(), 3, True)
+    assert joined == [3]

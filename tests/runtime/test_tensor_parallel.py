@@ -179,8 +179,9 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
     ref = _tokens(one)
     if fmt == "int4":
         drafts.append(request.getfixturevalue("shared_head_draft"))  # the draft gets a whole lm_head on rank 0
-    with _tp2(target, then_same=bool(drafts) and not exact, **exact) as plain:
+    with _tp2(target, then_same=bool(drafts), **exact) as plain:
         assert plain.tensor_parallel_size == 2
+        rank1 = plain._workers.procs[0].pid
         tp2 = _tokens(plain)
         # TP=2 == TP=1 up to rounding (not bit for bit: another summation order): logits within tol
         # over TP=1's tokens, greedy tokens equal up to the first near tie
@@ -198,9 +199,12 @@ def test_tp2_equals_tp1_greedy_with_every_draft(fmt: str, tiny_dir: Path, reques
         assert m.layers[1].mlp.expert_range == (0, m.spec.n_routed_experts // 2)
     if exact:  # the served engine, activations quantized, for the speculative comparison below
         with _tp2(target, then_same=bool(drafts)) as plain:
+            assert plain._workers.procs[0].pid != rank1  # other load settings: not the waiting rank's
+            rank1 = plain._workers.procs[0].pid
             tp2 = _tokens(plain)
     for i, draft in enumerate(drafts):
         with _tp2(target, draft, then_same=i < len(drafts) - 1) as spec:
+            assert spec._workers.procs[0].pid == rank1  # the waiting rank joined (close(rejoin=True))
             assert _tokens(spec) == tp2  # speculative == plain at one TP size: bitwise, batch invariance
             assert spec.stats.num_drafts > 0
 

@@ -196,23 +196,23 @@ def _quietly(fn: Any) -> None:
 
 def _spawned_worker(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
                     local_rank: int, parent: int, generation: int, rejoin: bool = False) -> None:
-    if rejoin:  # another node's rank: every group rank 0 forms at the address, in this one process
-        sys.exit(_rejoining(rank, layout, target, load_kw, num_threads, local_rank, parent))
+    if rejoin:  # every group rank 0 forms at the address from ``generation`` on, in this one process
+        sys.exit(_rejoining(rank, layout, target, load_kw, num_threads, local_rank, parent, generation=generation))
     sys.exit(worker_main(rank, layout, target, load_kw, num_threads, local_rank, parent, generation))
 
 
 def _rejoining(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int, local_rank: int,
-               parent: int | None = None, sigint: Any = signal.SIG_IGN) -> int:
-    """Rank ``rank`` of every group that rank 0 forms at ``layout.addr``, in this process: again (its
-    shard loaded again) each time rank 0 ends a group saying another follows (serve --validate's
-    baseline run). Returns the exit status.
+               parent: int | None = None, sigint: Any = signal.SIG_IGN, generation: int = 0) -> int:
+    """Rank ``rank`` of every group that rank 0 forms at ``layout.addr`` from ``generation`` on, in
+    this process: again (its shard loaded again) each time rank 0 ends a group saying another follows
+    (serve --validate's baseline run). Returns the exit status.
 
     Why in this process: a fresh process per group paid the interpreter's start and ``import torch``
     again (~2 CPU-s a rank) for nothing that the group's end leaves behind."""
-    generation = 0
+    first = generation
     while True:
         code = worker_main(rank, layout, target, dict(load_kw), num_threads, local_rank,
-                           parent if generation == 0 else None, generation, sigint)  # (one parent watch)
+                           parent if generation == first else None, generation, sigint)  # (one parent watch)
         if code != EXIT_REJOIN:
             return code
         generation += 1
