@@ -1,9 +1,9 @@
 """Tensor parallelism across nodes, on one machine: two "nodes" on loopback, each its own ``eagle3
 serve`` process tree (``--nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:PORT``, gloo), TP=4 with
 two ranks a node, or TP=2 with one where two would add nothing to the test's claim but two more
-processes (each ~2 CPU-s of imports and loading, at every group it forms). Node 0 serves (or, in the
-first test, is this test process's LLM, so that its logits can be compared); node 1 runs its ranks
-headless and exits when node 0 ends.
+processes (each ~2 CPU-s of imports and loading). Node 0 serves (or, in the first test, is this test
+process's LLM, so that its logits can be compared); node 1 runs its ranks headless (its one rank in
+its own process at TP=2), each rank joining every group node 0 forms, and exits when node 0 ends.
 
 Every node is started in a session of its own, and its whole process group is killed at the end of
 each test whatever happens (no orphans, even on a failure).
