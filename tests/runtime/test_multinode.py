@@ -213,7 +213,7 @@ def test_killing_node1_fails_requests_in_flight_and_health(tiny_dir: Path, tmp_p
         t = threading.Thread(target=stream, daemon=True)
         t.start()
         assert started.wait(120)
-        os.killpg(node1.pid, signal.SIGKILL)  # the whole node: its headless process and both its ranks
+        os.killpg(node1.pid, signal.SIGKILL)  # the whole node: its headless process (rank 2) and rank 3
         t.join(120)
         assert not t.is_alive()
         errors = [json.loads(x[6:])["error"]["message"] for x in text if x.startswith("data: {\"error\"")]

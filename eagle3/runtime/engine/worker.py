@@ -2,8 +2,8 @@
 serving process of node 0: it holds rank 0's shard and runs the engine: scheduler, sampling, the
 draft); every other rank runs :func:`worker_main`. Each node's serving process spawns its own
 ranks with ``torch.multiprocessing`` (spawn): node 0's driver ranks 1..L-1 (:class:`TPWorkers`),
-another node's headless ``eagle3 serve --node-rank R`` all L of its ranks, or runs its one rank
-itself (:func:`run_node`); under torchrun every rank is a process torchrun started. Another node's
+another node's headless ``eagle3 serve --node-rank R`` runs its first rank itself and spawns the
+others (:func:`run_node`); under torchrun every rank is a process torchrun started. Another node's
 rank stays for the next group when rank 0 says one follows (:func:`_rejoining`).
 
 Rank 0 keeps the step's outputs (aux hidden states, gathered logits) where the engine and the
@@ -91,11 +91,11 @@ def worker_main(rank: int, layout: Layout, target: str, load_kw: dict[str, Any],
     store = None
     ended = threading.Event()  # this group is over on purpose: the store's end is not rank 0's loss
     try:
+        if parent is not None:  # (from the start: a parent gone during the rendezvous leaves no one to end it)
+            _watch_parent(rank, parent)
         device = rank_device(torch.device(load_kw.pop("device")), local_rank)
         store = init_rank(rank, layout.world, layout.addr, device, generation)
         beat = Heartbeat(layout.addr, rank, [0], lambda r, why: _lost_driver(rank, why, ended), generation).start()
-        if parent is not None:
-            _watch_parent(rank, parent)
         model = load_target(target, device=device, tp=TPGroup(rank, layout.world), **load_kw)
         store.set(ready_key(rank), "ok")
     except BaseException as err:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -527,24 +527,22 @@ def run_node(layout: Layout, node_rank: int, target: str, load_kw: dict[str, Any
     rank 0 ends them, each joining every group rank 0 forms (:func:`_rejoining`). Returns the exit
     status.
 
-    A node of one rank runs it in this process, as under torchrun: a spawned one was one more
-    interpreter and ``import torch`` (~2 CPU-s, and its memory) beside this one, which only waited."""
+    This process runs the node's first rank itself, as node 0's driver does, and spawns the others:
+    a spawned first rank was one more interpreter and ``import torch`` (~2 CPU-s, and its memory)
+    beside this one, which only waited. Ctrl-C ends this process at once (its own rank ignores it
+    otherwise: rank 0's Ctrl-C reaches its spawned ranks too); the spawned ranks follow when their
+    parent is gone."""
     per = layout.per_node
     ranks = range(node_rank * per, (node_rank + 1) * per)
     logger.warning("eagle3: node %d: tensor-parallel ranks %d-%d joining %s:%d", node_rank, ranks[0],
                    ranks[-1], *layout.addr)
-    if per == 1:
-        # Ctrl-C ends this node at once, as it stopped its spawned ranks (the rank's own process ignores
-        # it: rank 0's Ctrl-C reaches its spawned ranks too)
-        return _rejoining(ranks[0], layout, target, dict(load_kw, device=str(device)), rank_threads(device, 1),
-                          0, sigint=signal.SIG_DFL)
-    procs = _spawn(ranks, 0, layout, target, load_kw, device, 0, rejoin=True)
-    try:
-        codes = _wait_all(procs)
-    except KeyboardInterrupt:
-        _stop(procs, grace=0)
-        return 130
-    return 0 if all(c == 0 for c in codes) else 1
+    procs = _spawn(ranks[1:], 1, layout, target, load_kw, device, 0, rejoin=True)
+    code = _rejoining(ranks[0], layout, target, dict(load_kw, device=str(device)), rank_threads(device, per), 0,
+                      sigint=signal.SIG_DFL)
+    codes = _wait_all(procs) if code == 0 else []
+    if code != 0:
+        _stop(procs, grace=0)  # (the group cannot run without this rank)
+    return 0 if code == 0 and all(c == 0 for c in codes) else 1
 
 
 def run_torchrun_rank(rank: int, layout: Layout, target: str, load_kw: dict[str, Any]) -> int:
