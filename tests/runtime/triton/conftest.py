@@ -6,8 +6,10 @@ Under the interpreter ``tl.dot`` is replaced by a product whose bits do not depe
 BLAS kernels (``fixed_order_dot.py`` says why): the bitwise batch-invariance tests then hold or
 fail because of the kernels, on every x86-64 CPU alike (it skips the zero rows and columns of padded
 tiles, with the same bits). The interpreter also patches the language once per launch, looks its
-numpy dtypes, shapes and builtin names up instead of rebuilding them, and skips the int32 overflow
-checks whose assert it never makes (``interpreter_speed.py``: speed)."""
+numpy dtypes, shapes, builtin names and promotion types up instead of rebuilding them, passes
+operands that need no cast or broadcast straight through, reuses the decoded weight tiles of the
+GEMMs' repeated decodes, and skips the int32 overflow checks whose assert it never makes
+(``interpreter_speed.py``: speed, the same bits)."""
 
 from __future__ import annotations
 

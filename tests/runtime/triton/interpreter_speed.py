@@ -1,4 +1,4 @@
-"""Four repeats the Triton interpreter makes per operation or launch, done once, and one check it
+"""Repeats the Triton interpreter makes per operation or launch, done once, and one check it
 computes and never asserts, skipped (tests only: speed; what the kernels compute is unchanged).
 
 Language patching once per launch. The interpreter (triton 3.9, ``triton/runtime/interpreter.py``)
@@ -48,6 +48,39 @@ patching wraps what is still a builtin under those names, in the same (sorted) o
 stays wrapped: the scopes of device-function calls, which the interpreter never restores, leave
 ``core``'s functions wrapped for good (every later patching skips them, both ways). Any other
 module or class goes the original way.
+
+Shapes of plain ints compared as lists. ``tl.tuple.__eq__`` normalizes the other side into a new
+``tl.tuple`` (unwrapping constexprs, inferring a tuple type) and then compares the two value lists;
+``broadcast_impl_value`` does that twice per call (``lhs_shape != ret_shape``, a list), 8 % of an
+interpreted generation's time. When both sides are ``tl.tuple``s or lists of plain ints the
+normalization returns the same ints, so here the lists are compared directly (the result is the
+same ``constexpr``); anything else goes the original way.
+
+Promotion types memoized. ``computation_type_impl`` (which dtype a binary operation computes in)
+reads only its arguments: the dtypes' names (immutable) and four flags, and returns one of the two
+dtypes or a ``tl`` constant. Here its result is kept per (dtype objects, flags), keyed by the
+objects' identities (held by the memo, so an id is not reused); a call that raises is not kept and
+raises again next time.
+
+Matching operands passed through. ``binary_op_type_checking_impl`` returns both operands unchanged
+when they are tensors of one non-pointer dtype (the promotion of a dtype with itself is itself, and
+casting to it returns the input) and one shape (broadcasting equal shapes returns the inputs), except
+for a float division or modulo, which promotes to fp32: that case goes the original way, as does
+every other. ``broadcast_impl_value`` likewise returns operands of equal plain-int shapes (or two
+scalars) at once, and splats a scalar tensor to a block's shape as the original does (a block type
+of the block's shape and the scalar's dtype; ``create_splat``'s ``np.full`` of the scalar's data in
+its numpy dtype) without the intermediate IR type, whose ``to_ir`` on the interpreter's builder only
+names a type for the non-fp8 dtypes it is used for here (fp8 ones check the target: original way).
+
+Weight decoding memoized. ``linear._pair_values`` and ``linear._assemble`` are plain functions under
+the interpreter (``linear._device_fn``) and pure: their result is computed from their arguments'
+values only (tensor ops, no loads or stores). A generation decodes the same weight tiles in every
+forward (every decode step runs every expert's tile again), a quarter of an interpreted generation's
+time. Here a result is kept per argument values (each tensor's type, numpy dtype, shape and bytes,
+each constexpr's type and value, a float by its bits), up to 64 MB, and a repeat returns a fresh
+tensor (its own type, shape tuple and copy of the data) with the same type and bits; the first call
+of every distinct tile runs the kernel's code as before. Arguments of any other kind go the
+original way.
 """
 
 from __future__ import annotations
@@ -58,12 +91,16 @@ import pytest
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All five (undone by ``monkeypatch``)."""
+    """All of them (undone by ``monkeypatch``)."""
     _patch_once_per_launch(monkeypatch)
     _cache_np_dtypes(monkeypatch)
     _cache_shapes(monkeypatch)
     _skip_unasserted_overflow_checks(monkeypatch)
     _cache_builtin_names(monkeypatch)
+    _compare_int_shapes_directly(monkeypatch)
+    _memoize_computation_types(monkeypatch)
+    _pass_matching_operands_through(monkeypatch)
+    _memoize_weight_decoding(monkeypatch)
 
 
 def _skip_unasserted_overflow_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,8 +150,19 @@ def _patch_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     patch_lang, launch = ti._patch_lang, ti.GridExecutor.__call__
     langs = (ti.tl, ti.tl.core)
 
+    # a module's language modules, read once per (globals dict, size): a module that imports one
+    # later grows its globals (the dict is held, so its id is never reused)
+    seen: dict[int, tuple[dict[str, Any], int, set[int]]] = {}
+
+    def languages(g: dict[str, Any]) -> set[int]:
+        hit = seen.get(id(g))
+        if hit is None or hit[1] != len(g):
+            hit = seen[id(g)] = (g, len(g), {id(v) for v in g.values()
+                                             if inspect.ismodule(v) and any(v is m for m in langs)})
+        return hit[2]
+
     def patch_once(fn: Any) -> Any:
-        mine = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and any(v is m for m in langs)}
+        mine = languages(fn.__globals__)
         if state["in_launch"] and mine <= state["patched"]:
             return ti._LangPatchScope()  # nothing to restore: the launch's scope holds the patches
         scope = patch_lang(fn)
@@ -147,6 +195,14 @@ def _plain_shape(shape: Any, tl_tuple: type) -> tuple[int, ...] | None:
     return tuple(shape)
 
 
+def _shape_tuple(values: list[int], tuple_type: Any, tl_tuple: type) -> Any:
+    """``tl.tuple(values, tuple_type)`` as its ``__init__`` builds it for a ``tuple_type`` (a copy of
+    the list and that type), without the call."""
+    t = object.__new__(tl_tuple)
+    t.values, t.type = list(values), tuple_type
+    return t
+
+
 def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     from triton.language import core
 
@@ -166,7 +222,7 @@ def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
             return
         values, tuple_type, self.numel, self.name = hit
         self.element_ty = element_ty
-        self.shape = tl_tuple(values, tuple_type)  # a list of its own
+        self.shape = _shape_tuple(values, tuple_type, tl_tuple)  # a list of its own
 
     def cached_tensor_init(self: Any, handle: Any, ty: Any) -> None:
         dims = _plain_shape(ty.shape, tl_tuple) if ty.is_block() else ()
@@ -178,7 +234,7 @@ def _cache_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
             return
         values, tuple_type, numel = hit
         self.handle, self.type, self.dtype, self.numel = handle, ty, ty.scalar, numel
-        self.shape = tl_tuple(values, tuple_type)
+        self.shape = _shape_tuple(values, tuple_type, tl_tuple)
 
     cached_block_init.__wrapped__ = block_init  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
     cached_tensor_init.__wrapped__ = tensor_init  # type: ignore[attr-defined]
@@ -207,3 +263,192 @@ def _cache_builtin_names(monkeypatch: pytest.MonkeyPatch) -> None:
 
     patch_named.__wrapped__ = patch_builtin  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
     monkeypatch.setattr(ti, "_patch_builtin", patch_named)
+
+
+# element dtypes whose ``to_ir`` on the interpreter's builder only names a type (fp8 ones check the target)
+_PLAIN_DTYPES = frozenset({"int1", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "fp16",
+                           "bf16", "fp32", "fp64"})
+
+
+def _int_values(seq: Any, tl_tuple: type) -> list[int] | None:
+    """The dims of ``seq`` (a ``tl.tuple`` or list) when all are plain ints, else None."""
+    kind = type(seq)
+    if kind is tl_tuple:
+        seq = seq.values
+    elif kind is not list:
+        return None
+    for d in seq:
+        if type(d) is not int:
+            return None
+    return seq
+
+
+def _compare_int_shapes_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.language import core
+
+    eq, tl_tuple, constexpr = core.tuple.__eq__, core.tuple, core.constexpr
+
+    def int_eq(self: Any, other: Any) -> Any:
+        # the original normalizes ``other`` into a fresh tl.tuple (unwrapping constexprs, inferring
+        # a tuple type) only to compare the value lists: for plain ints that is the list comparison
+        mine, theirs = _int_values(self, tl_tuple), _int_values(other, tl_tuple)
+        if mine is None or theirs is None:
+            return eq(self, other)
+        return constexpr(mine == theirs)
+
+    int_eq.__wrapped__ = eq  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    monkeypatch.setattr(core.tuple, "__eq__", int_eq)
+
+
+def _memoize_computation_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.language.semantic import TritonSemantic
+
+    impl = TritonSemantic.computation_type_impl
+    # keyed by the dtype objects' identities (the objects are held, so an id is never reused):
+    # the promotion reads only their names and returns one of them or a tl constant
+    memo: dict[tuple[int, bool, int, bool, bool], tuple[Any, Any, Any]] = {}
+
+    def memoized(self: Any, a_ty: Any, a_is_scalar: bool, b_ty: Any, b_is_scalar: bool, div_or_mod: bool) -> Any:
+        key = (id(a_ty), a_is_scalar, id(b_ty), b_is_scalar, div_or_mod)
+        hit = memo.get(key)
+        if hit is None:
+            got = impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)  # (a TypeError is not kept)
+            memo[key] = hit = (a_ty, b_ty, got)
+        return hit[2]
+
+    memoized.__wrapped__ = impl  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    monkeypatch.setattr(TritonSemantic, "computation_type_impl", memoized)
+
+
+def _same_shape(lt: Any, rt: Any, tl_tuple: type) -> bool:
+    """Both types scalars, or blocks of the same plain-int shape."""
+    if not lt.is_block():
+        return not rt.is_block()
+    if not rt.is_block():
+        return False
+    a, b = _int_values(lt.shape, tl_tuple), _int_values(rt.shape, tl_tuple)
+    return a is not None and a == b
+
+
+def _pass_matching_operands_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.language import core
+    from triton.language.semantic import TritonSemantic
+
+    check, broadcast, tensor, tl_tuple = (TritonSemantic.binary_op_type_checking_impl,
+                                          TritonSemantic.broadcast_impl_value, core.tensor, core.tuple)
+
+    def matching(self: Any, lhs: Any, rhs: Any, allow_lhs_ptr: bool = False, allow_rhs_ptr: bool = False,
+                 arithmetic_check: bool = True, div_or_mod: bool = False) -> Any:
+        if type(lhs) is tensor and type(rhs) is tensor:
+            lt, rt = lhs.type, rhs.type
+            d = lt.scalar
+            if d is rt.scalar and (d.is_int() or (d.is_floating() and not div_or_mod)) and _same_shape(lt, rt, tl_tuple):
+                return lhs, rhs
+        return check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    from triton.runtime import interpreter as ti
+
+    builder_type, handle, np_dtype, block_type = (ti.InterpreterBuilder, ti.TensorHandle, ti._get_np_dtype,
+                                                  core.block_type)
+    import numpy as np
+
+    def splat(self: Any, scalar: Any, like: Any) -> Any:
+        """``scalar`` splat to the shape of the block type ``like`` as the original makes it (its
+        block type; ``create_splat``'s ``np.full`` of the handle), or None where it goes the
+        original way (another builder; an fp8 element, whose ``to_ir`` checks the target; a shape
+        that is not plain ints)."""
+        dims = _int_values(like.shape, tl_tuple)
+        element = scalar.type.scalar
+        if dims is None or type(self.builder) is not builder_type or element.name not in _PLAIN_DTYPES:
+            return None
+        arg = scalar.handle
+        data = np.full(tuple(dims), arg.data, dtype=np_dtype(arg.dtype))
+        return self.make_tensor(handle(data, arg.dtype.scalar), block_type(element, like.shape))
+
+    def same_shapes(self: Any, lhs: Any, rhs: Any) -> Any:
+        lt, rt = lhs.type, rhs.type
+        if _same_shape(lt, rt, tl_tuple):
+            return lhs, rhs
+        if lt.is_block() and not rt.is_block():
+            got = splat(self, rhs, lt)
+            if got is not None:
+                return lhs, got
+        elif rt.is_block() and not lt.is_block():
+            got = splat(self, lhs, rt)
+            if got is not None:
+                return got, rhs
+        return broadcast(self, lhs, rhs)
+
+    matching.__wrapped__ = check  # type: ignore[attr-defined]  # (test_interpreter_speed.py)
+    same_shapes.__wrapped__ = broadcast  # type: ignore[attr-defined]
+    monkeypatch.setattr(TritonSemantic, "binary_op_type_checking_impl", matching)
+    monkeypatch.setattr(TritonSemantic, "broadcast_impl_value", same_shapes)
+
+
+def _arg_key(v: Any, tensor: type, constexpr: type) -> Any:
+    """What a pure device function's result depends on in argument ``v``: a tensor's type (element
+    and shape) and its data's dtype, shape and bytes; a constexpr's or Python scalar's type and
+    value (a float by its bits: -0.0 and 0.0 differ); None for anything else (not memoized)."""
+    if type(v) is tensor:
+        data = v.handle.data
+        return ("tensor", str(v.type), str(v.handle.dtype), data.dtype.str, data.shape, data.tobytes())
+    if type(v) is constexpr:
+        v = v.value
+    if type(v) in (bool, int, str) or v is None:
+        return (type(v).__name__, v)
+    if type(v) is float:
+        return ("float", v.hex())
+    return None
+
+
+class _PureMemo:
+    """Results of pure device functions by their arguments' bytes, up to ``budget`` bytes of
+    result data (first in, first out)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.held = budget, 0
+        self.results: dict[Any, tuple[Any, Any, Any]] = {}
+
+    def wrap(self, fn: Any) -> Any:
+        import numpy as np
+        from triton.language import core
+        from triton.runtime import interpreter as ti
+
+        tensor, constexpr, handle, block_type = core.tensor, core.constexpr, ti.TensorHandle, core.block_type
+
+        def memoized(*args: Any) -> Any:
+            key = [fn]
+            for a in args:
+                k = _arg_key(a, tensor, constexpr)
+                if k is None:
+                    return fn(*args)
+                key.append(k)
+            hit = self.results.get(tuple(key))
+            if hit is None:
+                got = fn(*args)
+                if type(got) is tensor and type(got.handle) is handle:
+                    self._keep(tuple(key), (np.array(got.handle.data), got.handle.dtype, got.type))
+                return got
+            data, dtype, ty = hit
+            if ty.is_block():  # a block type (and shape tuple) of its own, as a fresh result has
+                ty = block_type(ty.element_ty, list(ty.shape))
+            return tensor(handle(data.copy(), dtype), ty)
+
+        memoized.__wrapped__ = fn  # type: ignore[attr-defined]
+        return memoized
+
+    def _keep(self, key: Any, value: tuple[Any, Any, Any]) -> None:
+        self.results[key] = value
+        self.held += value[0].nbytes
+        while self.held > self.budget and self.results:
+            self.held -= self.results.pop(next(iter(self.results)))[0].nbytes
+
+
+def _memoize_weight_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eagle3.runtime.kernels.triton import linear
+
+    if not linear.INTERPRET:  # compiled device functions: nothing interpreted to skip
+        return
+    memo = _PureMemo(64 << 20)
+    for name in ("_pair_values", "_assemble"):
+        monkeypatch.setattr(linear, name, memo.wrap(getattr(linear, name)))

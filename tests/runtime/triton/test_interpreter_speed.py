@@ -124,3 +124,116 @@ def test_builtin_names_read_once_patch_what_getmembers_finds() -> None:
         # (after a launch's device function call core's builtins stay wrapped: the interpreter never
         # restores that scope, so the original finds few there then, and so do the cached names)
         assert found > 150
+
+
+def test_int_shape_comparison_equals_the_originals() -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._compare_int_shapes_directly(mp)
+        fast, original = core.tuple.__eq__, _original(core.tuple, "__eq__")
+        for a in ([16, 32], [16], [core.constexpr(16), 32]):
+            for b in ([16, 32], [32, 16], [16], core.tuple([16, 32]), [core.constexpr(16), 32], [True, 32]):
+                got, want = fast(core.tuple(a), b), original(core.tuple(a), b)
+                assert type(got) is type(want) is core.constexpr and got.value == want.value, (a, b)
+
+
+def _dtypes() -> list[Any]:
+    return [core.int1, core.int8, core.int32, core.uint32, core.int64, core.float8e4nv, core.float16, core.bfloat16,
+            core.float32, core.float64]
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as e:
+        return type(e)
+
+
+def test_memoized_computation_types_equal_the_originals() -> None:
+    from triton.language.semantic import TritonSemantic
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._memoize_computation_types(mp)
+        memo, original = TritonSemantic.computation_type_impl, _original(TritonSemantic, "computation_type_impl")
+        sem = TritonSemantic(None)
+        for a in _dtypes():
+            for b in _dtypes():
+                for flags in ((False, False), (True, False), (False, True)):
+                    for div in (False, True):
+                        args = (a, flags[0], b, flags[1], div)
+                        want = _outcome(original, sem, *args)
+                        assert _outcome(memo, sem, *args) == want and _outcome(memo, sem, *args) == want, args
+
+
+def _tensor(dtype: Any, shape: list[int], value: float = 1.5) -> Any:
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    np_dtype = ti._get_np_dtype(dtype)
+    data = np.full(shape or [1], value).astype(np_dtype)
+    return core.tensor(ti.TensorHandle(data, dtype), core.block_type(dtype, shape) if shape else dtype)
+
+
+def _seen(pair: Any) -> list[tuple[str, Any]]:
+    return [(str(t.type), t.handle.data.dtype.str, t.handle.data.shape, t.handle.data.tobytes()) for t in pair]
+
+
+def test_matching_operands_and_splats_equal_the_originals() -> None:
+    """Operands of one dtype and shape pass through the type checks and broadcasting as the
+    original passes them (the same objects); every other pair, and a scalar splat to a block, gives
+    tensors of the original's types and bits."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the interpreter's builder")
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter as ti
+
+    sem = ti.interpreter_semantic
+    with pytest.MonkeyPatch.context() as mp:
+        interpreter_speed._pass_matching_operands_through(mp)
+        fast, original = TritonSemantic.binary_op_type_checking_impl, _original(TritonSemantic,
+                                                                                 "binary_op_type_checking_impl")
+        bcast, bcast_original = TritonSemantic.broadcast_impl_value, _original(TritonSemantic, "broadcast_impl_value")
+        f32, i32, f16 = core.float32, core.int32, core.float16
+        pairs = [(_tensor(f32, [16, 8]), _tensor(f32, [16, 8])), (_tensor(i32, [4]), _tensor(i32, [4])),
+                 (_tensor(f32, []), _tensor(f32, [])), (_tensor(f32, [16, 8]), _tensor(i32, [16, 8])),
+                 (_tensor(f32, [16, 1]), _tensor(f32, [1, 8])), (_tensor(f32, [16, 8]), _tensor(f16, [])),
+                 (_tensor(i32, []), _tensor(f32, [4, 2])), (_tensor(f16, [4]), _tensor(f16, [4])),
+                 (_tensor(i32, [4]), 3), (2.5, _tensor(f16, [2, 4])), (_tensor(f32, [8]), _tensor(f32, [16]))]
+        for lhs, rhs in pairs:
+            for div in (False, True):
+                got, want = _outcome(fast, sem, lhs, rhs, False, False, True, div), \
+                    _outcome(original, sem, lhs, rhs, False, False, True, div)
+                if isinstance(want, type):
+                    assert got is want
+                    continue
+                assert _seen(got) == _seen(want), (lhs, rhs, div)
+                if lhs is want[0] and rhs is want[1]:
+                    assert got[0] is lhs and got[1] is rhs
+            if not isinstance(lhs, float) and not isinstance(rhs, int):
+                got, want = _outcome(bcast, sem, lhs, rhs), _outcome(bcast_original, sem, lhs, rhs)
+                assert got is want if isinstance(want, type) else _seen(got) == _seen(want)
+
+
+def test_memoized_device_functions_return_fresh_equal_results() -> None:
+    import numpy as np
+
+    calls = []
+
+    def double(x: Any, k: Any) -> Any:
+        calls.append(k)
+        from triton.runtime import interpreter as ti
+
+        return core.tensor(ti.TensorHandle(x.handle.data * 2, x.handle.dtype), core.block_type(x.dtype, [4]))
+
+    memo = interpreter_speed._PureMemo(1 << 20)
+    f = memo.wrap(double)
+    x = _tensor(core.float32, [4], 1.5)
+    first, second = f(x, core.constexpr(0.0)), f(_tensor(core.float32, [4], 1.5), 0.0)
+    assert len(calls) == 1 and _seen([first]) == _seen([second]) and second.handle.data is not first.handle.data
+    assert second.type is not first.type and second.shape is not first.shape
+    second.handle.data[0] = 7.0  # a result of its own: the memo keeps its copy
+    assert np.array_equal(f(x, 0.0).handle.data, first.handle.data) and len(calls) == 1
+    f(x, -0.0)  # another key: -0.0 is not 0.0
+    f(_tensor(core.float32, [4], 2.5), 0.0)
+    assert len(calls) == 3
