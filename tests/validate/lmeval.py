@@ -118,6 +118,9 @@ for line in sys.stdin:
         out = {"ok": False, "error": traceback.format_exc()}
     reply.write(json.dumps(out) + "\n")
     reply.flush()
+# stdin closed: the tests are done (or their process died without closing it); the home goes too
+import shutil
+shutil.rmtree(os.environ["EAGLE3_LMEVAL_HOME"], ignore_errors=True)
 """
 
 
@@ -129,7 +132,7 @@ class _Worker:
         self.log = self.home / "lm-eval.log"
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(self.home / "hf"),
                    HF_UPDATE_DOWNLOAD_COUNTS="0", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
-                   OPENAI_API_KEY="", TOKENIZERS_PARALLELISM="false")
+                   OPENAI_API_KEY="", TOKENIZERS_PARALLELISM="false", EAGLE3_LMEVAL_HOME=str(self.home))
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, env=env, cwd=self.home)
