@@ -108,6 +108,10 @@ import json, os, sys, traceback
 # of the original stdout
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
+# simple_evaluate's environment section (torch's collect_env: imports torch, runs pip list and more)
+# is never read here, and was ~2.5 CPU-s of every evaluation
+import lm_eval.evaluator
+lm_eval.evaluator.add_env_info = lambda storage: None
 for line in sys.stdin:
     job = json.loads(line)
     os.chdir(job["cwd"])
