@@ -34,12 +34,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eagle3.checkpoint import CheckpointReader
 from eagle3.checkpoint.files import INDEX_FILE, REMOTE_CODE_PATTERNS, download_patterns
 from eagle3.errors import DownloadError, UsageError
 from eagle3.units import human_bytes
+
+if TYPE_CHECKING:  # the reader imports torch: `eagle3 download` never needs it
+    from eagle3.checkpoint import CheckpointReader
 
 __all__ = ["DownloadResult", "FileEntry", "download", "header_view", "is_local", "print_result", "resolve"]
 
@@ -170,6 +172,8 @@ def header_view(path_or_repo: str | os.PathLike[str], *, revision: str | None = 
                 for name, t in fm.tensors.items()}
         for fname, fm in sorted(meta.files_metadata.items())
     }
+    from eagle3.checkpoint import CheckpointReader
+
     return small.path, CheckpointReader.from_headers(small.path, headers)
 
 

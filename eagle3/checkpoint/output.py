@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.checkpoint.files import MANIFEST_FILE
-from eagle3.checkpoint.manifest import write_manifest
 from eagle3.checkpoint.rawio import _WRITE_ERRNOS, write_error, writing
 from eagle3.errors import OutputExistsError, UsageError
 
@@ -287,6 +286,10 @@ def atomic_output(out: str | os.PathLike[str], overwrite: bool = False, resume: 
         try:
             yield tmp
             if manifest:
+                # imported here: the manifest reads safetensors headers (torch), and a process
+                # that only takes or checks output locks never needs it
+                from eagle3.checkpoint.manifest import write_manifest
+
                 with writing(tmp / MANIFEST_FILE):
                     write_manifest(tmp, known=known_digests)
             (tmp / PARTIAL_MARKER).unlink(missing_ok=True)

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     finally:
         # An output lock a command took and did not get to release (an error before its write
-        # began) goes now, not at interpreter exit. Only if loaded: importing it imports torch.
-        cp = sys.modules.get("eagle3.checkpoint")
-        if cp is not None:
-            cp.release_output_locks()
+        # began) goes now, not at interpreter exit. Only if loaded (no lock was taken otherwise):
+        # importing it imports torch.
+        out = sys.modules.get("eagle3.checkpoint.output")
+        if out is not None:
+            out.release_output_locks()

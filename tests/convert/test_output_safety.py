@@ -416,6 +416,25 @@ def _without_dac_override() -> list[str] | None:
     return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner"]
 
 
+# Both commands in one process without the override (a Python start and torch's import each, ~1.5
+# CPU-s, is most of what a command costs here); each command's exit status and stderr apart.
+_TWO_COMMANDS = """
+import contextlib, io, json, sys
+from eagle3.cli import main
+got = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    got.append([code, err.getvalue()])
+print(json.dumps(got))
+"""
+
+
 def test_read_only_output_parent(T: Path, tmp_path: Path) -> None:
     prefix = _without_dac_override()
     if prefix is None:
@@ -424,14 +443,18 @@ def test_read_only_output_parent(T: Path, tmp_path: Path) -> None:
     parent.mkdir()
     parent.chmod(0o555)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    commands = [["convert", str(T / DRAFT), str(parent / "o"), "--engine", "vllm", "--quiet"],
+                ["make-tiny", str(parent / "o"), "--only", DRAFT]]
     try:
-        for args in (["convert", str(T / DRAFT), str(parent / "o"), "--engine", "vllm", "--quiet"],
-                     ["make-tiny", str(parent / "o"), "--only", DRAFT]):
-            p = subprocess.run([*prefix, sys.executable, "-m", "eagle3.cli", *args], capture_output=True,
-                               text=True, env=env, timeout=300)
-            assert p.returncode == 2, (p.stdout, p.stderr)
-            assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
-            assert "permission denied" in p.stderr and str(parent / "o") in p.stderr
+        p = subprocess.run([*prefix, sys.executable, "-c", _TWO_COMMANDS, json.dumps(commands)], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert p.returncode == 0, (p.stdout, p.stderr)
+        results = json.loads(p.stdout.splitlines()[-1])
+        assert len(results) == len(commands), results
+        for code, stderr in results:
+            assert code == 2, (code, stderr)
+            assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+            assert "permission denied" in stderr and str(parent / "o") in stderr
             assert list(parent.iterdir()) == []
     finally:
         parent.chmod(0o755)

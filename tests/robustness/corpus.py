@@ -875,10 +875,11 @@ def run_guarded(argv: list[str], root: Path, timeout: float = HANG_TIMEOUT_S) ->
     return done[0]
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under ``root``: type, mode, and sha256 (files) or target (symlinks). FIFOs are
-    never opened."""
-    out: dict[str, str] = {}
+def snapshot(root: Path) -> dict[str, Any]:
+    """Every path under ``root``: type, mode, and the bytes (files) or target (symlinks). FIFOs are
+    never opened. The bytes themselves, not a digest: comparing them is stricter and much cheaper
+    than hashing them (a 12 MB target copy was sha256'd twice per case)."""
+    out: dict[str, Any] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = Path(dirpath, name)
@@ -889,17 +890,14 @@ def snapshot(root: Path) -> dict[str, str]:
             elif stat.S_ISDIR(st.st_mode):
                 out[str(p.relative_to(root))] = f"dir {mode}"
             elif stat.S_ISREG(st.st_mode):
-                h = hashlib.sha256()
                 with open(p, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        h.update(chunk)
-                out[str(p.relative_to(root))] = f"file {mode} {st.st_size} {h.hexdigest()[:16]}"
+                    out[str(p.relative_to(root))] = (f"file {mode} {st.st_size}", f.read())
             else:
                 out[str(p.relative_to(root))] = f"special {stat.S_IFMT(st.st_mode):o} {mode}"
     return out
 
 
-def diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
+def diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     lines = [f"removed {k}" for k in sorted(before.keys() - after.keys())]
     lines += [f"added {k}" for k in sorted(after.keys() - before.keys())]
     lines += [f"changed {k}" for k in sorted(before.keys() & after.keys()) if before[k] != after[k]]

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -373,12 +374,16 @@ def test_cli_body_limit_timeouts_and_ready_file_after_sigterm(tiny_dir: Path, tm
             # 6,000-token prompt took 18 s of prefill here, minutes on a machine busy with other work)
             ok = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "user": "u" * 12_000})
             assert ok.status_code == 200, ok.text
-        # Headers announcing a body, then nothing: 408 (or a close) after ~10 s, not a held connection
-        # (10 s, not 2: on a loaded machine the first request alone can take seconds to be read).
-        held = _raw(url, _post_head("/v1/completions", 100), timeout=60)
+        # Two connections the server must time out, waited out together (each takes the ~10 s
+        # --request-timeout; one after the other they held the test 20 s):
+        # headers announcing a body, then nothing: 408 (or a close) after ~10 s, not a held connection
+        # (10 s, not 2: on a loaded machine the first request alone can take seconds to be read);
+        # headers never completed: the connection is closed (no request, so no answer).
+        with ThreadPoolExecutor(2) as pool:
+            held_f = pool.submit(_raw, url, _post_head("/v1/completions", 100), timeout=60)
+            half_f = pool.submit(_raw, url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n", timeout=60)
+            held, half = held_f.result(), half_f.result()
         assert held == b"" or held.startswith(b"HTTP/1.1 408"), held[:200]
-        # Headers never completed: the connection is closed (no request, so no answer).
-        half = _raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n", timeout=60)
         assert half in (b"",) or half.startswith(b"HTTP/1.1 4"), half[:200]
         # (both returned: a held connection would have raised socket.timeout after 60 s)
         with _client(url) as c:

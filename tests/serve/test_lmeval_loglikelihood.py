@@ -12,9 +12,6 @@ same tokens (echo with max_tokens 0) and the model's log_softmax (one independen
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +29,9 @@ from tests.validate import lmeval
 TASK, LIMIT = "gsm8k_solution_ll", 4
 pytestmark = pytest.mark.timeout(300)
 
+# run with ``args`` defined (tests.validate.lmeval.run_script)
 _SCRIPT = r"""
-import json, sys
-args = json.loads(sys.argv[1])
+import json
 import lm_eval
 from lm_eval.tasks import TaskManager
 tm = TaskManager(include_path=args["task_dir"], include_defaults=False)
@@ -77,12 +74,7 @@ def _run_lm_eval(tmp_path: Path, url: str) -> dict[str, Any]:
     args = {"task": TASK, "task_dir": str(tmp_path / "tasks"), "limit": LIMIT, "out": str(out),
             "model_args": f"base_url={url}/v1/completions,model=m,tokenizer_backend=remote,batch_size=2,"
                           "max_length=4096,max_retries=1"}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", OPENAI_API_KEY="",
-               TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(args)], env=env, capture_output=True,
-                       text=True, timeout=280, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
+    lmeval.run_script(_SCRIPT, args, tmp_path, timeout=280)
     return json.loads(out.read_text())
 
 
