@@ -164,30 +164,59 @@ def _split_bytes(t: TensorSpec, n: int, placement: str) -> int:
     return per * sizing.DTYPE_BYTES[t.dtype]
 
 
+@dataclass
+class Placement:
+    """A model's tensors summed by where the ranks hold them, in one pass: classifying 208k tensor
+    names and counting their bytes is the cost of a plan of the real Kimi checkpoint, and plans sweep
+    rank counts, so :meth:`per_rank` spreads these sums over any number of ranks without that pass."""
+
+    every: dict[str, int]  # bytes of the replicated tensors, by category (every rank holds them)
+    split: list[tuple[str, str, TensorSpec]]  # (category, placement, tensor) of the split tensors and the embedding
+    experts: dict[tuple[str, int], int]  # routed-expert bytes by (category, expert number)
+    unloaded: int  # bytes on disk that no rank loads (vision)
+    total: int  # bytes of every tensor
+    expert_params: int  # routed-expert parameters (:func:`_expert_params`)
+
+    @classmethod
+    def of(cls, tensors: Iterable[TensorSpec]) -> Placement:
+        every = dict.fromkeys((c for c, _, _ in CATEGORIES), 0)
+        split: list[tuple[str, str, TensorSpec]] = []
+        experts: dict[tuple[str, int], int] = {}
+        unloaded = total = params = 0
+        for t in tensors:
+            nbytes = t.nbytes
+            total += nbytes
+            cat, place = classify(t.name)
+            if place == "none":
+                unloaded += nbytes
+            elif place == "experts":
+                key = (cat, int(_EXPERT.search(t.name).group(1)))  # type: ignore[union-attr]
+                experts[key] = experts.get(key, 0) + nbytes
+                params += _logical_params(t)  # classify found its expert number
+            elif place == "replicated" and cat != "embedding":
+                every[cat] += nbytes
+            else:
+                split.append((cat, place, t))
+        return cls(every, split, experts, unloaded, total, params)
+
+    def per_rank(self, ranks: int, n_routed_experts: int,
+                 embedding: str = "replicated") -> tuple[list[dict[str, int]], int]:
+        """Per-rank bytes by category, and the bytes that no rank loads."""
+        every = dict(self.every)
+        for cat, place, t in self.split:
+            if cat == "embedding" and embedding == "vocab-split":
+                place = "split"
+            every[cat] += t.nbytes if place == "replicated" else _split_bytes(t, ranks, place)
+        per = [dict(every) for _ in range(ranks)]
+        for (cat, e), b in self.experts.items():
+            per[e * ranks // max(n_routed_experts, e + 1)][cat] += b  # contiguous blocks of E/N experts
+        return per, self.unloaded
+
+
 def rank_bytes(tensors: Iterable[TensorSpec], ranks: int, n_routed_experts: int,
                embedding: str = "replicated") -> tuple[list[dict[str, int]], int]:
     """Per-rank bytes by category, and the bytes on disk that no rank loads (vision)."""
-    per = [dict.fromkeys((c for c, _, _ in CATEGORIES), 0) for _ in range(ranks)]
-    unloaded = 0
-    for t in tensors:
-        cat, place = classify(t.name)
-        if place == "none":
-            unloaded += t.nbytes
-            continue
-        if cat == "embedding" and embedding == "vocab-split":
-            place = "split"
-        if place == "experts":
-            e = int(_EXPERT.search(t.name).group(1))  # type: ignore[union-attr]
-            owner = e * ranks // max(n_routed_experts, e + 1)  # contiguous blocks of E/N experts
-            per[owner][cat] += t.nbytes
-        elif place == "replicated":
-            for r in per:
-                r[cat] += t.nbytes
-        else:
-            b = _split_bytes(t, ranks, place)
-            for r in per:
-                r[cat] += b
-    return per, unloaded
+    return Placement.of(tensors).per_rank(ranks, n_routed_experts, embedding)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,24 +231,23 @@ class Model:
     tensors: list[TensorSpec]
     source: str  # "headers" | "config" | "config+recipe:<name>"
     linear_formats: dict[str, int] = field(default_factory=dict)
-    _per_rank: dict[tuple[int, int, str], tuple[list[dict[str, int]], int]] = field(default_factory=dict, repr=False)
-    _stats: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
+    _placement: Placement | None = field(default=None, repr=False)
+
+    def placement(self) -> Placement:
+        """:class:`Placement` of this model's tensors, memoised: plans for several GPU types and
+        counts share it."""
+        if self._placement is None:
+            self._placement = Placement.of(self.tensors)
+        return self._placement
 
     def rank_bytes(self, ranks: int, n_routed_experts: int, embedding: str) -> tuple[list[dict[str, int]], int]:
-        """:func:`rank_bytes` of this model's tensors (memoised: plans for several GPU types share it)."""
-        key = (ranks, n_routed_experts, embedding)
-        if key not in self._per_rank:
-            self._per_rank[key] = rank_bytes(self.tensors, ranks, n_routed_experts, embedding)
-        per, unloaded = self._per_rank[key]
-        return [dict(r) for r in per], unloaded
+        """:func:`rank_bytes` of this model's tensors."""
+        return self.placement().per_rank(ranks, n_routed_experts, embedding)
 
     def totals(self) -> tuple[int, int, int]:
-        """(bytes of every tensor, routed-expert bytes, routed-expert parameters), memoised."""
-        if "totals" not in self._stats:
-            experts = [t for t in self.tensors if classify(t.name)[0] == "routed_experts"]
-            self._stats["totals"] = (sum(t.nbytes for t in self.tensors), sum(t.nbytes for t in experts),
-                                     _expert_params(experts))
-        return self._stats["totals"]
+        """(bytes of every tensor, routed-expert bytes, routed-expert parameters)."""
+        p = self.placement()
+        return p.total, sum(b for (cat, _), b in p.experts.items() if cat == "routed_experts"), p.expert_params
 
 
 def _config_file(path: str | Path, flag: str) -> Path:
@@ -364,17 +392,18 @@ class MemoryPlan:
 
 def _expert_params(tensors: Iterable[TensorSpec]) -> int:
     """Parameters of the routed experts (logical [N, K] elements, whatever the storage)."""
-    n = 0
-    for t in tensors:
-        if _EXPERT.search(t.name) is None:
-            continue
-        if t.name.endswith((".weight_packed", ".weight")) and t.dtype in ("I32", "U32"):
-            n += t.numel * 8  # 8 INT4 codes per word ([N, K/8], or [K, N/8] for Quark per-group)
-        elif t.name.endswith(".weight") and t.dtype == "U8":
-            n += t.numel * 2  # two E2M1 codes per byte
-        elif t.name.endswith(".weight"):
-            n += t.numel
-    return n
+    return sum(_logical_params(t) for t in tensors if _EXPERT.search(t.name) is not None)
+
+
+def _logical_params(t: TensorSpec) -> int:
+    """Logical [N, K] elements that weight tensor ``t`` stores (0 for its scales and shapes)."""
+    if t.name.endswith((".weight_packed", ".weight")) and t.dtype in ("I32", "U32"):
+        return t.numel * 8  # 8 INT4 codes per word ([N, K/8], or [K, N/8] for Quark per-group)
+    if t.name.endswith(".weight") and t.dtype == "U8":
+        return t.numel * 2  # two E2M1 codes per byte
+    if t.name.endswith(".weight"):
+        return t.numel
+    return 0
 
 
 def check_options(*, gpus: int, gpu: str | None, gpu_memory: int | None, memory_fraction: float,

@@ -26,7 +26,9 @@ a glob is ``fnmatch`` on the whole name (Quark's ``exclude`` semantics), ``re:<r
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -114,7 +116,9 @@ class Scope:
     exclude_regex: tuple[str, ...] = ()  # verbatim "re:" entries for the exported config
 
     def matches(self, module: str) -> bool:
-        return any(match(p, module) for p in self.include) and not any(match(p, module) for p in self.exclude)
+        # one compiled test per pattern list: a scope is matched against every module name of a
+        # checkpoint (140k for Kimi-K2.5's experts)
+        return any_match(self.include)(module) and not any_match(self.exclude)(module)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,20 @@ class Recipe:
 # ---------------------------------------------------------------------------------------------
 
 _REGEX_CACHE: dict[str, re.Pattern[str]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def any_match(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """``name -> any(match(p, name) for p in patterns)``, with the glob patterns compiled into one
+    regex (fnmatch's own translation), so that a name costs one regex match, not one per pattern."""
+    globs = [p for p in patterns if not p.startswith("re:")]
+    regexes = [p for p in patterns if p.startswith("re:")]
+    glob = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in globs)) if globs else None
+
+    def test(name: str) -> bool:
+        return (glob is not None and glob.match(name) is not None) or any(match(p, name) for p in regexes)
+
+    return test
 
 
 def match(pattern: str, name: str) -> bool:

@@ -189,7 +189,9 @@ def plot(rows: list[TensorReport], path: Path, title: str = "") -> Path | None:
     ax1.legend(fontsize=8, loc="best")
     ax1.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
+    # Fixed margins that hold the labels of this fixed layout: tight_layout measured them by
+    # drawing the figure an extra time (~40% of the plot's CPU, paid by every quantize run).
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.08, top=0.95, hspace=0.08)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

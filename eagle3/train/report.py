@@ -33,7 +33,9 @@ def figure(path: Path, history: list[dict[str, Any]], title: str) -> bool:
     ax[1].set_xlabel("step")
     ax[1].set_ylabel("top-1 agreement with target")
     ax[1].legend(fontsize=7)
-    fig.tight_layout()
+    # Fixed margins that hold the labels of this fixed layout: tight_layout measured them by
+    # drawing the figure an extra time (~40% of the figure's CPU, paid by every train-draft run).
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.13, top=0.92, wspace=0.22)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
