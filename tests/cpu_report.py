@@ -121,11 +121,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     sampler, t0, cpu0 = item.stash[_STASH]
     children_cpu, wait = sampler.stop()
-    row = {"wall": time.perf_counter() - t0, "cpu": _cpu_s() - cpu0 + children_cpu, "wait": wait}
+    # start / end (epoch seconds) and the xdist worker: when each worker was busy, to see a run's tail
+    row = {"wall": time.perf_counter() - t0, "cpu": _cpu_s() - cpu0 + children_cpu, "wait": wait,
+           "start": time.time() - (time.perf_counter() - t0), "end": time.time(),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     outcome.get_result().user_properties.append((_KEY, row))  # to the xdist controller with the report
 
 
-_ROWS: dict[str, dict[str, float]] = {}
+_ROWS: dict[str, dict[str, Any]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
