@@ -34,9 +34,12 @@ def _pad_rows(x: torch.Tensor, multiple: int, dtype: torch.dtype | None = None) 
     target = max(multiple, -(-m // multiple) * multiple)
     if target == m:
         return x if x.dtype == dtype else x.to(dtype)
-    out = x.new_empty(*x.shape[:-2], target, x.shape[-1], dtype=dtype)
-    out[..., :m, :].copy_(x)
-    out[..., m:, :].zero_()
+    # Every linear of a decode step pads (1 token -> 16 rows): one op where no cast is needed,
+    # else zeros and one widening copy (~3x / ~1.5x fewer microseconds than empty, copy, zero).
+    if x.dtype == dtype:
+        return torch.constant_pad_nd(x, (0, 0, 0, target - m))
+    out = x.new_zeros(*x.shape[:-2], target, x.shape[-1], dtype=dtype)
+    out[..., :m, :] = x
     return out
 
 
