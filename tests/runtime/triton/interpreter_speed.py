@@ -184,15 +184,8 @@ def _patch_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plain_shape(shape: Any, tl_tuple: type) -> tuple[int, ...] | None:
     """``shape`` (a list or ``tl.tuple``: what ``block_type`` accepts; a block type's own shape is a
     ``tl.tuple`` of ints) as a tuple when all its dims are plain ints: the cacheable case."""
-    kind = type(shape)
-    if kind is tl_tuple:
-        shape = shape.values
-    elif kind is not list:
-        return None
-    for d in shape:
-        if type(d) is not int:
-            return None
-    return tuple(shape)
+    values = _int_values(shape, tl_tuple)
+    return None if values is None else tuple(values)
 
 
 def _shape_tuple(values: list[int], tuple_type: Any, tl_tuple: type) -> Any:
