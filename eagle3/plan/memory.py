@@ -175,7 +175,7 @@ class Placement:
     experts: dict[tuple[str, int], int]  # routed-expert bytes by (category, expert number)
     unloaded: int  # bytes on disk that no rank loads (vision)
     total: int  # bytes of every tensor
-    expert_params: int  # routed-expert parameters (:func:`_expert_params`)
+    expert_params: int  # routed-expert parameters (logical [N, K] elements: :func:`_logical_params`)
 
     @classmethod
     def of(cls, tensors: Iterable[TensorSpec]) -> Placement:
@@ -388,11 +388,6 @@ class MemoryPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
-
-
-def _expert_params(tensors: Iterable[TensorSpec]) -> int:
-    """Parameters of the routed experts (logical [N, K] elements, whatever the storage)."""
-    return sum(_logical_params(t) for t in tensors if _EXPERT.search(t.name) is not None)
 
 
 def _logical_params(t: TensorSpec) -> int:
