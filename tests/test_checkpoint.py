@@ -3,6 +3,7 @@ caps, index, corrupt inputs, atomic output and the manifest / `eagle3 verify`.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import struct
 from pathlib import Path
@@ -320,3 +321,13 @@ def test_planned_shard_written_out_of_order_from_threads(tmp_path: Path, monkeyp
     assert (tmp_path / "planned.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
     got = st.load_file(tmp_path / "planned.safetensors")
     assert torch.equal(got["raw.a"], reader.get("raw.a")) and got["t0.bfloat16"].dtype == torch.bfloat16
+
+
+def test_package_exports_resolve_lazily_to_their_modules() -> None:
+    """``eagle3.checkpoint`` resolves its names on first use (so that ``eagle3 download`` never imports
+    torch): its ``__all__`` and its name -> module map list the same names, and each resolves."""
+    import eagle3.checkpoint as cp
+
+    assert sorted(cp.__all__) == sorted(cp._MODULE_OF)
+    for name in cp.__all__:
+        assert getattr(cp, name) is getattr(importlib.import_module(f"eagle3.checkpoint.{cp._MODULE_OF[name]}"), name)
