@@ -25,7 +25,10 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 def pytest_configure(config: pytest.Config) -> None:
     import torch
 
+    from tests import quark_speed
+
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    quark_speed.install()  # before any test imports Quark
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -671,3 +671,39 @@ def test_w4a8_table_stage2_matches_elementwise_on_edge_cases(dtype):
         ref_packed, ref_s2 = _w4a8_reference(w, got_s1)
         assert torch.equal(packed, ref_packed) and _bits_equal(s2, ref_s2)
         assert _bits_equal(w, keep)
+
+
+def test_quark_import_shim_only_skips_files_without_the_decorator(quark, tmp_path, monkeypatch):
+    """tests/quark_speed.py lets Quark's transformers scan skip the modeling files that do not name
+    the decorator it looks for: the unfiltered scan finds nothing in a sample of them, the filter
+    passes the scan a file that names it and every other caller's source untouched, and Quark
+    registered the decorated classes."""
+    import random
+
+    from quark.torch.utils.llm.module_replacement import quark_experts as qe
+    from quark.torch.utils.llm.module_replacement.preprocess_registry import PREPROCESS_REGISTRY
+
+    from tests import quark_speed
+
+    assert qe.ast.parse is quark_speed._parse_unless_unmarked  # installed by tests/conftest.py
+    assert any(c.__module__.startswith("transformers.models.") and v is qe.QuarkExperts
+               for c, v in PREPROCESS_REGISTRY.items())
+    files = sorted(qe.MODELS_ROOT.rglob("modeling_*.py"))
+    texts = {f: f.read_text(encoding="utf-8") for f in files}
+    unmarked = [f for f in files if quark_speed.MARKER not in texts[f]]
+    root = tmp_path / "transformers"
+    for f in random.Random(0).sample(unmarked, 24):  # the same relative paths: the scan's module names
+        link = root / f.relative_to(qe.REPO_ROOT)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(f)
+    with monkeypatch.context() as m:
+        m.setattr(qe, "REPO_ROOT", root)
+        m.setattr(qe, "MODELS_ROOT", root / "models")
+        m.setattr(qe.ast, "parse", quark_speed._parse)
+        assert qe._find_decorated_experts_classes() == []
+
+    marked = next(t for t in texts.values() if quark_speed.MARKER in t)
+    as_scanner = {"__name__": quark_speed.SCANNER, "parse": quark_speed._parse_unless_unmarked}
+    assert eval("parse(src).body", as_scanner, {"src": "x = 1"}) == []
+    assert eval("parse(src).body", as_scanner, {"src": marked}) != []
+    assert qe.ast.unparse(qe.ast.parse("x = 1")) == "x = 1"
