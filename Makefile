@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[all]"
+	@# AMD Quark compiles its C++ extension on its first import (about 30 CPU-s, cached under
+	@# ~/.cache/torch_extensions): built here, with the rest of the install, not in the first test
+	@# (or `quantize --engine quark`) that imports Quark.
+	$(PY) -c "import quark.torch.kernel" > /dev/null
 	touch $(STAMP)
 
 # The suite starts a few hundred Python processes (CLI runs, servers, tensor-parallel ranks), each
