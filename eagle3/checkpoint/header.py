@@ -11,39 +11,53 @@ is a regular file (a FIFO would hang the reader).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from eagle3.errors import CheckpointError
 
-# safetensors dtype tag <-> torch dtype. F8_E8M0 exists in newer safetensors/torch only.
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype tag -> (torch dtype name, bytes per element). A header's checks need only the
+# sizes: torch's dtypes are looked up on first use (:func:`_torch_dtypes`), so the commands that read
+# headers alone (eagle3 inspect, plan) do not import torch (about 1.5 CPU-s per process).
+_TAG_TYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
 }
-if hasattr(torch, "float8_e8m0fnu"):
-    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-_TAGS: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {tag: size for tag, (_, size) in _TAG_TYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """(tag -> torch dtype, torch dtype -> tag), for the tags this torch has."""
+    import torch
+
+    dtypes = {tag: getattr(torch, name) for tag, (name, _) in _TAG_TYPES.items() if hasattr(torch, name)}
+    return dtypes, {v: k for k, v in dtypes.items()}
+
+
 # Every tag the safetensors library itself knows (0.8): a file with one of those that torch cannot
 # hold is valid safetensors, only not something eagle3 reads; anything else is not safetensors.
 _SAFETENSORS_TAGS = frozenset({
@@ -55,14 +69,14 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit (MAX_HEADE
 _U64 = 1 << 64  # safetensors reads shapes and offsets as 64-bit unsigned integers
 def dtype_from_tag(tag: str) -> torch.dtype:
     try:
-        return _DTYPES[tag]
+        return _torch_dtypes()[0][tag]
     except KeyError:
         raise CheckpointError(f"unsupported safetensors dtype {tag!r}") from None
 
 
 def tag_from_dtype(dtype: torch.dtype) -> str:
     try:
-        return _TAGS[dtype]
+        return _torch_dtypes()[1][dtype]
     except KeyError:
         raise CheckpointError(f"cannot store torch dtype {dtype} in safetensors") from None
 
@@ -211,7 +225,7 @@ def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[
             continue
         try:
             tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
-            dt = _DTYPES[tag]
+            itemsize = _ITEMSIZE[tag]
             numel = 1
             for d in shape:
                 # bool is an int subclass (safetensors refuses it); the product is checked at each
@@ -226,7 +240,7 @@ def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[
             begin, end = offs
             if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or end >= _U64:
                 raise TypeError
-            if end - begin != numel * dt.itemsize:
+            if end - begin != numel * itemsize:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             _entry_error(where, name, ent)
@@ -257,7 +271,7 @@ def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
     tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
     if not isinstance(tag, str):
         raise CheckpointError(f"{at}: dtype {_show(tag)} is not a dtype tag (a string such as \"BF16\")")
-    if tag not in _DTYPES:
+    if tag not in _ITEMSIZE:
         if tag in _SAFETENSORS_TAGS:
             raise CheckpointError(f"{at}: dtype {tag} is valid safetensors but not supported by eagle3")
         raise CheckpointError(f"{at}: unknown safetensors dtype {tag!r}")
@@ -273,7 +287,7 @@ def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
         numel *= d
         if numel >= _U64:
             break
-    want = numel * _DTYPES[tag].itemsize
+    want = numel * _ITEMSIZE[tag]
     if want >= _U64:
         raise CheckpointError(f"{at}: {_show(shape)} x {tag} is too large (its byte size overflows 64 bits)")
     raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{_show(shape)} "

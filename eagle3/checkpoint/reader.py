@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eagle3.checkpoint.files import INDEX_FILE, is_side_file
 from eagle3.checkpoint.header import (
@@ -28,6 +26,9 @@ from eagle3.checkpoint.header import (
 from eagle3.checkpoint.jsonio import read_json
 from eagle3.checkpoint.rawio import _pread_into
 from eagle3.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointReader:
@@ -170,6 +171,8 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (a fresh, writable CPU tensor)."""
+        import torch  # here, not at the top: a reader used for its headers alone needs no torch
+
         info = self.info(name)
         if info.offset < 0:
             raise CheckpointError(f"{info.file}: tensor {name!r} is not downloaded (header-only view)")
@@ -192,6 +195,8 @@ class CheckpointReader:
         """Rows ``r0 .. r1-1`` (dim 0) of one tensor, reading only their bytes; with ``c0``/``c1``
         (2-D tensors) only columns ``c0 .. c1-1`` of those rows, one read per row. For a
         tensor-parallel rank's shard: it never reads the parts other ranks own."""
+        import torch
+
         info = self.info(name)
         if info.offset < 0:
             raise CheckpointError(f"{info.file}: tensor {name!r} is not downloaded (header-only view)")

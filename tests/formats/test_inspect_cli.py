@@ -105,8 +105,12 @@ def test_inspect_human_table(tiny: Path) -> None:
 
 
 def test_inspect_subprocess_json_and_exit_codes(tiny: Path, tmp_path: Path) -> None:
-    """The installed entry point, end to end, in a fresh process (one success, one error)."""
-    p = subprocess.run([sys.executable, "-m", "eagle3.cli", "inspect", str(tiny / "kimi-k2.5"), "--json"],
+    """The installed entry point, end to end, in a fresh process (one success, one error). Inspecting
+    a target reads headers and JSON only: the process never imports torch (exit 3 if it did)."""
+    no_torch = ("import atexit, os, runpy, sys\n"
+                "atexit.register(lambda: 'torch' in sys.modules and os._exit(3))\n"
+                "runpy.run_module('eagle3.cli', run_name='__main__', alter_sys=True)\n")
+    p = subprocess.run([sys.executable, "-c", no_torch, "inspect", str(tiny / "kimi-k2.5"), "--json"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["family"] == "kimi-k25"
