@@ -15,7 +15,7 @@ One concept per module:
 - :mod:`.output`: where an output may go, locks, ``--overwrite`` and the atomic commit
 
 ``from eagle3.checkpoint import X`` keeps working for every name below. The names are resolved on
-first use (PEP 562 module ``__getattr__``): the writer, layout and manifest modules import torch,
+first use (PEP 562 module ``__getattr__``): the writer and layout modules import torch,
 and ``eagle3 download`` (which needs only :mod:`.files`) would otherwise pay ~2 s of CPU for it at
 every start. The header and reader modules import torch only when a tensor is read or a torch dtype
 asked for, so ``eagle3 inspect`` and ``eagle3 plan`` run without it.
