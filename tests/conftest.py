@@ -29,6 +29,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     quark_speed.install()  # before any test imports Quark
+    _cli_runner_builds_the_command_once()
+
+
+def _cli_runner_builds_the_command_once() -> None:
+    """typer's ``CliRunner().invoke(app, ...)`` builds the click command tree from every command's
+    signature on each call (~0.03 CPU-s; the convert tests alone invoke it over a hundred times).
+    ``eagle3.cli.main``, what users run, builds it once per process (``eagle3.cli._command``): the
+    tests' runners get that same command."""
+    import typer.testing
+
+    from eagle3.cli import _command, app
+
+    build = typer.testing._get_command
+    typer.testing._get_command = lambda typer_app: _command() if typer_app is app else build(typer_app)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
