@@ -262,10 +262,18 @@ def _kv_config(cfg: dict[str, Any]) -> None:
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
-def test_optional_module_tensors_are_accepted_and_load(tiny_dir: Path, tmp_path: Path) -> None:
-    d = _copy(tiny_dir / "kimi-k2.5", tmp_path / "extras")
+@pytest.fixture(scope="module")
+def extras(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target with every optional module tensor and a kv-cache scheme, built once for the
+    module (rewriting each shard is most of a case's cost); each test takes a copy."""
+    d = _copy(tiny_dir / "kimi-k2.5", tmp_path_factory.mktemp("extras") / "extras")
     _edit_config(d, _kv_config)
     _edit(d, _with_extras())
+    return d
+
+
+def test_optional_module_tensors_are_accepted_and_load(extras: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(extras, tmp_path / "extras")
     _accepted(d, tmp_path, TEXT_ONLY)
     ref = WeightReader(tiny_dir / "kimi-k2.5", target_spec(d).quant, torch.float32, torch.device("cpu"))
     wr = WeightReader(d, target_spec(d).quant, torch.float32, torch.device("cpu"))
@@ -282,11 +290,9 @@ def test_optional_module_tensors_are_accepted_and_load(tiny_dir: Path, tmp_path:
     (ATTN + ".q_b_proj.input_scale", torch.ones(1)),  # a Linear the config leaves dense carries none
     ("language_model.model.layers.3.mlp.k_scale", torch.ones(1)),  # not an attention module
 ])
-def test_optional_module_tensor_of_wrong_shape_or_place_is_refused(tiny_dir: Path, tmp_path: Path, name: str,
+def test_optional_module_tensor_of_wrong_shape_or_place_is_refused(extras: Path, tmp_path: Path, name: str,
                                                                    bad: torch.Tensor) -> None:
-    d = _copy(tiny_dir / "kimi-k2.5", tmp_path / "extras-bad")
-    _edit_config(d, _kv_config)
-    _edit(d, _with_extras())
+    d = _copy(extras, tmp_path / "extras-bad")
 
     def fn(t: Tensors) -> None:
         t[name] = bad
