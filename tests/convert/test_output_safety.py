@@ -59,9 +59,15 @@ def nothing_left(out: Path) -> None:
 
 @pytest.fixture
 def T(tiny_dir: Path, tmp_path: Path) -> Path:
-    """A private copy of the tiny models (an eagle3 output: it carries make-tiny's manifest)."""
+    """A private copy of the two tiny models these tests use, the draft and the target, under
+    make-tiny's manifest (so T is an eagle3 output, which --overwrite alone would replace). Not the
+    other tiny models: half the bytes (a second 12 MB target among them) that every test copied and
+    its snapshots read, and that no command here reads."""
     t = tmp_path / "T"
-    shutil.copytree(tiny_dir, t, symlinks=True)
+    t.mkdir()
+    for model in (DRAFT, TARGET):
+        shutil.copytree(tiny_dir / model, t / model, symlinks=True)
+    shutil.copy2(tiny_dir / "manifest.json", t / "manifest.json")
     return t
 
 

@@ -262,10 +262,18 @@ def _kv_config(cfg: dict[str, Any]) -> None:
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
-def test_optional_module_tensors_are_accepted_and_load(tiny_dir: Path, tmp_path: Path) -> None:
-    d = _copy(tiny_dir / "kimi-k2.5", tmp_path / "extras")
+@pytest.fixture(scope="module")
+def extras(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target with every optional module tensor and a kv-cache scheme, built once for the
+    module (rewriting each shard is most of a case's cost); each test takes a copy."""
+    d = _copy(tiny_dir / "kimi-k2.5", tmp_path_factory.mktemp("extras") / "extras")
     _edit_config(d, _kv_config)
     _edit(d, _with_extras())
+    return d
+
+
+def test_optional_module_tensors_are_accepted_and_load(extras: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(extras, tmp_path / "extras")
     _accepted(d, tmp_path, TEXT_ONLY)
     ref = WeightReader(tiny_dir / "kimi-k2.5", target_spec(d).quant, torch.float32, torch.device("cpu"))
     wr = WeightReader(d, target_spec(d).quant, torch.float32, torch.device("cpu"))
@@ -282,11 +290,9 @@ def test_optional_module_tensors_are_accepted_and_load(tiny_dir: Path, tmp_path:
     (ATTN + ".q_b_proj.input_scale", torch.ones(1)),  # a Linear the config leaves dense carries none
     ("language_model.model.layers.3.mlp.k_scale", torch.ones(1)),  # not an attention module
 ])
-def test_optional_module_tensor_of_wrong_shape_or_place_is_refused(tiny_dir: Path, tmp_path: Path, name: str,
+def test_optional_module_tensor_of_wrong_shape_or_place_is_refused(extras: Path, tmp_path: Path, name: str,
                                                                    bad: torch.Tensor) -> None:
-    d = _copy(tiny_dir / "kimi-k2.5", tmp_path / "extras-bad")
-    _edit_config(d, _kv_config)
-    _edit(d, _with_extras())
+    d = _copy(extras, tmp_path / "extras-bad")
 
     def fn(t: Tensors) -> None:
         t[name] = bad
@@ -326,12 +332,21 @@ def _input_scales(shape: tuple[int, ...]) -> Callable[[Tensors], None]:
     return fn
 
 
-@pytest.mark.parametrize("shape,ok", [((), True), ((1,), True), ((128,), False)])
-def test_static_fp8_draft_input_scales(tiny_dir: Path, tmp_path: Path, shape: tuple[int, ...], ok: bool) -> None:
+@pytest.fixture(scope="module")
+def fp8_draft(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny draft quantized fp8-draft, once for the module (each test edits a copy). Unverified:
+    verifying measures each tensor's decode for the report; the tensors and config.json are the same."""
     from eagle3.quantize import quantize
 
-    d = tmp_path / "fp8-static"
-    quantize(tiny_dir / "kimi-k2.5-eagle3", d, "fp8-draft", workers=1)
+    d = tmp_path_factory.mktemp("fp8-draft") / "fp8-draft"
+    quantize(tiny_dir / "kimi-k2.5-eagle3", d, "fp8-draft", workers=1, verify=False)
+    return d
+
+
+@pytest.mark.parametrize("shape,ok", [((), True), ((1,), True), ((128,), False)])
+def test_static_fp8_draft_input_scales(fp8_draft: Path, tiny_dir: Path, tmp_path: Path, shape: tuple[int, ...],
+                                       ok: bool) -> None:
+    d = _copy(fp8_draft, tmp_path / "fp8-static")
     _edit_config(d, _static_fp8)
     _edit(d, _input_scales(shape))
     args = (*DRAFT_ARGS, "--target", str(tiny_dir / "kimi-k2.5"))
@@ -378,8 +393,9 @@ def test_quark_w4a8_zero_points_pass_every_command_and_load(w4a8_zp: Path, tiny_
     assert _cli("inspect", str(w4a8_zp), "--strict") == (0, [])
     assert _cli("verify", str(w4a8_zp)) == (0, [])
     plain = tmp_path / "plain"
+    # the reference for the dequantized weights only: its decode need not be measured again (--no-verify)
     assert _cli("quantize", str(tiny_dir / "kimi-k2.5"), str(plain), "--recipe", "w4a8", "--workers", "1",
-                "--quiet") == (0, [])
+                "--no-verify", "--quiet") == (0, [])
     module = names[0].removesuffix(".weight_zero_point_2")
     got = WeightReader(w4a8_zp, target_spec(w4a8_zp).quant, torch.float32, torch.device("cpu")).linear(module)[0]
     ref = WeightReader(plain, target_spec(plain).quant, torch.float32, torch.device("cpu")).linear(module)[0]
