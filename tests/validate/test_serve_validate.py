@@ -4,11 +4,12 @@ the bf16 target and for its W4A8 quantization (made with ``eagle3 convert`` / ``
 Prompts are lm-eval's gsm8k ones, 3-shot for bf16 (~920 tokens each with the tiny tokenizer): two of
 them prefill at once through the per-sequence attention schedule (two already take the batched path
 of several long sequences in one forward; each further one adds ~2 s of CPU to the speculative and
-the baseline run alike). lm-eval's default 5 shots (~1,600 tokens each) made the two prompts
-outgrow one step's token budget (2048), so the second prefill was chunked: that doubled the test's
-CPU (~10 -> ~4.6 CPU-s for the bf16 run, measured side by side), and chunked prefill's lossless
-greedy output is the engine's own tests' (tests/runtime: test_llm_tiny, test_engine_toy,
-test_long_prompt); the default of 5 is checked in ``serve --help``.
+the baseline run alike). lm-eval's default 5 shots (~1,600 tokens each) cost twice the CPU (~10
+against ~4.6 CPU-s for the bf16 run, measured side by side: a prompt's attention grows with its
+square) for one more thing: the two prompts outgrew one step's token budget (2048), so the second
+prefill was chunked. Chunked prefill's lossless greedy output is the engine's own tests'
+(tests/runtime: test_llm_tiny, test_engine_toy, test_long_prompt); the default of 5 shots is
+checked in ``serve --help``.
 """
 
 from __future__ import annotations
