@@ -26,6 +26,7 @@ the per-position counters: ``#(accepted >= j) = per_pos[j - 1]`` and ``#(accepte
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,14 +72,19 @@ class SpecCounters:
         }
 
 
+@functools.lru_cache(maxsize=4)
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The samples of a ``/metrics`` text by name (read only: the result is shared). Memoized per
+    text: :func:`spec_delta` reads the counters, the chosen-k histogram and the shape from each
+    scrape, and a group's ``after`` is the next group's ``before``, so each text was parsed up to
+    five times (a few ms each with prometheus_client's pure-Python parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name].append((dict(s.labels), float(s.value)))
-    return out
+    return dict(out)  # a missing name reads as absent, not as an empty list inserted into the shared result
 
 
 def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float | None:

@@ -5,7 +5,8 @@ Checked at the CLI: the output has the tensors (names, dtypes, shapes) and ``qua
 the data-free methods; the calibrated MLPs' numbers are the calibration pass's (the Python API run
 separately), the MLPs it kept data-free are byte for byte ``--method mse``'s, and the calibrated ones
 lower the output error the pass reports; the report's calibration section adds up; ``--eval`` and
-``eagle3 verify`` work on it; misuse is one line, exit 2, nothing written."""
+``eagle3 verify`` work on it, and ``--eval``'s numbers are ``serve --validate --reference SRC``'s
+(the ``--eval`` run of test_quantize_eval.py's docstring); misuse is one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def test_calibrated_w4a8_has_rtn_layout_and_the_pass_numbers(target: Path, tmp_p
                                "--eval", *EVAL], capsys)
     assert code == 0, err
     assert "layer 1/4:" in err and "layer 4/4:" in err and " s (attention " in err  # progress + time per layer
-    assert "calibration: gptq on " in printed and "fidelity vs" in printed
+    assert "calibration: gptq on " in printed and f"fidelity vs {target}" in printed
+    assert "KLD mean" in printed and "top-1 agreement" in printed
     assert _run(["quantize", str(target), str(mse), "--recipe", "w4a8", "--method", "mse", "--quiet"], capsys)[0] == 0
 
     rep = json.loads((out / "quantization_report.json").read_text())
     cal = rep["calibration"]
-    assert rep["fidelity"]["kld"]["mean"] > 0
+    _check_fidelity(rep["fidelity"], out, target, tmp_path, capsys)
     assert cal["method"] == "gptq" and cal["sequences"] == 2 and cal["tokens"] == 600
     assert len(cal["layers"]) == 4 and cal["peak_rss_mb"] > 0 and cal["seconds"] > 0
     assert cal["calibrated"] + cal["kept_data_free"] == 24  # 3 MoE layers x 8 routed experts (w4a8's scope)
@@ -88,6 +90,24 @@ def test_calibrated_w4a8_has_rtn_layout_and_the_pass_numbers(target: Path, tmp_p
         assert _same_bytes(v, want), k
     assert not all(_same_bytes(got[k], want_mse[k]) for k in got if k.rsplit(".", 1)[0] in solved)
     assert _run(["verify", str(out)], capsys)[0] == 0
+
+
+def _check_fidelity(f: dict, out: Path, src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--eval``'s comparison with the source (``fidelity``), written before publishing: its fields,
+    and the very numbers ``serve OUT --validate --reference SRC`` gives on the same prompts. (The
+    comparison runs after the quantization whatever the method, so this run of the calibrated
+    pipeline is also ``--eval``'s test: a second quantize --eval of its own paid two model loads,
+    a recording and a teacher-forced pass more.)"""
+    assert (f["prompts"], f["tokens"], f["fewshot"], f["logprobs"]) == (2, 6, 0, 20)
+    assert f["divergence"]["sequences"] == 2 and 0 < f["kld"]["tokens"] <= 12
+    assert f["kld"]["mean"] > 0 and f["kld"]["p99"] >= f["kld"]["median"] and 0 <= f["top1_agreement"] <= 1
+    report = tmp_path / "r.json"
+    code, _, err = _run(["serve", str(out), "--validate", "gsm8k", "--limit", "2", "--num-fewshot", "0",
+                         "--max-tokens", "6", "--reference", str(src), "--report", str(report)], capsys)
+    assert code in (0, 1), err  # 1: a threshold of the tiny model's comparison may fail
+    ref = json.loads(report.read_text())["reference"]
+    assert ref["kld"] == f["kld"] and ref["top1_agreement"] == f["top1_agreement"]
+    assert ref["divergence"] == f["divergence"]
 
 
 def test_calibrated_mxfp4_smoothing_from_a_jsonl_file(target: Path, tmp_path: Path,

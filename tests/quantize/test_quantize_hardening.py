@@ -173,7 +173,9 @@ def test_disk_full_before_any_finished_shard_leaves_nothing(tiny_dir: Path, tmp_
 
 
 def test_file_size_limit_in_a_real_process_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
-    """The kernel's own refusal (RLIMIT_FSIZE: EFBIG, as a quota or a full disk would refuse)."""
+    """The kernel's own refusal (RLIMIT_FSIZE: EFBIG, as a quota or a full disk would refuse). Also
+    the quantize console script's own exit code: a real process, ended by a user error, exits 2 with
+    one line (the in-process tests see the same through ``main``'s SystemExit)."""
     out = tmp_path / "o"
 
     def limit() -> None:

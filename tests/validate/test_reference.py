@@ -184,7 +184,8 @@ class _NoLogprobs(BaseHTTPRequestHandler):
 @pytest.fixture
 def no_logprobs_server() -> Iterator[str]:
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _NoLogprobs)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, idle, at every teardown
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
