@@ -4,8 +4,8 @@ scoring GSM8K the same as eagle3's own validator, document by document; Ctrl-C s
 
 1-shot prompts (~400 tokens each with the tiny tokenizer): the comparison is the same at any shot
 count, and the prefills are most of the test's CPU (lm-eval's default 5-shot, ~1,600 tokens each, made
-it ~25 s of CPU; 1-shot ~10 s). The default 5-shot prompts through the real engine are the bf16 case
-of ``tests/validate/test_serve_validate.py``; lm-eval's 5-shot contexts equal eagle3's in
+it ~25 s of CPU; 1-shot ~10 s). Longer prompts through the real engine are the bf16 case of
+``tests/validate/test_serve_validate.py`` (3-shot); lm-eval's 5-shot contexts equal eagle3's in
 ``tests/validate/test_gsm8k.py``.
 """
 
