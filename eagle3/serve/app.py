@@ -15,8 +15,9 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle3.serve.async_engine import AsyncEngine
@@ -25,6 +26,10 @@ from eagle3.serve.limits import BodyGuard, ServerLimits
 from eagle3.serve.metrics import ServerMetrics, metrics_for
 from eagle3.serve.protocol import (
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
 )
 
@@ -86,26 +91,74 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     app.add_middleware(BodyGuard, limits=limits, on_reject=metrics.observe_error)
     if api_key:  # added last: outermost, so an unauthenticated body is never read
         app.add_middleware(_BearerAuth, api_key=api_key, on_reject=metrics.observe_error)
-    h = OpenAIHandlers(engine, metrics, model_name, root)
+    app.state.handlers = h = OpenAIHandlers(engine, metrics, model_name, root)
     for exc, handler in ((APIError, h.api_error), (RequestValidationError, h.invalid),
                          (StarletteHTTPException, h.http_error), (Exception, h.unexpected)):
         app.add_exception_handler(exc, handler)
-    for method, path, endpoint in _routes(h):
+    for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])
     return app
 
 
-def _routes(h: OpenAIHandlers) -> list[tuple[str, str, Callable[..., Any]]]:
-    """Every endpoint: (method, path, handler)."""
-    return [
-        ("GET", "/health", h.health),
-        ("GET", "/version", h.version),
-        ("GET", "/metrics", h.prometheus),
-        ("GET", "/v1/models", h.models),
-        ("GET", "/get_server_info", h.server_info),
-        ("GET", "/tokenizer_info", h.tokenizer_info),
-        ("POST", "/tokenize", h.tokenize),
-        ("POST", "/detokenize", h.detokenize),
-        ("POST", "/v1/completions", h.completions),
-        ("POST", "/v1/chat/completions", h.chat_completions),
-    ]
+# The endpoints are module-level functions that find the app's handlers on the request, not the
+# handlers' bound methods: FastAPI keeps every endpoint callable it has classified in process-wide
+# caches (fastapi.dependencies.models, up to 4,096 each), and a bound method there kept its
+# handlers, engine and LLM (a model's weights) alive after the server stopped, so that
+# serve --validate loaded its baseline beside the speculative run's model.
+
+def _h(request: Request) -> OpenAIHandlers:
+    return request.app.state.handlers
+
+
+async def health(request: Request) -> Response:
+    return await _h(request).health()
+
+
+async def version(request: Request) -> dict[str, str]:
+    return await _h(request).version()
+
+
+async def prometheus(request: Request) -> Response:
+    return await _h(request).prometheus()
+
+
+async def models(request: Request) -> dict[str, Any]:
+    return await _h(request).models()
+
+
+async def server_info(request: Request) -> dict[str, Any]:
+    return await _h(request).server_info()
+
+
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    return await _h(request).tokenizer_info()
+
+
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    return await _h(request).tokenize(req)
+
+
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    return await _h(request).detokenize(req)
+
+
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    return await _h(request).completions(req, request)
+
+
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    return await _h(request).chat_completions(req, request)
+
+
+ROUTES: list[tuple[str, str, Callable[..., Any]]] = [  # every endpoint: (method, path, handler)
+    ("GET", "/health", health),
+    ("GET", "/version", version),
+    ("GET", "/metrics", prometheus),
+    ("GET", "/v1/models", models),
+    ("GET", "/get_server_info", server_info),
+    ("GET", "/tokenizer_info", tokenizer_info),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+]
