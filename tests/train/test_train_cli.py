@@ -104,42 +104,41 @@ def test_default_aux_ids_fit_the_four_layer_trained_target(trained_pair: Path, t
     assert draft["aux_layer_ids"] == [1, 2, 3] and "[2, 2, 1]" in draft["aux_layer_ids_rule"]
 
 
-def test_resume_continues_from_checkpoint(tiny_dir: Path, tmp_path: Path, data_file: Path,
+def test_resume_continues_from_checkpoint(tiny_dir: Path, tmp_path: Path, uninterrupted: tuple[Path, list[str]],
                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     target = tiny_dir / "kimi-k2.5"
-    common = ["--data", data_file, "--steps", "6", "--checkpoint-every", "3", "--eval-prompts", "0",
-              "--seed", "7", *FAST]
-    _cli("train-draft", target, tmp_path / "whole", *common)
+    whole_dir, common = uninterrupted  # 16 steps, a checkpoint every 2
 
     import eagle3.train.trainer as trainer
 
     real = trainer.ttt_loss
     calls = {"n": 0}
 
-    def crash_after_four(*a, **kw):
+    def crash_after_five(*a, **kw):
         calls["n"] += 1
-        if calls["n"] > 4:
+        if calls["n"] > 5:
             raise RuntimeError("simulated crash")
         return real(*a, **kw)
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(trainer, "ttt_loss", crash_after_four)
+    monkeypatch.setattr(trainer, "ttt_loss", crash_after_five)
     crashed = _cli("train-draft", target, out, *common, ok=False)
     assert crashed.exit_code != 0 and not out.exists()
-    assert (tmp_path / "resumed.partial" / "checkpoint" / "state.pt").is_file()  # kept for --resume
+    state = torch.load(tmp_path / "resumed.partial" / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 4  # kept for --resume: the last checkpoint before the crash (step 6)
     monkeypatch.setattr(trainer, "ttt_loss", real)
 
     refused = _error(capsys, "train-draft", target, out, *common, "--seed", "8", "--resume")
     assert "different options" in refused
 
     _cli("train-draft", target, out, *common, "--resume")
-    whole, resumed = load_all(tmp_path / "whole"), load_all(out)
+    whole, resumed = load_all(whole_dir), load_all(out)
     assert whole.keys() == resumed.keys()
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
-    a = json.loads((tmp_path / "whole" / "train_report.json").read_text())["training"]["loss"]
+    a = json.loads((whole_dir / "train_report.json").read_text())["training"]["loss"]
     b = json.loads((out / "train_report.json").read_text())["training"]["loss"]
-    assert a == b and len(b) == 6
+    assert a == b and len(b) == 16
 
 
 def test_errors_are_one_line(tiny_dir: Path, tmp_path: Path, data_file: Path,
