@@ -200,8 +200,12 @@ def test_init_from_an_existing_draft(tiny_dir: Path, tmp_path: Path, data_file: 
     _check_serves(target, out)
 
 
-@pytest.mark.parametrize("variant", [["--arch", "llama", "--steps", "100"],
-                                     ["--arch", "mla", "--eagle31", "--draft-vocab-size", "200", "--steps", "60"]],
+# The MLA draft at twice the learning rate memorises the chain in 40 steps instead of 60: measured
+# at seeds 0, 1, 2 as at 60 steps (acceptance 1.0, per position 1.0/1.0/0.83); at 20 steps it falls
+# to 0.58. The Llama draft keeps 100 steps at 3e-3 (60 steps at 6e-3 accepted less at other seeds).
+@pytest.mark.parametrize("variant", [["--arch", "llama", "--steps", "100", "--lr", "3e-3"],
+                                     ["--arch", "mla", "--eagle31", "--draft-vocab-size", "200", "--steps", "40",
+                                      "--lr", "6e-3"]],
                          ids=["llama", "mla-eagle31-reduced-vocab"])
 def test_memorised_continuation_is_accepted_by_the_runtime(tiny_dir: Path, tmp_path: Path, data_file: Path,
                                                            variant: list[str]) -> None:
@@ -215,8 +219,7 @@ def test_memorised_continuation_is_accepted_by_the_runtime(tiny_dir: Path, tmp_p
     mem.write_text("\n".join([rows[0], rows[1], rows[0]]) + "\n", encoding="utf-8")
     out = tmp_path / "draft"
     _cli("train-draft", tiny_dir / "kimi-k2.5", out, "--data", mem, "--eval-prompts", "1", "--regenerate",
-         "--regen-tokens", "24", "--eval-tokens", "24", "--batch-size", "2", "--lr", "3e-3",
-         "--quiet", *variant)
+         "--regen-tokens", "24", "--eval-tokens", "24", "--batch-size", "2", "--quiet", *variant)
     heldout = json.loads((out / "train_report.json").read_text())["heldout"]
     assert heldout["lossless"] is True
     assert heldout["acceptance_rate"] > 0.5, heldout
