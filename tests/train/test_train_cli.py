@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,19 +17,26 @@ from tests.train.helpers import FAST
 from tests.train.helpers import cli as _cli
 from tests.train.helpers import error as _error
 
-# the target's plain greedy tokens per target directory: the same for every draft checked against it
+# per target directory, the same for every draft checked against it: the loaded target and its
+# tokenizer (loaded once: each draft is what is read from its directory), and its plain greedy tokens
+_LOADED: dict[Path, tuple[Any, Any]] = {}
 _PLAIN: dict[Path, list[list[int]]] = {}
 
 
 def _check_serves(target: Path, draft: Path) -> None:
     from eagle3.runtime.engine.llm import LLM
+    from eagle3.runtime.loader import load_target
     from eagle3.runtime.sampling import SamplingParams
+    from eagle3.runtime.tokenizer import load_tokenizer
 
+    if target not in _LOADED:
+        _LOADED[target] = load_target(target), load_tokenizer(target)
+    model, tok = _LOADED[target]
     prompts = ["Anna has 3 apples and buys 4 more.", [5, 17, 200, 33, 9, 41]]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    spec = LLM(target, draft=draft, num_speculative_tokens=3, num_blocks=32).generate(prompts, params)
+    spec = LLM(model, draft=draft, tokenizer=tok, num_speculative_tokens=3, num_blocks=32).generate(prompts, params)
     if target not in _PLAIN:
-        _PLAIN[target] = [list(o.token_ids) for o in LLM(target, num_blocks=32).generate(prompts, params)]
+        _PLAIN[target] = [list(o.token_ids) for o in LLM(model, tokenizer=tok, num_blocks=32).generate(prompts, params)]
     assert [list(o.token_ids) for o in spec] == _PLAIN[target]
     assert all(o.spec_stats is not None and o.spec_stats.num_drafts > 0 for o in spec)
 
