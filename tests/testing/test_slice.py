@@ -168,16 +168,23 @@ def test_draft_slice_is_an_eagle31_mla_draft_at_real_widths(draft_slice: Path) -
 
 def test_draft_slice_runs_speculative_decoding_with_a_slice(draft_slice: Path,
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The draft drafts trees for a 2-layer slice through ``LLM`` on the CPU (what a GPU benchmark
-    runs at the real widths); its random drafts are rejected."""
+    """The draft drafts a tree for a 2-layer slice through ``LLM`` on the CPU (what a GPU benchmark
+    runs at the real widths), and the target verifies it; its random drafts are rejected."""
     from eagle3.runtime.engine.llm import LLM
     from eagle3.runtime.sampling import SamplingParams
 
     target = slice_mod.make_slice(tmp_path_factory.mktemp("slice") / "t2", layers=2, experts=2, vocab=1024)
     llm = LLM(target, draft_slice, num_speculative_tokens=2, tokenizer=None, dtype="bfloat16", num_blocks=8,
               block_size=16, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
-    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].token_ids) == 4 and llm.stats.num_drafts > 0
+    # max_tokens 4 leaves room for one full-depth tree after the prefill. Two engine steps: the
+    # prefill, whose proposer drafts the tree, then the target's verification of it (one token
+    # emitted: the drafts are random). The two steps left would be plain decode steps (too close to
+    # max_tokens for another tree), ~2 CPU-s each at these widths, and check nothing of the slice.
+    llm.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    emitted = [len(o.token_ids) for _ in range(2) for o in llm.step()]
+    stats = llm.stats.as_dict()
+    assert emitted == [1, 2] and stats["num_drafts"] == 1 and stats["num_draft_tokens"] > 0, (emitted, stats)
+    assert stats["num_accepted_tokens"] == 0
     assert llm.draft.spec.hidden_size == 7168
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.testing.tiny import corpus_text
+from tests.train.helpers import FAST, cli
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +31,21 @@ def gsm8k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, part in (("train.jsonl", rows[:40]), ("test.jsonl", rows[40:50])):
         (d / name).write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
     return d
+
+
+# One uninterrupted train-draft run, the reference of every --resume test (after a crash in the
+# teacher phase, after a crash in the loop, after SIGKILL): its options cover what each of them
+# interrupts (--regenerate: Teacher.generate per group of 4; 6 groups of the 24 rows; a
+# checkpoint every 2 of 16 steps). checkpoint_every is not part of a run's fingerprint and writes
+# nothing that stays, so the interrupted runs are compared with this one run bit for bit.
+RESUME_OPTIONS = ["--regenerate", "--regen-tokens", "5", "--steps", "16", "--checkpoint-every", "2",
+                  "--eval-prompts", "0", "--seed", "3", *FAST]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_dir: Path, data_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """(the uninterrupted run's output, its options after the target and output)."""
+    options = ["--data", str(data_file), *RESUME_OPTIONS]
+    out = tmp_path_factory.mktemp("resume") / "whole"
+    cli("train-draft", tiny_dir / "kimi-k2.5", out, *options)
+    return out, options
