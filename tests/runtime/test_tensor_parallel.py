@@ -361,6 +361,19 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes that process ``pid`` started: its spawned children, or its fork server's
+    (engine/worker.py's _context)."""
+    out = []
+    for child in _children(pid):
+        cmd = _cmdline(child)
+        if "spawn_main" in cmd:
+            out.append(child)
+        elif "forkserver" in cmd:
+            out += _children(child)
+    return out
+
+
 def test_serve_foreground_ctrl_c_stops_every_worker(tiny_dir: Path, tmp_path: Path) -> None:
     import httpx
 
@@ -376,8 +389,9 @@ def test_serve_foreground_ctrl_c_stops_every_worker(tiny_dir: Path, tmp_path: Pa
         assert ready.exists(), p.stderr.read() if p.poll() is not None else "no ready file"
         url = json.loads(ready.read_text())["url"]
         assert httpx.get(url + "/v1/models").json()["data"][0]["tensor_parallel_size"] == 2
-        workers = _children(p.pid)
+        workers = _ranks_of(p.pid)
         assert workers
+        workers += _children(p.pid)  # (and whatever else it started: a fork server, a resource tracker)
         p.send_signal(signal.SIGINT)
         assert p.wait(60) is not None
         deadline = time.monotonic() + 30
@@ -435,7 +449,7 @@ def test_a_size_that_does_not_split_is_refused_in_one_line_then_health_names_a_d
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the group is gone: the next LLM can form its own
-    assert not [p for p in _children(os.getpid()) if _alive(p) and "spawn_main" in _cmdline(p)]  # workers stopped
+    assert not [p for p in _ranks_of(os.getpid()) if _alive(p)]  # workers stopped
     # ... and does, at once: the refused group's rendezvous (its driver's load failed while its workers
     # joined) held up the next group in this process until the collective timeout, then failed it
     _health_says_when_a_worker_died(tiny_dir)
