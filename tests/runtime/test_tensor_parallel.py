@@ -282,23 +282,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_serve_validate_tp2_cli(tiny_dir: Path, tmp_path: Path) -> None:
-    from tests.validate import lmeval
-
-    repo = Path(__file__).resolve().parents[2]
-    data = lmeval.gsm8k_dir()
-    report = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "serve", str(tiny_dir / "kimi-k2.5"), "--draft",
-                        str(tiny_dir / "kimi-k2.5-eagle3"), "--tensor-parallel-size", "2", "--dtype", "float32",
-                        "--validate", "gsm8k", "--limit", "2", "--num-fewshot", "1", "--max-tokens", "8",
-                        "--concurrency", "2", "--dataset", str(data), "--report", str(report)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads(report.read_text())
-    assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 2
-    assert rep["server"]["tensor_parallel_size"] == 2
-    assert "result: PASS" in r.stdout
+# `eagle3 serve --validate` at tensor_parallel_size > 1 runs in tests/runtime/test_multinode.py: at TP=4
+# over two nodes (test_serve_validate_across_two_nodes: node 0's spawned local rank joins the baseline
+# group as a single node's does, beside node 1's ranks) and under torchrun. A single-node TP=2 run here
+# started the same launcher path in one more serve process and rank; the single-node rejoin itself
+# (LLM.close(rejoin=True), the parked rank) is test_tp2_equals_tp1_greedy_with_every_draft's.
 
 
 _SHARDED = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
