@@ -16,9 +16,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -60,15 +62,20 @@ def _serve_argv(target: Path, rank: int, port: int, *extra: str, tp: int = 4) ->
 
 @contextlib.contextmanager
 def _node(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """One "node": a process tree in a session of its own, killed whole on the way out."""
+    """One "node": a process tree in a session of its own, killed whole on the way out, with a
+    temporary directory of its own, removed then: a node killed outright leaves its fork server's
+    socket directory behind (engine/worker.py's _context; a short path: a socket's is limited)."""
+    tmp = tempfile.mkdtemp(prefix="eagle3-node-")
     with log.open("wb") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(ENV, TMPDIR=tmp),
+                             start_new_session=True)
     try:
         yield p
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _group(pgid: int) -> list[int]:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,7 +257,10 @@ def test_workers_exit_with_the_driver(tiny_dir: Path, tmp_path: Path) -> None:
     how = signal.SIGKILL
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    # (a temporary directory of its own: the driver killed outright leaves its fork server's socket
+    # directory there, engine/worker.py's _context; a short path: a socket's is limited)
+    tmp = tempfile.mkdtemp(prefix="eagle3-driver-")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), TMPDIR=tmp)
     p = subprocess.Popen([sys.executable, str(script), str(tiny_dir / "kimi-k2.5")], stdout=subprocess.PIPE,
                          text=True, env=env)
     try:
@@ -272,6 +277,7 @@ def test_workers_exit_with_the_driver(tiny_dir: Path, tmp_path: Path) -> None:
     finally:
         p.kill()
         p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
