@@ -179,6 +179,12 @@ def bench(
                           seed=engine_flags.value("seed"), model=model,
                           api_key=api_key)
     opts.check()
+    if target is not None and eopts is not None and (engine_flags.torchrun_rank is not None or eopts.node_rank != 0):
+        # this node's ranks only: node 0 benchmarks. Before the tokenizer: a headless node sends no
+        # prompt, and loading one there cost transformers' import (~1 CPU-s) and the load, per node.
+        from eagle3.serve import launcher
+
+        raise typer.Exit(launcher.run_headless(target, eopts, engine_flags.torchrun_rank))
     tok = None
     if tokenizer is not None or target is not None:
         from eagle3.runtime.tokenizer import load_tokenizer
@@ -187,8 +193,6 @@ def bench(
     if target is not None and eopts is not None:
         from eagle3.serve import launcher
 
-        if engine_flags.torchrun_rank is not None or eopts.node_rank != 0:  # this node's ranks only: node 0 benchmarks
-            raise typer.Exit(launcher.run_headless(target, eopts, engine_flags.torchrun_rank))
         llm = launcher.build_llm(target, draft, eopts)
         try:
             api = launcher.build_app(llm, target.resolve().name, root=str(target))

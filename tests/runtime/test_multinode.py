@@ -16,9 +16,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -60,15 +62,20 @@ def _serve_argv(target: Path, rank: int, port: int, *extra: str, tp: int = 4) ->
 
 @contextlib.contextmanager
 def _node(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """One "node": a process tree in a session of its own, killed whole on the way out."""
+    """One "node": a process tree in a session of its own, killed whole on the way out, with a
+    temporary directory of its own, removed then: a node killed outright leaves its fork server's
+    socket directory behind (engine/worker.py's _context; a short path: a socket's is limited)."""
+    tmp = tempfile.mkdtemp(prefix="eagle3-node-")
     with log.open("wb") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(ENV, TMPDIR=tmp),
+                             start_new_session=True)
     try:
         yield p
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _group(pgid: int) -> list[int]:
@@ -147,20 +154,22 @@ def test_serve_validate_across_two_nodes(tiny_dir: Path, tmp_path: Path) -> None
     data = lmeval.gsm8k_dir()
     report = tmp_path / "report.json"
     port = free_port()
-    # two short 1-shot questions: the claim is both nodes through both groups, not the workload; TP=2,
-    # one rank a node: node 0's own spawned rank rejoining a second group is the first test's (TP=4)
+    # two short 1-shot questions: the claim is both nodes through both groups, not the workload. TP=4,
+    # two ranks a node: this is also the single-node serve --validate's case (node 0's own spawned rank
+    # parked by the speculative run and joining the baseline group: launcher._served, LLM.close(rejoin)),
+    # which ran as a TP=2 CLI run of its own in test_tensor_parallel.py (one more serve process and rank)
     flags = ["--draft", str(tiny_dir / "kimi-k2.5-eagle3"), "--validate", "gsm8k", "--limit", "2", "--num-fewshot",
              "1", "--max-tokens", "8", "--concurrency", "2", "--dataset", str(data)]
     target = tiny_dir / "kimi-k2.5"
     log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
-    with _node(_serve_argv(target, 1, port, *flags, tp=2), log1) as node1, \
-            _node(_serve_argv(target, 0, port, *flags, "--report", str(report), tp=2), log0) as node0:
+    with _node(_serve_argv(target, 1, port, *flags), log1) as node1, \
+            _node(_serve_argv(target, 0, port, *flags, "--report", str(report)), log0) as node0:
         assert _wait_exit(node0, log0, 600) == 0, log0.read_text(errors="replace")[-3000:]
         out = log0.read_text(errors="replace")
         assert "result: PASS" in out, out[-3000:]
         rep = json.loads(report.read_text())
         assert rep["passed"] and rep["lossless"]["passed"] and rep["lossless"]["num_compared"] == 2
-        assert rep["server"]["tensor_parallel_size"] == 2
+        assert rep["server"]["tensor_parallel_size"] == 4
         assert _wait_exit(node1, log1) == 0, log1.read_text(errors="replace")[-3000:]  # both runs' groups
         assert _gone(node0.pid) and _gone(node1.pid)
 

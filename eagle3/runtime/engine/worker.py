@@ -1,7 +1,8 @@
 """The processes of a tensor-parallel group, on one node or several: rank 0 is the driver (the
 serving process of node 0: it holds rank 0's shard and runs the engine: scheduler, sampling, the
 draft); every other rank runs :func:`worker_main`. Each node's serving process spawns its own
-ranks with ``torch.multiprocessing`` (spawn): node 0's driver ranks 1..L-1 (:class:`TPWorkers`),
+ranks with ``torch.multiprocessing`` (forked from a fork server: :func:`_context`): node 0's driver
+ranks 1..L-1 (:class:`TPWorkers`),
 another node's headless ``eagle3 serve --node-rank R`` runs its first rank itself and spawns the
 others (:func:`run_node`); under torchrun every rank is a process torchrun started. Another node's
 rank stays for the next group when rank 0 says one follows (:func:`_rejoining`).
@@ -177,14 +178,44 @@ def _lost_driver(rank: int, why: str, ended: threading.Event) -> None:
 
 
 def _watch_parent(rank: int, parent: int) -> None:
-    """A spawned rank exits when the process that spawned it is gone (killed outright included)."""
+    """A started rank exits when the process that started it is gone (killed outright included).
+
+    Watched by its pid, not as this process's parent: a rank is the fork server's child
+    (:func:`_context`), and the fork server outlives the process that asked for the rank while any
+    rank it forked runs."""
     def run() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        _wait_gone(parent)
         logger.error("tensor-parallel rank %d: its parent process %d is gone; exiting", rank, parent)
         os._exit(1)
 
     threading.Thread(target=run, name="eagle3-parent-watch", daemon=True).start()
+
+
+def _wait_gone(pid: int) -> None:
+    """Return once process ``pid`` has ended: blocked on its pidfd (Linux), which becomes readable
+    when the process ends, else by polling whether it still exists."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or the process is gone already (ESRCH)
+        while _exists(pid):
+            time.sleep(0.5)
+        return
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (someone else's process now)
+        return True
+    return True
 
 
 def _quietly(fn: Any) -> None:
@@ -195,7 +226,11 @@ def _quietly(fn: Any) -> None:
 
 
 def _spawned_worker(rank: int, layout: Layout, target: str, load_kw: dict[str, Any], num_threads: int,
-                    local_rank: int, parent: int, generation: int, rejoin: bool = False) -> None:
+                    local_rank: int, parent: int, generation: int, rejoin: bool = False,
+                    env: dict[str, str] | None = None) -> None:
+    if env is not None:  # the environment of the process that started this rank, now (not the fork server's)
+        os.environ.clear()
+        os.environ.update(env)
     if rejoin:  # every group rank 0 forms at the address from ``generation`` on, in this one process
         sys.exit(_rejoining(rank, layout, target, load_kw, num_threads, local_rank, parent, generation=generation))
     sys.exit(worker_main(rank, layout, target, load_kw, num_threads, local_rank, parent, generation))
@@ -238,20 +273,38 @@ def rank_threads(device: torch.device, local_ranks: int) -> int:
     return max(1, n // local_ranks) if device.type == "cpu" else n
 
 
-def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw: dict[str, Any],
-           device: torch.device, generation: int, rejoin: bool = False) -> list[Any]:
-    """Start ``ranks`` as spawned processes of this one (local ranks from ``first_local``; the node's
-    ``layout.per_node`` ranks share its cores: :func:`rank_threads`); ``rejoin``: each joins every
-    group at the address (:func:`_rejoining`)."""
+def _context() -> Any:
+    """How a node's ranks start: forked from a fork server that has imported this module (and so
+    torch) once, where the platform has one, else spawned (a fresh interpreter each).
+
+    Why: a spawned rank paid the interpreter's start and ``import torch`` (~2 CPU-s) every time; a
+    process that forms groups again (a notebook's LLMs, a test session, serve --validate's groups of
+    other settings) paid it again for each rank. Forked from the server, a rank costs a fork. The
+    server is a fresh single-threaded process that never ran an op or touched a GPU, so a fork of it
+    is as safe as a spawn (CUDA included). The rank takes the environment of the process that
+    starts it (:func:`_spawned_worker`); the few settings read at import (EAGLE3_TP_TIMEOUT,
+    EAGLE3_TP_HEARTBEAT_TIMEOUT) are the server's, i.e. this process's when it started its first rank."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # (only read when the server starts: once a process)
+    return ctx
+
+
+def _spawn(ranks: range, first_local: int, layout: Layout, target: str, load_kw: dict[str, Any],
+           device: torch.device, generation: int, rejoin: bool = False) -> list[Any]:
+    """Start ``ranks`` as processes (:func:`_context`; local ranks from ``first_local``; the node's
+    ``layout.per_node`` ranks share its cores: :func:`rank_threads`); ``rejoin``: each joins every
+    group at the address (:func:`_rejoining`)."""
+    ctx = _context()
     threads = rank_threads(device, layout.per_node)
     procs = []
     for i, rank in enumerate(ranks):
         kw = dict(load_kw, device=str(device))
         p = ctx.Process(target=_spawned_worker, args=(rank, layout, str(target), kw, threads, first_local + i,
-                                                      os.getpid(), generation, rejoin),
+                                                      os.getpid(), generation, rejoin, dict(os.environ)),
                         name=f"eagle3-tp-rank{rank}", daemon=True)
         p.start()
         procs.append(p)
