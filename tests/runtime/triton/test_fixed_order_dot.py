@@ -57,3 +57,19 @@ def test_int8_products_at_their_extremes() -> None:
     got = fixed_order_product(a, b, np.dtype(np.int32))
     assert got.dtype == np.int32 and np.array_equal(got, _pairwise(a.astype(np.int32), b.astype(np.int32)))
     assert got[0, 0] == 4099 * 128 * 128
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
+def test_the_in_place_2d_sums_are_the_level_by_level_ones(dtype: type) -> None:
+    """The 2-D product (contiguous halves added in place) against the batched form's level-by-level
+    sums (new arrays per level, an odd level's last element carried): the same bits, odd and even
+    K, signed zeros included."""
+    rng = np.random.default_rng(3)
+    for k in [1, 2, 3, 5, 7, 32, 33, 96, 127]:
+        m, n = (int(v) for v in rng.integers(1, 20, 2))
+        a, b = (rng.standard_normal(s) * 8 for s in ((m, k), (k, n)))
+        if not np.issubdtype(dtype, np.integer):
+            a[rng.random((m, k)) < 0.2] = -0.0
+        a, b = a.astype(dtype), b.astype(dtype)
+        got, want = _pairwise(a, b), _pairwise(a[None], b[None])[0]
+        assert got.dtype == want.dtype and np.array_equal(_bits(got), _bits(want)), k
