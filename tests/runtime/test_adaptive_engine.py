@@ -67,6 +67,19 @@ def _llm(pair: Path, draft: bool, **kw: Any) -> Any:
     return LLM(pair / TARGET, pair / DRAFT if draft else None, **ENGINE, **kw)
 
 
+def _stub_llm(pair: Path, monkeypatch: pytest.MonkeyPatch, cost: Cost, **kw: Any) -> Any:
+    """An auto-k engine whose cost model is the stub ``cost`` from the start. The start-up profile
+    (3 calls of each of 15 dummy forward shapes here) would only be thrown away with the measured
+    model it fills: test_auto_greedy_equals_plain_greedy checks that it runs."""
+    from eagle3.runtime.engine.model_runner import ModelRunner
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "profile_costs", lambda self, cost: None)
+        llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K, **kw)
+    llm.policy.cost, llm.policy.probe_interval = cost, 0
+    return llm
+
+
 @pytest.fixture(scope="module")
 def plain(pair: Path) -> list[list[int]]:
     return [o.token_ids for o in _llm(pair, False).generate(_prompts(), _params())]
@@ -91,9 +104,8 @@ def test_auto_greedy_equals_plain_greedy(pair: Path, plain: list[list[int]]) -> 
 
 
 def test_unprofitable_drafting_runs_plain_and_resumes_with_its_acceptance(
-        pair: Path, plain: list[list[int]], always: dict[str, Any]) -> None:
-    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K)
-    llm.policy.cost, llm.policy.probe_interval = NEVER, 0
+        pair: Path, plain: list[list[int]], always: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _stub_llm(pair, monkeypatch, NEVER)
     ids = [llm.add_request(p, _params()) for p in _prompts()]
     out: dict[str, list[int]] = {i: [] for i in ids}
 
@@ -123,11 +135,10 @@ def test_unprofitable_drafting_runs_plain_and_resumes_with_its_acceptance(
     assert resumed["per_position_acceptance"][0] >= always["per_position_acceptance"][0] - 0.03
 
 
-def test_prefill_only_steps_choose_no_k(pair: Path) -> None:
+def test_prefill_only_steps_choose_no_k(pair: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One prompt prefilled in chunks of 32 tokens: those steps sample nothing, so they choose no k
     # and the histogram counts exactly the steps that sampled (here, always k = K).
-    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K, max_num_batched_tokens=32)
-    llm.policy.cost, llm.policy.probe_interval = ALWAYS, 0
+    llm = _stub_llm(pair, monkeypatch, ALWAYS, max_num_batched_tokens=32)
     prompt = _prompts()[0]
     assert len(prompt) > 3 * 32
     llm.add_request(prompt, _params())
