@@ -24,10 +24,13 @@ ENGINE = {"num_blocks": 128, "max_num_seqs": 4, "tokenizer": None, "dtype": "flo
 _threads = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
+MLA_DRAFT = "kimi-k2.5-trained-eagle3.1-mla"
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("llmtree") / "tiny"
-    tiny.make_tiny(out, only=[TARGET, DRAFT])
+    tiny.make_tiny(out, only=[TARGET, DRAFT, MLA_DRAFT])
     return out
 
 
@@ -57,9 +60,6 @@ def test_tree_engine_greedy_equals_plain_greedy(pair: Path, plain: list[list[int
     assert chain == plain
     assert tree == plain
     assert tree_len > chain_len > 1.5  # measured: 3.29 (chain, k = 3) vs 3.86 (K = 4, N = 16)
-
-
-MLA_DRAFT = "kimi-k2.5-trained-eagle3.1-mla"
 
 
 @pytest.fixture(scope="module")
@@ -151,18 +151,21 @@ def test_sampled_tree_request_does_not_depend_on_the_batch(pair: Path) -> None:
     assert alone == batched and len(alone) == 24
 
 
-@pytest.mark.parametrize(("target", "draft"), [("kimi-k2.5-trained", "kimi-k2.5-trained-eagle3.1-mla"),
-                                               ("kimi-k2.5", "kimi-k2.5-eagle3-d2t")])
-def test_other_drafts_draft_trees(tmp_path_factory: pytest.TempPathFactory, target: str, draft: str) -> None:
+@pytest.mark.parametrize(("target", "draft"), [(TARGET, MLA_DRAFT), ("kimi-k2.5", "kimi-k2.5-eagle3-d2t")])
+def test_other_drafts_draft_trees(tmp_path_factory: pytest.TempPathFactory, pair: Path, plain: list[list[int]],
+                                  target: str, draft: str) -> None:
     """The MLA EAGLE-3.1 draft (tree attention through the MLA layer) and a draft with its own
     vocabulary (d2t): greedy trees still give plain greedy output."""
     from eagle3.runtime.engine.llm import LLM
 
-    out = tmp_path_factory.mktemp("llmtree2") / "tiny"
-    tiny.make_tiny(out, only=[target, draft])
     prompts = _prompts()[:2]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = [o.token_ids for o in LLM(out / target, None, **ENGINE).generate(prompts, params)]
+    if target == TARGET:  # the module's pair: plain greedy's first 24 tokens are the reference's
+        out, want = pair, [p[:24] for p in plain[:2]]
+    else:
+        out = tmp_path_factory.mktemp("llmtree2") / "tiny"
+        tiny.make_tiny(out, only=[target, draft])
+        want = [o.token_ids for o in LLM(out / target, None, **ENGINE).generate(prompts, params)]
     llm = LLM(out / target, out / draft, num_speculative_tokens=3, speculative_eagle_topk=3,
               speculative_num_draft_tokens=9, **ENGINE)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
