@@ -61,28 +61,52 @@ def _params() -> Any:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _llm(pair: Path, draft: bool, **kw: Any) -> Any:
+@pytest.fixture(scope="module")
+def target(pair: Path) -> Any:
+    """The target loaded once (in the engines' default dtype) for the module's in-process engines;
+    each keeps its KV cache in its own runner."""
+    import torch
+
+    from eagle3.runtime.loader import load_target
+
+    return load_target(pair / TARGET, dtype=torch.bfloat16)
+
+
+def _llm(target: Any, pair: Path, draft: bool, **kw: Any) -> Any:
     from eagle3.runtime.engine.llm import LLM
 
-    return LLM(pair / TARGET, pair / DRAFT if draft else None, **ENGINE, **kw)
+    return LLM(target, pair / DRAFT if draft else None, **ENGINE, **kw)
+
+
+def _stub_llm(target: Any, pair: Path, monkeypatch: pytest.MonkeyPatch, cost: Cost, **kw: Any) -> Any:
+    """An auto-k engine whose cost model is the stub ``cost`` from the start. The start-up profile
+    (3 calls of each of 15 dummy forward shapes here) would only be thrown away with the measured
+    model it fills: test_auto_greedy_equals_plain_greedy checks that it runs."""
+    from eagle3.runtime.engine.model_runner import ModelRunner
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "profile_costs", lambda self, cost: None)
+        llm = _llm(target, pair, True, num_speculative_tokens="auto", max_speculative_tokens=K, **kw)
+    llm.policy.cost, llm.policy.probe_interval = cost, 0
+    return llm
 
 
 @pytest.fixture(scope="module")
-def plain(pair: Path) -> list[list[int]]:
-    return [o.token_ids for o in _llm(pair, False).generate(_prompts(), _params())]
+def plain(target: Any, pair: Path) -> list[list[int]]:
+    return [o.token_ids for o in _llm(target, pair, False).generate(_prompts(), _params())]
 
 
 @pytest.fixture(scope="module")
-def always(pair: Path, plain: list[list[int]]) -> dict[str, Any]:
+def always(target: Any, pair: Path, plain: list[list[int]]) -> dict[str, Any]:
     """Static k = K: the run that always drafted."""
-    llm = _llm(pair, True, num_speculative_tokens=K)
+    llm = _llm(target, pair, True, num_speculative_tokens=K)
     outs = llm.generate(_prompts(), _params())
     assert [o.token_ids for o in outs] == plain
     return llm.stats.as_dict()
 
 
-def test_auto_greedy_equals_plain_greedy(pair: Path, plain: list[list[int]]) -> None:
-    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K)
+def test_auto_greedy_equals_plain_greedy(target: Any, pair: Path, plain: list[list[int]]) -> None:
+    llm = _llm(target, pair, True, num_speculative_tokens="auto", max_speculative_tokens=K)
     assert llm.policy.cost.ready  # profiled at start-up
     assert [o.token_ids for o in llm.generate(_prompts(), _params())] == plain
     assert sum(llm.policy.histogram) > 0
@@ -91,9 +115,9 @@ def test_auto_greedy_equals_plain_greedy(pair: Path, plain: list[list[int]]) -> 
 
 
 def test_unprofitable_drafting_runs_plain_and_resumes_with_its_acceptance(
-        pair: Path, plain: list[list[int]], always: dict[str, Any]) -> None:
-    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K)
-    llm.policy.cost, llm.policy.probe_interval = NEVER, 0
+        target: Any, pair: Path, plain: list[list[int]], always: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _stub_llm(target, pair, monkeypatch, NEVER)
     ids = [llm.add_request(p, _params()) for p in _prompts()]
     out: dict[str, list[int]] = {i: [] for i in ids}
 
@@ -123,11 +147,10 @@ def test_unprofitable_drafting_runs_plain_and_resumes_with_its_acceptance(
     assert resumed["per_position_acceptance"][0] >= always["per_position_acceptance"][0] - 0.03
 
 
-def test_prefill_only_steps_choose_no_k(pair: Path) -> None:
+def test_prefill_only_steps_choose_no_k(target: Any, pair: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One prompt prefilled in chunks of 32 tokens: those steps sample nothing, so they choose no k
     # and the histogram counts exactly the steps that sampled (here, always k = K).
-    llm = _llm(pair, True, num_speculative_tokens="auto", max_speculative_tokens=K, max_num_batched_tokens=32)
-    llm.policy.cost, llm.policy.probe_interval = ALWAYS, 0
+    llm = _stub_llm(target, pair, monkeypatch, ALWAYS, max_num_batched_tokens=32)
     prompt = _prompts()[0]
     assert len(prompt) > 3 * 32
     llm.add_request(prompt, _params())
@@ -138,8 +161,8 @@ def test_prefill_only_steps_choose_no_k(pair: Path) -> None:
     assert llm.policy.histogram[K] == sampled
 
 
-def test_static_k_does_not_build_a_policy(pair: Path) -> None:
-    llm = _llm(pair, True, num_speculative_tokens=K)
+def test_static_k_does_not_build_a_policy(target: Any, pair: Path) -> None:
+    llm = _llm(target, pair, True, num_speculative_tokens=K)
     assert llm.policy is None and llm.k == K and "k 0/" not in llm.stats_line()
 
 

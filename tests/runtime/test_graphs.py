@@ -73,15 +73,25 @@ def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(graphs, "default_capturer", graphs.EagerCapturer)
 
 
-def _llm(tiny_dir: Path, draft: str | None, **kw) -> LLM:
-    return LLM(tiny_dir / "kimi-k2.5", None if draft is None else tiny_dir / draft, num_speculative_tokens=3,
-               tokenizer=None, dtype="float32", num_blocks=48, block_size=4, max_num_seqs=4, **kw)
+@pytest.fixture(scope="module")
+def tiny_target(tiny_dir: Path):
+    """The tiny target, loaded once for the module's engines (each loaded its own, two engines a
+    test); an engine keeps its KV cache and graphs in its own runner. test_cpu_never_uses_graphs
+    keeps an engine that loads the target from its directory."""
+    from eagle3.runtime.loader import load_target
+
+    return load_target(tiny_dir / "kimi-k2.5", dtype=torch.float32)
 
 
-def test_padding_rows_do_not_change_real_rows(tiny_dir: Path, fake_graphs: None) -> None:
+def _llm(tiny_target, tiny_dir: Path, draft: str | None, **kw) -> LLM:
+    return LLM(tiny_target, None if draft is None else tiny_dir / draft, num_speculative_tokens=3,
+               tokenizer=None, num_blocks=48, block_size=4, max_num_seqs=4, **kw)
+
+
+def test_padding_rows_do_not_change_real_rows(tiny_target, tiny_dir: Path, fake_graphs: None) -> None:
     """A target forward of 3 sequences x 2 tokens through the graph runner (padded to the bucket of
     4) equals the eager forward of the same 3 sequences, bit for bit, and writes the same KV."""
-    llm = _llm(tiny_dir, "kimi-k2.5-eagle3")  # k = 3: graphs for up to 4 query tokens per sequence
+    llm = _llm(tiny_target, tiny_dir, "kimi-k2.5-eagle3")  # k = 3: graphs for up to 4 query tokens per sequence
     runner = llm.runner
     assert llm.cuda_graphs and runner.target_graphs is not None
     tables, starts, counts = [[0, 1], [2], [3, 4]], [4, 1, 5], [2, 2, 2]
@@ -100,11 +110,11 @@ def test_padding_rows_do_not_change_real_rows(tiny_dir: Path, fake_graphs: None)
 
 
 @pytest.mark.parametrize("draft", [None, "kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"])
-def test_graph_steps_equal_eager_steps(tiny_dir: Path, fake_graphs: None, draft: str | None) -> None:
-    eager = _llm(tiny_dir, draft, enforce_eager=True)
+def test_graph_steps_equal_eager_steps(tiny_target, tiny_dir: Path, fake_graphs: None, draft: str | None) -> None:
+    eager = _llm(tiny_target, tiny_dir, draft, enforce_eager=True)
     assert not eager.cuda_graphs and eager.runner.target_graphs is None
     expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
-    llm = _llm(tiny_dir, draft)
+    llm = _llm(tiny_target, tiny_dir, draft)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert llm.runner.target_graphs.replays > 0 and llm.runner.target_graphs.failed is None
     if draft is not None:
@@ -114,14 +124,14 @@ def test_graph_steps_equal_eager_steps(tiny_dir: Path, fake_graphs: None, draft:
 
 
 @pytest.mark.parametrize("draft", ["kimi-k2.5-eagle3", "kimi-k2.6-eagle3.1-mla"])
-def test_tree_steps_replay_graphs_with_the_eager_tokens(tiny_dir: Path, fake_graphs: None, draft: str) -> None:
+def test_tree_steps_replay_graphs_with_the_eager_tokens(tiny_target, tiny_dir: Path, fake_graphs: None, draft: str) -> None:
     """Draft trees (topk 2, 3 steps, 7 nodes): the verify of the trees and the draft's tree steps
     replay graphs keyed by their tree size, every replay with the tree of its step in the static
     buffers, and the tokens are the eager engine's."""
     tree = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
-    eager = _llm(tiny_dir, draft, enforce_eager=True, **tree)
+    eager = _llm(tiny_target, tiny_dir, draft, enforce_eager=True, **tree)
     expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
-    llm = _llm(tiny_dir, draft, **tree)
+    llm = _llm(tiny_target, tiny_dir, draft, **tree)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     target, drafts = llm.runner.target_graphs, llm.runner.draft_graphs
     assert target.failed is None and drafts.failed is None
@@ -129,7 +139,7 @@ def test_tree_steps_replay_graphs_with_the_eager_tokens(tiny_dir: Path, fake_gra
     assert {(2, 4, 2), (2, 4, 4)} <= set(drafts.graphs)  # 2 frontier nodes over regions of 2 and 4 nodes
 
 
-def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graphs: None,
+def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_target, tiny_dir: Path, fake_graphs: None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree step's capture that fails (say, memory for a large tree) sends tree steps to the
     eager path only: decode and chain graphs keep replaying, and the tokens are the eager engine's."""
@@ -149,8 +159,8 @@ def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graph
     monkeypatch.setattr(graphs.StaticBuffers, "meta", spy)
     monkeypatch.setattr(graphs, "default_capturer", TreeRefuses)
     tree = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
-    expected = [o.token_ids for o in _llm(tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True, **tree).generate(PROMPTS, GREEDY)]
-    llm = _llm(tiny_dir, "kimi-k2.5-eagle3", **tree)
+    expected = [o.token_ids for o in _llm(tiny_target, tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True, **tree).generate(PROMPTS, GREEDY)]
+    llm = _llm(tiny_target, tiny_dir, "kimi-k2.5-eagle3", **tree)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     target = llm.runner.target_graphs
     assert "out of memory" in target.tree_failed and target.failed is None
@@ -158,15 +168,15 @@ def test_a_failed_tree_capture_keeps_the_chain_graphs(tiny_dir: Path, fake_graph
     assert target.replays > 0
 
 
-def test_steps_past_the_context_cap_run_eagerly_with_the_same_tokens(tiny_dir: Path, fake_graphs: None) -> None:
+def test_steps_past_the_context_cap_run_eagerly_with_the_same_tokens(tiny_target, tiny_dir: Path, fake_graphs: None) -> None:
     """``max_seq_len_to_capture``: every graph covers contexts up to the cap (block tables of its
     blocks); the 11-token prompt crosses it mid-generation, and from then on its steps (the whole
     batch's) run eagerly, target and draft. Tokens and logprobs are the eager engine's; the runner
     counts the eager steps."""
     sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2)
     draft = "kimi-k2.5-eagle3"
-    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_dir, draft, enforce_eager=True).generate(PROMPTS, sp)]
-    llm = _llm(tiny_dir, draft, max_seq_len_to_capture=16)
+    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_target, tiny_dir, draft, enforce_eager=True).generate(PROMPTS, sp)]
+    llm = _llm(tiny_target, tiny_dir, draft, max_seq_len_to_capture=16)
     assert [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, sp)] == want
     stats = llm.runner.graph_stats()
     target, dg = stats["target"], stats["draft"]
@@ -175,11 +185,11 @@ def test_steps_past_the_context_cap_run_eagerly_with_the_same_tokens(tiny_dir: P
     assert target["replays"] > 0 and target["eager_over_cap"] > 0 and target["eager"] >= target["eager_over_cap"]
     assert dg["max_context"] == 16 and dg["replays"] > 0 and dg["eager_over_cap"] > 0
     # the default caps of these 4-head models: the longest context a step can have (tiny workspaces)
-    r = _llm(tiny_dir, draft).runner
+    r = _llm(tiny_target, tiny_dir, draft).runner
     assert r.target_graphs.max_context == r.target_graphs.context_cap(16) == r.max_model_len + 2 * r.k + 1
 
 
-def test_each_graph_caps_its_context_by_its_split_workspace(tiny_dir: Path, fake_graphs: None,
+def test_each_graph_caps_its_context_by_its_split_workspace(tiny_target, tiny_dir: Path, fake_graphs: None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The default caps follow each graph's query tokens: with a budget of two splits' partials for
     one token (the tiny target: 4 heads, latent 512, splits of 64 keys), a one-sequence graph covers
@@ -193,7 +203,7 @@ def test_each_graph_caps_its_context_by_its_split_workspace(tiny_dir: Path, fake
     monkeypatch.setattr(split_kv, "GRAPH_WORKSPACE_BUDGET", 2 * per_split)
     prompts = [list(range(3, 65)), [100, 200, 300]]
     sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 5)]
-    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_dir, None, enforce_eager=True).generate(prompts, sps)]
+    want = [(o.token_ids, o.logprobs) for o in _llm(tiny_target, tiny_dir, None, enforce_eager=True).generate(prompts, sps)]
     replayed: list[tuple[int, int]] = []  # (bucket, longest context) of each graph step
     pad = graphs.pad_uniform_step
 
@@ -202,7 +212,7 @@ def test_each_graph_caps_its_context_by_its_split_workspace(tiny_dir: Path, fake
         return pad(tables, starts, q_len, bucket, *args, **kw)
 
     monkeypatch.setattr(graphs, "pad_uniform_step", spy)
-    llm = _llm(tiny_dir, None)
+    llm = _llm(tiny_target, tiny_dir, None)
     assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sps)] == want
     g = llm.runner.target_graphs
     assert (g.context_cap(1), g.context_cap(2), g.context_cap(4)) == (128, 64, 64)
@@ -260,21 +270,22 @@ def test_tree_step_padding() -> None:
     assert step.positions.tolist() == [6, 6, 2, 3] and step.context_lens.tolist() == [9, 4]  # a padding tree fits
 
 
-def test_a_failed_capture_runs_eagerly(tiny_dir: Path, fake_graphs: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_capture_runs_eagerly(tiny_target, tiny_dir: Path, fake_graphs: None, monkeypatch: pytest.MonkeyPatch) -> None:
     class Refuses:
         def capture(self, fn):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs, "default_capturer", Refuses)
-    eager = _llm(tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True)
+    eager = _llm(tiny_target, tiny_dir, "kimi-k2.5-eagle3", enforce_eager=True)
     expected = [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
-    llm = _llm(tiny_dir, "kimi-k2.5-eagle3")
+    llm = _llm(tiny_target, tiny_dir, "kimi-k2.5-eagle3")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert "not permitted" in llm.runner.target_graphs.failed and not llm.runner.target_graphs.graphs
 
 
 def test_cpu_never_uses_graphs(tiny_dir: Path) -> None:
-    llm = _llm(tiny_dir, None)
+    llm = LLM(tiny_dir / "kimi-k2.5", None, num_speculative_tokens=3, tokenizer=None, dtype="float32",
+              num_blocks=48, block_size=4, max_num_seqs=4)
     assert not llm.cuda_graphs and llm.runner.target_graphs is None and llm.kernel_backend == "torch"
 
 

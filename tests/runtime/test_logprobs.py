@@ -155,7 +155,7 @@ def test_bad_counts_are_usage_errors_naming_the_field(target, prompts) -> None:
     assert all(e.top == () for e in out.prompt_logprobs[1:])  # 0: the prompt token's own logprob only
 
 
-@pytest.mark.slow  # two TP=2 engines, a worker process each (~13 s on 2 cores)
+@pytest.mark.slow  # two TP=2 engines (one worker process for both)
 def test_tensor_parallel_logprobs(trained_pair: Path, target, prompts, plain) -> None:
     """TP=2 (gloo, 2 ranks): logits rows through ``compute_logits_at`` with the workers, prompt rows
     included; speculative == plain bit for bit at TP=2. Against TP=1, what the cross-rank summation
@@ -165,15 +165,21 @@ def test_tensor_parallel_logprobs(trained_pair: Path, target, prompts, plain) ->
     from eagle3.testing.numerics import FP32_ROUTER_TOL, assert_tokens_until_near_tie
     from tests.runtime.test_tensor_parallel import LOGITS_ATOL
 
-    outs = {}
+    outs, ranks = {}, []
     for draft in (None, trained_pair / DRAFT):
         llm = LLM(trained_pair / trained.NAME, draft, dtype="float32", tokenizer=None, num_blocks=64,
                   tensor_parallel_size=2, num_speculative_tokens=3)
         try:
+            ranks.append(llm._workers.procs[0].pid)
             outs[draft is None] = llm.generate(prompts, GREEDY)
             assert draft is None or llm.stats.num_accepted_tokens > 0
-        finally:
+        except BaseException:
             llm.close()
+            raise
+        # the plain engine's worker process waits for the speculative one (same checkpoint and
+        # settings) and joins its group: one rank process started, not two (~2.5 CPU-s each)
+        llm.close(rejoin=draft is None)
+    assert ranks[0] == ranks[1]  # the waiting rank joined
     assert_tokens_until_near_tie(target, prompts, [o.token_ids for o in plain],
                                  {"tp=2": [o.token_ids for o in outs[True]]}, LOGITS_ATOL, FP32_ROUTER_TOL,
                                  "TP=2 vs TP=1")

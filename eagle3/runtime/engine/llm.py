@@ -36,6 +36,7 @@ same LLM would otherwise swallow them and leave ``generate()`` looping forever).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import sys
@@ -303,7 +304,7 @@ class LLM(SpecShape):
         return tok
 
     def _eos_ids(self) -> frozenset[int]:
-        """EOS ids: generation_config.json (HF's own reader), the target spec, the tokenizer."""
+        """EOS ids: generation_config.json, the target spec, the tokenizer."""
         ids: set[int] = set()
 
         def add(v: Any) -> None:
@@ -313,12 +314,7 @@ class LLM(SpecShape):
                 ids.update(int(x) for x in v)
 
         if self.target_path is not None:
-            from transformers import GenerationConfig
-
-            try:
-                add(GenerationConfig.from_pretrained(str(self.target_path)).eos_token_id)
-            except OSError:
-                pass
+            add(_generation_config(Path(self.target_path)).get("eos_token_id"))
         spec = getattr(self.target, "spec", None)
         add(getattr(spec, "eos_token_ids", None))
         add(getattr(spec, "eos_token_id", None))
@@ -608,6 +604,19 @@ class LLM(SpecShape):
     def reset_stats(self) -> None:
         """Start the engine-wide acceptance counters afresh (e.g. after a warm-up)."""
         self.scheduler.stats = SpecStats(self.stats.num_speculative_tokens)
+
+
+def _generation_config(model_dir: Path) -> dict[str, Any]:
+    """``generation_config.json`` of a checkpoint directory as a dict; {} when it is absent or not
+    valid JSON (where transformers' GenerationConfig.from_pretrained, used here before, raised the
+    OSError that was skipped) or not a JSON object: the EOS ids then come from the spec and the
+    tokenizer. Read as plain JSON: importing transformers for this one field cost ~1-2 CPU-s per
+    process, and an engine with no tokenizer or one of its own never needs transformers otherwise."""
+    try:
+        data = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _refuse_loaded(act: str | None, role: str) -> None:
