@@ -506,33 +506,44 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
     ``--spec-shapes`` on ``--spec-backends``."""
     import torch
 
+    from eagle3.runtime.engine import graphs
     from eagle3.runtime.engine.llm import LLM
 
+    # Where no graphs can be captured (a CPU dry run), the graphs-on engine is the eager one
+    # (LLM.cuda_graphs is off either way): it is built once and serves both rows, each still run.
+    one_engine = not graphs.available(torch.device(DEVICE))
     configs: list[tuple[str, tuple[int, int, int] | str | None, str]] = [
         (b, None, kv) for b in args.backends for kv in args.e2e_kv_dtypes]
     if draft is not None:
         configs += [(b, shape, "auto") for b in args.spec_backends for shape in args.spec_shapes]
     rows = []
     for backend, shape, kv in configs:
-        for eager in {"both": (True, False), "on": (False,), "off": (True,)}[getattr(args, "e2e_graphs", "both")]:
+        settings = {"both": (True, False), "on": (False,), "off": (True,)}[getattr(args, "e2e_graphs", "both")]
+        shared: tuple[Any, list[int]] | None = None
+        for i, eager in enumerate(settings):
             row: dict[str, Any] = {"backend": backend, "graphs": not eager, "kv_cache_dtype": kv,
                                    "spec": "plain" if shape is None else shape if isinstance(shape, str)
                                    else ",".join(map(str, shape))}
-            try:
-                llm = LLM(slice_dir, None if shape is None else draft, tokenizer=None, dtype="bfloat16", device=DEVICE,
-                          backend=backend, enforce_eager=eager, max_num_seqs=max(args.e2e_batches),
-                          kv_cache_memory=int(args.e2e_kv_gib * 2**30), kv_cache_dtype=kv, **_spec_kwargs(shape))
-            except Exception as err:  # noqa: BLE001
-                rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
-                print(e2e_line(rows[-1]), flush=True)
-                continue
-            steps = _count_steps(llm)
+            if shared is None:
+                try:
+                    llm = LLM(slice_dir, None if shape is None else draft, tokenizer=None, dtype="bfloat16",
+                              device=DEVICE, backend=backend, enforce_eager=eager,
+                              max_num_seqs=max(args.e2e_batches), kv_cache_memory=int(args.e2e_kv_gib * 2**30),
+                              kv_cache_dtype=kv, **_spec_kwargs(shape))
+                except Exception as err:  # noqa: BLE001
+                    rows.append({**row, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
+                    print(e2e_line(rows[-1]), flush=True)
+                    continue
+                steps = _count_steps(llm)
+            else:
+                llm, steps = shared
             n_before = len(rows)
             g = torch.Generator().manual_seed(0)
             for batch in args.e2e_batches:
                 prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(batch)]
                 try:
-                    _generate_s(llm, prompts, args.e2e_tokens)  # warm-up: graph capture, autotuning
+                    if shared is None:  # a shared engine ran these very prompts for the row before
+                        _generate_s(llm, prompts, args.e2e_tokens)  # warm-up: graph capture, autotuning
                     s0 = steps[0]
                     t1 = _generate_s(llm, prompts, 1)  # the prefill steps alone
                     prefill_steps = steps[0] - s0
@@ -553,6 +564,9 @@ def e2e_rows(args: argparse.Namespace, slice_dir: Path, draft: Path | None = Non
                     rows.append({**row, "batch": batch, "status": f"error: {type(err).__name__}: {err}".splitlines()[0]})
             for r in rows[n_before:]:  # as they come: a run cut short still shows its finished rows
                 print(e2e_line(r), flush=True)
+            if one_engine and i + 1 < len(settings):
+                shared = (llm, steps)
+                continue
             llm.close()
             del llm
             if DEVICE == "cuda":
