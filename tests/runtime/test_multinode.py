@@ -1,9 +1,10 @@
 """Tensor parallelism across nodes, on one machine: two "nodes" on loopback, each its own ``eagle3
 serve`` process tree (``--nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:PORT``, gloo), TP=4 with
 two ranks a node, or TP=2 with one where two would add nothing to the test's claim but two more
-processes (each ~2 CPU-s of imports and loading). Node 0 serves (or, in the first test, is this test
-process's LLM, so that its logits can be compared); node 1 runs its ranks headless (its one rank in
-its own process at TP=2), each rank joining every group node 0 forms, and exits when node 0 ends.
+processes (each ~2 CPU-s of imports and loading). Node 0 serves (or is an LLM: in the first test this
+test process's, so that its logits can be compared; one in a process of its own where a test kills
+node 0); node 1 runs its ranks headless (its one rank in its own process at TP=2), each rank joining
+every group node 0 forms, and exits when node 0 ends.
 
 Every node is started in a session of its own, and its whole process group is killed at the end of
 each test whatever happens (no orphans, even on a failure).
@@ -193,12 +194,16 @@ def _two_nodes(tiny_dir: Path, tmp_path: Path, tp: int = 4) -> Iterator[_Nodes]:
         yield _Nodes(node0, node1, _wait_ready(ready, node0, log0), log0, log1)
 
 
-def _wait_ready(ready: Path, p: subprocess.Popen[bytes], log: Path) -> str:
+def _wait_file(ready: Path, p: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 180
     while not ready.exists():
         if p.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"node 0 did not start: {log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)
+
+
+def _wait_ready(ready: Path, p: subprocess.Popen[bytes], log: Path) -> str:
+    _wait_file(ready, p, log)
     return str(json.loads(ready.read_text())["url"])
 
 
@@ -259,11 +264,29 @@ def test_an_idle_server_notices_a_lost_node_by_its_heartbeat(tiny_dir: Path, tmp
         assert _gone(node0.pid)
 
 
+# Node 0 as an LLM in a process of its own (as the first test's node 0 is this process's LLM): it
+# writes READY once the group it formed with node 1 is up, then waits to be killed.
+_LLM_NODE0 = """
+import signal, sys
+from pathlib import Path
+from eagle3.runtime.engine.llm import LLM
+llm = LLM(sys.argv[1], dtype="float32", tokenizer=None, num_blocks=64, tensor_parallel_size=2, nnodes=2,
+          dist_init_addr=sys.argv[2])
+Path(sys.argv[3]).write_text("{}")
+signal.pause()
+"""
+
+
 def test_killing_node0_ends_node1(tiny_dir: Path, tmp_path: Path) -> None:
     # TP=2, one rank a node: each of a node's ranks watches rank 0 on its own, so one shows it (a node
-    # of one rank runs it in its own process: worker.run_node)
-    with _two_nodes(tiny_dir, tmp_path, tp=2) as n:
-        node0, node1, log1 = n.node0, n.node1, n.log1
+    # of one rank runs it in its own process: worker.run_node). Node 0 is an LLM rather than a server:
+    # what node 1 watches is rank 0 (its heartbeat, its store), whatever serves above it, and the
+    # server's transformers import, tokenizer and HTTP app were ~2.5 of the test's ~5 CPU-s.
+    target, port, ready = tiny_dir / "kimi-k2.5", free_port(), tmp_path / "ready"
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    argv0 = [sys.executable, "-c", _LLM_NODE0, str(target), f"127.0.0.1:{port}", str(ready)]
+    with _node(_serve_argv(target, 1, port, tp=2), log1) as node1, _node(argv0, log0) as node0:
+        _wait_file(ready, node0, log0)
         assert node1.poll() is None and _group(node1.pid)  # its rank joined: node 0 is ready
         os.killpg(node0.pid, signal.SIGKILL)
         assert _wait_exit(node1, log1) != 0  # its ranks lost rank 0
