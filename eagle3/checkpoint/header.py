@@ -46,7 +46,7 @@ _TAG_TYPES: dict[str, tuple[str, int]] = {
     "F8_E5M2": ("float8_e5m2", 1),
     "F8_E8M0": ("float8_e8m0fnu", 1),
 }
-_ITEMSIZE: dict[str, int] = {tag: size for tag, (_, size) in _TAG_TYPES.items()}
+DTYPE_BYTES: dict[str, int] = {tag: size for tag, (_, size) in _TAG_TYPES.items()}  # formats.sizing sizes with it too
 
 
 @functools.cache
@@ -225,7 +225,7 @@ def _check_entries(where: Path, header: dict[str, Any]) -> tuple[_Entries, dict[
             continue
         try:
             tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
-            itemsize = _ITEMSIZE[tag]
+            itemsize = DTYPE_BYTES[tag]
             numel = 1
             for d in shape:
                 # bool is an int subclass (safetensors refuses it); the product is checked at each
@@ -271,7 +271,7 @@ def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
     tag, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
     if not isinstance(tag, str):
         raise CheckpointError(f"{at}: dtype {_show(tag)} is not a dtype tag (a string such as \"BF16\")")
-    if tag not in _ITEMSIZE:
+    if tag not in DTYPE_BYTES:
         if tag in _SAFETENSORS_TAGS:
             raise CheckpointError(f"{at}: dtype {tag} is valid safetensors but not supported by eagle3")
         raise CheckpointError(f"{at}: unknown safetensors dtype {tag!r}")
@@ -287,7 +287,7 @@ def _entry_error(where: Path, name: str, ent: Any) -> NoReturn:
         numel *= d
         if numel >= _U64:
             break
-    want = numel * _ITEMSIZE[tag]
+    want = numel * DTYPE_BYTES[tag]
     if want >= _U64:
         raise CheckpointError(f"{at}: {_show(shape)} x {tag} is too large (its byte size overflows 64 bits)")
     raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {tag}{_show(shape)} "

@@ -43,15 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.checkpoint.header import DTYPE_BYTES  # bytes per element of a safetensors dtype tag
 from eagle3.errors import FormatError
 
 # safetensors dtype tag -> bytes per element (no torch needed: planning is config arithmetic)
-DTYPE_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
 _TORCH_DTYPE_TAGS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16", "float": "F32"}
 
 # Scheme names (the same strings as eagle3.formats.detect uses for QuantInfo.scheme)
